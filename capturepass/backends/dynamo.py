@@ -1,0 +1,205 @@
+"""The ``capturepass`` torch.compile backend.
+
+Registered through the ``torch_dynamo_backends`` entry-point group, so that
+``torch.compile(model, backend="capturepass", options={...})`` works without
+importing capturepass. The backend
+
+1. runs the Dynamo-stage passes on Dynamo's graph (stream regions become lane
+   hints and are stripped),
+2. hands the graph to AOT autograd, so that the remaining passes see functional
+   ATen graphs with fake-tensor metadata,
+3. runs the ATen-stage pipeline on each graph AOT autograd produces
+   (inference, or forward and backward), which ends with ``emit``: the regions
+   compiled by the inner compiler and the outer program that runs them.
+
+The backward graph runs on one lane and is not captured (``policy="off"``,
+``cudagraphs="none"``); it is verified and dumped like the forward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.backends import inner as inner_compilers
+from capturepass.capabilities import REGISTRY
+from capturepass.errors import OptionError
+from capturepass.ir import meta
+from capturepass.ir.meta import Break, GraphInfo, OwnerId
+from capturepass.options import Options
+from capturepass.passes.base import PassContext
+from capturepass.passes.observer import Observer
+from capturepass.passes.pipeline import default_pipeline
+
+log = logging.getLogger("capturepass")
+
+_compile_ids = itertools.count()
+_owner_ids = itertools.count()
+_seen_breaks: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def _new_dynamo_breaks() -> list[str]:
+    """Dynamo graph-break reasons counted since the previous compile."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return []
+    new = []
+    with _lock:
+        for reason, n in counters.get("graph_break", {}).items():
+            if n > _seen_breaks.get(reason, 0):
+                new.append(str(reason))
+                _seen_breaks[reason] = n
+    return sorted(new)
+
+
+def _static_input_indices() -> frozenset[int]:
+    try:
+        from torch._guards import TracingContext
+
+        tc = TracingContext.try_get()
+        fw_meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+        indices = getattr(fw_meta, "static_input_indices", None)
+        return frozenset(indices or ())
+    except Exception:  # the location of this metadata differs between torch versions
+        return frozenset()
+
+
+def _on_cuda(example_inputs: list[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    """What capturepass produced for one ATen graph (kept for inspection and tests).
+
+    Attributes:
+        name: ``"inference"``, ``"forward"`` or ``"backward"``.
+        graph: the annotated ATen graph after the last pass.
+        program: the emitted outer program.
+        counters: per-pass counters.
+        timings: seconds per pass.
+        dump_dir: where its dumps were written, if anywhere.
+    """
+
+    name: str
+    graph: fx.GraphModule
+    program: Any
+    counters: dict
+    timings: dict
+    dump_dir: str | None
+
+
+_last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
+
+
+def last_compiled() -> list[CompiledGraph]:
+    """The graphs of recent ``capturepass`` compiles in this process, oldest first (at most 32)."""
+    return list(_last_compiled)
+
+
+def _aten_compiler(
+    kind: str, opts: Options, front_dumps: list[tuple[str, str]], compile_id: int, upstream: list[str]
+) -> Callable:
+    def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        graph_opts = opts
+        if kind == "backward":
+            graph_opts = dataclasses.replace(opts, policy="off", cudagraphs="none")
+        on_cuda = _on_cuda(example_inputs)
+        with _lock:
+            owner = OwnerId(next(_owner_ids))
+        meta.set_graph_info(
+            gm,
+            GraphInfo(
+                name=kind,
+                owner=owner,
+                cudagraphs=graph_opts.resolved_cudagraphs(on_cuda),
+                on_cuda=on_cuda,
+                static_inputs=_static_input_indices() if kind != "backward" else frozenset(),
+                breaks=tuple(Break(node="", reason=r, source="dynamo") for r in upstream),
+            ),
+        )
+        dump_dir = None
+        if opts.dump_dir is not None:
+            dump_dir = os.path.join(os.fspath(opts.dump_dir), f"{compile_id:03d}_{kind}")
+        passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
+        ctx = PassContext(options=graph_opts, registry=REGISTRY, example_inputs=list(example_inputs))
+        observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
+        dumps = observer.run(passes, gm, ctx)
+        observer.write(list(front_dumps) + dumps, gm)
+        program = ctx.artifacts["program"]
+        _last_compiled.append(
+            CompiledGraph(kind, gm, program, ctx.counters, observer.timings, dump_dir)
+        )
+        gi = meta.graph_info(gm)
+        log.info(
+            "capturepass: compiled %s graph: %d lane(s), %d segment(s), %d region(s)",
+            kind, len(gi.lanes), len(gi.segments), len(program.regions),
+        )
+
+        def run(args: list[Any]) -> Any:
+            return program(*args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        run.program = program  # type: ignore[attr-defined]
+        return run
+
+    return compile_graph
+
+
+def capturepass_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None
+) -> Callable:
+    """The torch.compile backend entry point.
+
+    Args:
+        gm: Dynamo's graph.
+        example_inputs: its example inputs.
+        options: capturepass options (see :class:`~capturepass.options.Options`).
+        mode: not supported; capture is chosen with ``options={"cudagraphs": ...}``.
+
+    Raises:
+        OptionError: invalid options, or a ``mode``.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+
+    if mode is not None:
+        raise OptionError(
+            f"backend='capturepass' takes no mode (got mode={mode!r}); choose capture with "
+            "options={'cudagraphs': 'monolithic' | 'breakable' | 'none'}"
+        )
+    opts = Options.from_mapping(options)
+    inner_compilers.check_available(opts.inner)
+    compile_id = next(_compile_ids)
+    upstream = _new_dynamo_breaks()
+    front = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "dynamo"]
+    ctx = PassContext(options=opts, registry=REGISTRY, example_inputs=list(example_inputs))
+    observer = Observer(dump_dir=opts.dump_dir, verify_each=False)
+    front_dumps = observer.run(front, gm, ctx)
+    return aot_autograd(
+        fw_compiler=_aten_compiler("forward", opts, front_dumps, compile_id, upstream),
+        bw_compiler=_aten_compiler("backward", opts, front_dumps, compile_id, upstream),
+        inference_compiler=_aten_compiler("inference", opts, front_dumps, compile_id, upstream),
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
+
+
+def register() -> None:
+    """Registers the backend under the name ``capturepass`` (idempotent; touches no device)."""
+    from torch._dynamo.backends import registry
+
+    if registry._COMPILER_FNS.get("capturepass") is capturepass_backend:
+        return
+    # The entry point may have announced the name without loading it; load ours.
+    registry._COMPILER_FNS.pop("capturepass", None)
+    registry.register_backend(compiler_fn=capturepass_backend, name="capturepass")

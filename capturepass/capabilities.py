@@ -1,0 +1,339 @@
+"""The capability registry: what an op may do inside a capture and beside other lanes.
+
+Op authors declare, at registration time, whether an op is capturable and how
+it may overlap with work on other lanes::
+
+    capturepass.register_capability("mylib::persistent_gemm", overlap="serialize")
+
+    @capturepass.capability(overlap=plan_for_shape)   # next to torch.library.custom_op
+    @torch.library.custom_op("mylib::routed_moe", mutates_args=())
+    def routed_moe(x: torch.Tensor, ...) -> torch.Tensor: ...
+
+``overlap`` is ``"safe"``, ``"serialize"``, or a callable that receives a
+:class:`CallInfo` for the concrete call (shapes, dtypes, the device's SM count)
+and returns a :class:`~capturepass.ir.meta.Capability` or a mapping of its
+fields. A callable is queried once per distinct call signature and cached.
+
+Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe`` and host
+synchronisations (ops whose output size or value depends on data) are not
+capturable; aten and prims ops are overlap-safe; any other custom op is
+serialized (the conservative answer), with one log line naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+import operator
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+import torch.fx as fx
+
+from capturepass.errors import CapabilityError
+from capturepass.ir.meta import Capability
+
+log = logging.getLogger("capturepass")
+
+OVERLAP_CHOICES = ("safe", "serialize")
+
+_SAFE_NAMESPACES = ("aten", "prims", "capturepass")
+# Ops that return a Python scalar read from tensor metadata, not from device memory.
+_METADATA_OPS = frozenset(
+    f"aten::{n}" for n in ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "numel", "dim")
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+    """The concrete call a launch-plan callable is asked about.
+
+    Attributes:
+        op: qualified op name (``"ns::name"``).
+        shapes: the shape of each tensor argument, in argument order (ints at
+            their shape hints when dynamic).
+        dtypes: the dtype of each tensor argument.
+        device: the device of the first tensor argument.
+        sm_count: the device's multiprocessor count, or ``None`` off CUDA.
+        args: the call's arguments, with tensors as fake tensors.
+    """
+
+    op: str
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    device: torch.device | None
+    sm_count: int | None
+    args: tuple = ()
+
+    def key(self) -> tuple:
+        return (self.op, self.shapes, self.dtypes, str(self.device), self.sm_count)
+
+
+OverlapSpec = Union[str, Callable[[CallInfo], Union[Capability, Mapping[str, Any]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declaration:
+    capturable: bool
+    overlap: OverlapSpec
+    resources: tuple[str, ...]
+
+    def digest(self) -> str:
+        if callable(self.overlap):
+            try:
+                body = inspect.getsource(self.overlap)
+            except (OSError, TypeError):
+                body = getattr(self.overlap, "__qualname__", repr(type(self.overlap)))
+        else:
+            body = self.overlap
+        return f"{self.capturable}|{body}|{self.resources}"
+
+
+def op_qualname(op: Any) -> str:
+    """The ``"ns::name"`` of an op given as a string, overload, packet or custom-op object."""
+    if isinstance(op, str):
+        if "::" not in op:
+            raise CapabilityError(f"op name {op!r} must be qualified as 'namespace::name'")
+        return op.split(".", 1)[0] if "." in op.split("::", 1)[1] else op
+    if isinstance(op, torch._ops.OpOverload):
+        return op._schema.name
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return op._qualified_op_name
+    qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(qualname, str):
+        return qualname
+    raise CapabilityError(
+        f"cannot declare a capability for {op!r}: pass an op name 'ns::name', "
+        "a torch.ops overload or packet, or a torch.library.custom_op"
+    )
+
+
+class CapabilityRegistry:
+    """Op capabilities: declarations, defaults, and a per-signature cache."""
+
+    def __init__(self) -> None:
+        self._decls: dict[str, _Declaration] = {}
+        self._cache: dict[tuple, Capability] = {}
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def register(
+        self,
+        op: Any,
+        *,
+        capturable: bool = True,
+        overlap: OverlapSpec = "safe",
+        resources: tuple[str, ...] = (),
+    ) -> None:
+        """Declares the capability of ``op`` (replacing an earlier declaration)."""
+        name = op_qualname(op)
+        if not isinstance(capturable, bool):
+            raise CapabilityError(f"capability of {name}: capturable must be a bool, got {capturable!r}")
+        if not callable(overlap) and overlap not in OVERLAP_CHOICES:
+            raise CapabilityError(
+                f"capability of {name}: overlap must be one of {', '.join(map(repr, OVERLAP_CHOICES))} "
+                f"or a callable taking a CallInfo; got {overlap!r}"
+            )
+        with self._lock:
+            self._decls[name] = _Declaration(capturable, overlap, tuple(resources))
+            self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
+
+    def unregister(self, op: Any) -> None:
+        """Forgets the declaration of ``op``."""
+        name = op_qualname(op)
+        with self._lock:
+            self._decls.pop(name, None)
+            self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
+
+    def key(self) -> str:
+        """A digest of every declaration, for cache keys: it changes when any capability does."""
+        digest = hashlib.sha256()
+        for name in sorted(self._decls):
+            digest.update(f"{name}={self._decls[name].digest()};".encode())
+        return digest.hexdigest()[:16]
+
+    def query(self, node: fx.Node, graph_device: torch.device | None = None) -> Capability:
+        """The capability of the op ``node`` calls, for this node's concrete shapes."""
+        target = node.target
+        if node.op != "call_function":
+            return Capability(reason=f"{node.op} node")
+        if target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
+            return Capability(reason="no kernel")
+        name = target._schema.name
+        decl = self._decls.get(name)
+        if decl is not None:
+            return self._declared(node, name, decl)
+        return self._default(node, name, target, graph_device)
+
+    def _declared(self, node: fx.Node, name: str, decl: _Declaration) -> Capability:
+        if not callable(decl.overlap):
+            return Capability(
+                capturable=decl.capturable,
+                overlap=decl.overlap,
+                reason=f"declared overlap={decl.overlap}" + ("" if decl.capturable else ", not capturable"),
+                resources=decl.resources,
+                source="registry",
+            )
+        call = _call_info(node, name)
+        cache_key = call.key()
+        with self._lock:
+            hit = self._cache.get(cache_key)
+        if hit is not None:
+            return hit
+        try:
+            answer = decl.overlap(call)
+        except Exception as exc:  # a user callable: name it, never guess
+            raise CapabilityError(
+                f"the launch-plan callable declared for {name} raised {type(exc).__name__}: {exc} "
+                f"(node %{node.name}, shapes {call.shapes})"
+            ) from exc
+        cap = _to_capability(answer, name, decl)
+        with self._lock:
+            self._cache[cache_key] = cap
+        return cap
+
+    def _default(
+        self, node: fx.Node, name: str, target: torch._ops.OpOverload, graph_device: torch.device | None
+    ) -> Capability:
+        tags = {str(t).rsplit(".", 1)[-1] for t in target.tags}
+        if "cudagraph_unsafe" in tags:
+            return Capability(capturable=False, reason=f"{name} is tagged cudagraph_unsafe")
+        if "data_dependent_output" in tags:
+            return Capability(capturable=False, reason=f"host sync: {name} reads a tensor value on the host")
+        if "dynamic_output_shape" in tags and _has_unbacked_size(node):
+            return Capability(capturable=False, reason=f"host sync: the output size of {name} depends on data")
+        val = node.meta.get("val")
+        if name not in _METADATA_OPS and isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)) and any(
+            isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in node.args
+        ):
+            return Capability(capturable=False, reason=f"host sync: {name} reads a tensor value on the host")
+        dev = _first_tensor_device(node)
+        if graph_device is not None and graph_device.type == "cuda" and dev is not None and dev.type == "cpu":
+            return Capability(capturable=False, reason=f"CPU op {name} in a CUDA graph")
+        ns = name.split("::", 1)[0]
+        if ns in _SAFE_NAMESPACES:
+            return Capability(reason="aten op")
+        if name not in self._warned:
+            self._warned.add(name)
+            log.info(
+                "capturepass: no capability declared for custom op %s; serializing it (the conservative "
+                "answer). Declare it with capturepass.register_capability(%r, overlap='safe') if it may "
+                "run beside other lanes.",
+                name,
+                name,
+            )
+        return Capability(overlap="serialize", reason=f"undeclared custom op {name}", source="default")
+
+
+def _has_unbacked_size(node: fx.Node) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    val = node.meta.get("val")
+    if val is None:
+        return True  # no metadata: assume the worst
+    try:
+        return bool(free_unbacked_symbols(val))
+    except Exception:
+        return True
+
+
+def _first_tensor_device(node: fx.Node) -> torch.device | None:
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return v.device
+    v = node.meta.get("val")
+    return v.device if isinstance(v, torch.Tensor) else None
+
+
+def _hint(d: Any) -> int:
+    if isinstance(d, torch.SymInt):
+        return int(d.node.hint) if d.node.hint is not None else -1
+    return int(d)
+
+
+def _call_info(node: fx.Node, name: str) -> CallInfo:
+    tensors = []
+    args = []
+    for a in node.args:
+        v = a.meta.get("val") if isinstance(a, fx.Node) else a
+        args.append(v)
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+    device = tensors[0].device if tensors else None
+    sm_count = None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    return CallInfo(
+        op=name,
+        shapes=tuple(tuple(_hint(d) for d in t.shape) for t in tensors),
+        dtypes=tuple(t.dtype for t in tensors),
+        device=device,
+        sm_count=sm_count,
+        args=tuple(args),
+    )
+
+
+def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:
+    if isinstance(answer, Capability):
+        cap = answer
+    elif isinstance(answer, Mapping):
+        fields = {f.name for f in dataclasses.fields(Capability)}
+        unknown = sorted(set(answer) - fields)
+        if unknown:
+            raise CapabilityError(
+                f"the launch-plan callable of {name} returned unknown field(s) {unknown}; "
+                f"valid fields are {sorted(fields)}"
+            )
+        cap = Capability(**{"capturable": decl.capturable, "resources": decl.resources, **answer})
+    else:
+        raise CapabilityError(
+            f"the launch-plan callable of {name} must return a Capability or a mapping, got {answer!r}"
+        )
+    if cap.overlap not in OVERLAP_CHOICES:
+        raise CapabilityError(f"the launch-plan callable of {name} answered overlap={cap.overlap!r}")
+    return dataclasses.replace(cap, source="launch-plan", reason=cap.reason or "launch plan")
+
+
+REGISTRY = CapabilityRegistry()
+
+
+def register_capability(
+    op: Any,
+    *,
+    capturable: bool = True,
+    overlap: OverlapSpec = "safe",
+    resources: tuple[str, ...] = (),
+) -> None:
+    """Declares what ``op`` may do inside a capture and beside other lanes.
+
+    Args:
+        op: ``"ns::name"``, a ``torch.ops`` overload or packet, or a
+            ``torch.library.custom_op`` object.
+        capturable: whether the op may run inside a CUDA graph capture.
+        overlap: ``"safe"``, ``"serialize"``, or a callable taking a
+            :class:`CallInfo` and returning a ``Capability`` (or a mapping of
+            its fields) for that concrete call.
+        resources: names of owner-bound resources (workspaces, channels) the
+            op uses; ``bind_resources`` binds them to the capturing owner and lane.
+
+    Raises:
+        CapabilityError: an invalid op or declaration.
+    """
+    REGISTRY.register(op, capturable=capturable, overlap=overlap, resources=resources)
+
+
+def capability(
+    *, capturable: bool = True, overlap: OverlapSpec = "safe", resources: tuple[str, ...] = ()
+) -> Callable[[Any], Any]:
+    """Decorator form of :func:`register_capability`, for a ``torch.library.custom_op``."""
+
+    def deco(op: Any) -> Any:
+        register_capability(op, capturable=capturable, overlap=overlap, resources=resources)
+        return op
+
+    return deco

@@ -1,0 +1,177 @@
+"""Read-only analyses over an annotated graph, shared by passes and the verifier.
+
+- Storage aliasing: which nodes share storage (views of one allocation), read
+  from op schemas, so that a view read on another lane counts as a read of its
+  base.
+- Segment structure: the program order cut at break nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+
+from capturepass.ir import meta
+from capturepass.ir.meta import Effect
+
+
+def aliases_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage ``node``'s output aliases, or ``None``.
+
+    Uses the op schema: an aten view (``aten.view``, ``aten.t``, ``aten.slice``,
+    ...) declares an alias annotation on its return.
+    """
+    if node.op != "call_function":
+        return None
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return None
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return None
+    for arg, formal in zip(node.args, schema.arguments):
+        if isinstance(arg, fx.Node) and formal.alias_info is not None:
+            return arg
+    return None
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that allocated the storage ``node`` refers to."""
+    seen = 0
+    while True:
+        src = aliases_input(node)
+        if src is None:
+            return node
+        node = src
+        seen += 1
+        if seen > 10_000:  # a cycle would be a malformed graph; fail loudly
+            raise RuntimeError(f"alias chain through {node.name} does not terminate")
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    """Whether ``node`` produces a tensor (per its fake value)."""
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def carries_tensor(node: fx.Node) -> bool:
+    """Whether ``node``'s value holds device data (a tensor, or a tuple with one).
+
+    Scalars (sizes, ``SymInt`` arithmetic) live on the host: reading them on
+    another lane needs no event.
+    """
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return True
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return "val" not in node.meta and node.op != "placeholder"
+
+
+def is_getitem(node: fx.Node) -> bool:
+    """Whether ``node`` selects one output of a multi-output node."""
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def compute_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    """The nodes that run on a lane (tensor ops and other calls), in program order."""
+    for node in graph.nodes:
+        if meta.effect_of(node) is Effect.COMPUTE and node.op in ("call_function", "call_method", "call_module"):
+            yield node
+
+
+def split_segments(graph: fx.Graph) -> list[list[fx.Node]]:
+    """The program order cut at break nodes.
+
+    Returns the compute and sync nodes of each segment, in order; break nodes
+    themselves and the graph's inputs and output belong to no segment. A graph
+    without breaks has exactly one (possibly empty) segment.
+    """
+    segments: list[list[fx.Node]] = [[]]
+    for node in graph.nodes:
+        eff = meta.effect_of(node)
+        if eff in (Effect.INPUT, Effect.CONSTANT, Effect.OUTPUT):
+            continue
+        if meta.info(node).brk is not None:
+            segments.append([])
+            continue
+        segments[-1].append(node)
+    return segments
+
+
+def node_device(node: fx.Node) -> torch.device | None:
+    """The device of ``node``'s first tensor output, if any."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.device
+    if isinstance(val, (tuple, list)):
+        for v in val:
+            if isinstance(v, torch.Tensor):
+                return v.device
+    return None
+
+
+def reads_of(root: fx.Node) -> list[fx.Node]:
+    """Compute nodes that read ``root``'s storage, directly or through any chain of views."""
+    reads = []
+    stack = [root]
+    seen = {root}
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if meta.effect_of(u) is not Effect.COMPUTE:
+                continue
+            reads.append(u)
+            if u not in seen and aliases_input(u) is n:
+                seen.add(u)
+                stack.append(u)
+    return reads
+
+
+def view_members(root: fx.Node) -> list[fx.Node]:
+    """``root`` and every view of it (transitively)."""
+    out = [root]
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if aliases_input(u) is n:
+                out.append(u)
+                stack.append(u)
+    return out
+
+
+def output_roots(graph: fx.Graph) -> set[fx.Node]:
+    """Storage roots returned by the graph (the caller frees them, never capturepass)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "output":
+            out.update(storage_root(a) for a in node.all_input_nodes)
+    return out
+
+
+class LaneLayout:
+    """Where each lane's compute nodes sit, per segment (a break is a segment of its own)."""
+
+    def __init__(self, nodes: list[fx.Node]) -> None:
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.segment_of: dict[fx.Node, int] = {}
+        self._by_lane: dict[tuple[int, int], list[int]] = {}
+        seg = 0
+        for i, node in enumerate(nodes):
+            if meta.effect_of(node) is not Effect.COMPUTE:
+                continue
+            if meta.info(node).brk is not None:
+                self.segment_of[node] = seg + 1
+                seg += 2
+                continue
+            self.segment_of[node] = seg
+            self._by_lane.setdefault((seg, meta.lane_of(node).index), []).append(i)
+
+    def issues_after(self, root: fx.Node, index: int) -> bool:
+        """Whether ``root``'s lane issues another node in ``root``'s segment after ``index``."""
+        key = (self.segment_of.get(root, 0), meta.lane_of(root).index)
+        positions = self._by_lane.get(key, ())
+        return bool(positions) and positions[-1] > index

@@ -1,0 +1,106 @@
+"""A per-node cost model: FLOPs and bytes, symbolic where shapes are dynamic.
+
+FLOPs come from PyTorch's own formula table (``torch.utils.flop_counter``),
+bytes from the tensors a node reads and writes. With dynamic shapes both are
+sympy expressions over the graph's size symbols; the numbers used for
+scheduling are those expressions evaluated at the shape hints, and the formula
+is kept for the dump. When a formula is missing or fails, the estimate degrades
+to the bytes alone, marked inexact, instead of failing the compile.
+
+:func:`node_time` turns a cost into a roofline time (seconds) on a nominal
+device; only ratios between nodes matter to the scheduler.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from capturepass.ir.meta import Cost
+
+# Nominal device: an H200 (dense bf16 matmul, HBM bandwidth). Only ratios matter.
+PEAK_FLOPS = 790e12
+PEAK_BYTES_PER_S = 4.0e12
+# A kernel launch's floor: even a tiny kernel occupies its lane this long.
+LAUNCH_FLOOR_S = 2e-6
+
+
+def _numeric(x: Any) -> tuple[float, str | None]:
+    """A value and, when symbolic, its formula."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        node = x.node
+        expr = node.expr
+        hint = node.hint
+        if hint is None:
+            try:
+                hint = node.shape_env.size_hint(expr)
+            except Exception:
+                hint = None
+        if isinstance(expr, sympy.Expr) and expr.free_symbols:
+            return (float(hint) if hint is not None else float("nan")), str(expr)
+        return float(hint if hint is not None else expr), None
+    return float(x), None
+
+
+def _tensor_bytes(t: torch.Tensor) -> Any:
+    return t.numel() * t.element_size()
+
+
+def _io_tensors(node: fx.Node) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for a in node.all_input_nodes:
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        out.append(val)
+    elif isinstance(val, (list, tuple)):
+        out.extend(v for v in val if isinstance(v, torch.Tensor))
+    return out
+
+
+def estimate(node: fx.Node, alias: bool) -> Cost:
+    """The cost of one node.
+
+    Args:
+        node: a compute node with fake-tensor metadata.
+        alias: whether the node only creates a view (no kernel, no bytes).
+    """
+    if node.op != "call_function" or node.target is operator.getitem or alias:
+        return Cost()
+    target = node.target
+    try:
+        tensors = _io_tensors(node)
+        total_bytes: Any = sum((_tensor_bytes(t) for t in tensors), 0)
+        nbytes, bytes_sym = _numeric(total_bytes)
+    except Exception:
+        return Cost(exact=False)
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is None:
+        return Cost(flops=0.0, bytes=nbytes, symbolic=bytes_sym and f"bytes={bytes_sym}", exact=True)
+    try:
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+        nflops, flops_sym = _numeric(flops)
+    except Exception:
+        return Cost(flops=0.0, bytes=nbytes, exact=False)
+    symbolic = None
+    if flops_sym or bytes_sym:
+        symbolic = f"flops={flops_sym or int(nflops)}"
+    return Cost(flops=nflops, bytes=nbytes, symbolic=symbolic, exact=True)
+
+
+def node_time(cost: Cost | None) -> float:
+    """Roofline time of a cost on the nominal device, in seconds (0 for no kernel)."""
+    if cost is None or (cost.flops == 0 and cost.bytes == 0):
+        return 0.0
+    flops = cost.flops if cost.flops == cost.flops else 0.0  # NaN: unknown hint
+    nbytes = cost.bytes if cost.bytes == cost.bytes else 0.0
+    return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES_PER_S, LAUNCH_FLOOR_S)

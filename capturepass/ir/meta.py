@@ -1,0 +1,318 @@
+"""Typed capturepass metadata on FX nodes and graphs, and its only accessors.
+
+Every piece of capturepass data on a node lives under ``node.meta["capturepass"]``
+as one frozen :class:`NodeInfo`; graph-wide data lives under
+``gm.meta["capturepass"]`` as one frozen :class:`GraphInfo`. Nothing outside
+``capturepass.ir`` touches those keys: passes call :func:`info`,
+:func:`update`, :func:`graph_info` and :func:`update_graph`.
+
+Identifiers are small typed values (:class:`LaneId`, :class:`EventId`,
+:class:`LeaseId`, :class:`OwnerId`, :class:`SegmentId`), never stream or event
+handles or pointers: the runtime maps them to real objects per owner. Each
+record carries its provenance (``created_by`` and ``changed_by``) so that an
+error can say which pass introduced a node.
+
+The effect vocabulary (:class:`Effect`) is what partitioning, retention and the
+verifier query instead of matching op names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch.fx as fx
+
+META_KEY = "capturepass"
+
+
+class Effect(enum.Enum):
+    """What a node does, as far as synchronisation is concerned."""
+
+    INPUT = "input"  # placeholder: storage owned by the caller
+    CONSTANT = "constant"  # get_attr: storage owned by the module
+    COMPUTE = "compute"  # a tensor op that runs on its lane
+    RECORD = "record"  # records an event on its lane
+    WAIT = "wait"  # makes its lane wait for an event
+    RELEASE = "release"  # drops the last reference to storage (deferred free)
+    RETAIN = "retain"  # keeps storage owners alive for a captured segment's life
+    OUTPUT = "output"
+
+
+SYNC_EFFECTS = frozenset({Effect.RECORD, Effect.WAIT})
+
+
+class EventRole(str, enum.Enum):
+    """Why an event exists; the event pool keeps one free list per role."""
+
+    FORK = "fork"  # recorded on the capture lane, waited on by an auxiliary lane
+    JOIN = "join"  # recorded on an auxiliary lane, waited on by the capture lane
+    CROSS = "cross"  # between two auxiliary lanes
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class LaneId:
+    """A logical stream. Lane 0 is the capture (main) lane."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"s{self.index}"
+
+
+MAIN_LANE = LaneId(0)
+MAIN_LANE_NAME = "main"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class EventId:
+    """One record point; every wait names the record it waits for."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"e{self.index}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class OwnerId:
+    """A graph owner: one per compiled graph and capture shape."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"g{self.index}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class SegmentId:
+    """A capture segment (one CUDA graph when captured)."""
+
+    index: int
+
+    def __str__(self) -> str:
+        return f"k{self.index}"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class LeaseId:
+    """An event lease: a pooled event object, owned by exactly one graph owner."""
+
+    owner: OwnerId
+    role: str
+    index: int
+
+    def __str__(self) -> str:
+        return f"l{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceBinding:
+    """A workspace, scratch or channel buffer bound to one owner and lane."""
+
+    name: str
+    owner: OwnerId
+    lane: LaneId
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.owner}/{self.lane}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """What the capability registry answered for one node.
+
+    Attributes:
+        capturable: the op may run inside a CUDA graph capture.
+        overlap: ``"safe"`` (may run beside other lanes) or ``"serialize"``
+            (nothing may run concurrently with it).
+        reason: why the answer is what it is (shown in dumps and errors).
+        resources: names of owner-bound resources the op needs.
+        source: where the answer came from (``"default"``, ``"registry"``,
+            ``"launch-plan"``).
+    """
+
+    capturable: bool = True
+    overlap: str = "safe"
+    reason: str = ""
+    resources: tuple[str, ...] = ()
+    source: str = "default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Estimated work of one node.
+
+    Attributes:
+        flops: floating-point operations (evaluated at the shape hints).
+        bytes: bytes read plus bytes written.
+        symbolic: the FLOP formula over the graph's symbols, when shapes are
+            dynamic; ``None`` for static shapes.
+        exact: ``False`` when the estimate fell back to a guess.
+    """
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    symbolic: str | None = None
+    exact: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """All capturepass data of one node. Frozen: passes replace it via :func:`update`."""
+
+    effect: Effect = Effect.COMPUTE
+    lane: LaneId | None = None
+    hint: str | None = None
+    capability: Capability | None = None
+    cost: Cost | None = None
+    event: EventId | None = None
+    role: str | None = None
+    lease: LeaseId | None = None
+    owner: OwnerId | None = None
+    segment: SegmentId | None = None
+    resources: tuple[ResourceBinding, ...] = ()
+    brk: str | None = None
+    why: str | None = None
+    created_by: str | None = None
+    changed_by: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Break:
+    """A non-capturable node that separates two capture segments."""
+
+    node: str
+    reason: str
+    source: str = "partition"
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInfo:
+    """Graph-wide capturepass data.
+
+    Attributes:
+        name: ``"forward"``, ``"backward"`` or ``"inference"``.
+        owner: the graph owner of every node.
+        lanes: lane names, indexed by :class:`LaneId` (index 0 is ``"main"``).
+        cudagraphs: resolved capture mode (``"monolithic"``, ``"breakable"``, ``"none"``).
+        on_cuda: whether the graph's tensors live on a CUDA device.
+        static_inputs: placeholder positions whose storage the caller keeps fixed
+            (parameters, buffers).
+        segments: segment ids, once partitioned.
+        breaks: partition breaks and upstream (Dynamo) graph breaks, with reasons.
+        decisions: one line per non-trivial decision a pass took.
+        properties: the IR properties established so far (see ``passes.base``).
+    """
+
+    name: str = "graph"
+    owner: OwnerId = OwnerId(0)
+    lanes: tuple[str, ...] = (MAIN_LANE_NAME,)
+    cudagraphs: str = "none"
+    on_cuda: bool = False
+    static_inputs: frozenset[int] = frozenset()
+    segments: tuple[SegmentId, ...] = ()
+    breaks: tuple[Break, ...] = ()
+    decisions: tuple[str, ...] = ()
+    properties: frozenset[str] = frozenset()
+
+    def lane_name(self, lane: LaneId) -> str:
+        """The user-facing name of ``lane``."""
+        if 0 <= lane.index < len(self.lanes):
+            return self.lanes[lane.index]
+        return f"<unknown lane {lane.index}>"
+
+    @property
+    def captured(self) -> bool:
+        """Whether segments become CUDA graphs."""
+        return self.cudagraphs != "none"
+
+
+_DEFAULT_INFO = NodeInfo()
+
+
+def info(node: fx.Node) -> NodeInfo:
+    """The capturepass record of ``node`` (a default record when it has none)."""
+    return node.meta.get(META_KEY, _DEFAULT_INFO)
+
+
+def has_info(node: fx.Node) -> bool:
+    """Whether ``node`` carries a capturepass record."""
+    return META_KEY in node.meta
+
+
+def set_info(node: fx.Node, record: NodeInfo) -> None:
+    """Replaces the record of ``node``."""
+    node.meta[META_KEY] = record
+
+
+def update(node: fx.Node, by: str, **changes: Any) -> NodeInfo:
+    """Replaces fields of ``node``'s record and notes ``by`` as a pass that changed it."""
+    old = info(node)
+    changed_by = old.changed_by
+    if by and old.created_by != by and (not changed_by or changed_by[-1] != by):
+        changed_by = changed_by + (by,)
+    new = dataclasses.replace(old, changed_by=changed_by, **changes)
+    node.meta[META_KEY] = new
+    return new
+
+
+def create(node: fx.Node, by: str, **fields: Any) -> NodeInfo:
+    """Gives a node a pass created a fresh record naming that pass."""
+    record = NodeInfo(created_by=by, **fields)
+    node.meta[META_KEY] = record
+    return record
+
+
+def graph_info(gm: fx.GraphModule) -> GraphInfo:
+    """The graph-wide record of ``gm``."""
+    gi = gm.meta.get(META_KEY)
+    if gi is None:
+        gi = GraphInfo()
+        gm.meta[META_KEY] = gi
+    return gi
+
+
+def set_graph_info(gm: fx.GraphModule, gi: GraphInfo) -> None:
+    """Replaces the graph-wide record of ``gm``."""
+    gm.meta[META_KEY] = gi
+
+
+def update_graph(gm: fx.GraphModule, **changes: Any) -> GraphInfo:
+    """Replaces fields of the graph-wide record."""
+    gi = dataclasses.replace(graph_info(gm), **changes)
+    gm.meta[META_KEY] = gi
+    return gi
+
+
+def add_decision(gm: fx.GraphModule, line: str) -> None:
+    """Appends one decision line to the graph record (shown by the dump and ``show``)."""
+    gi = graph_info(gm)
+    gm.meta[META_KEY] = dataclasses.replace(gi, decisions=gi.decisions + (line,))
+
+
+def lane_of(node: fx.Node) -> LaneId:
+    """The lane of ``node``; nodes without one run on the main lane."""
+    lane = info(node).lane
+    return MAIN_LANE if lane is None else lane
+
+
+def effect_of(node: fx.Node) -> Effect:
+    """The effect of ``node``, derived from its op when it has no record."""
+    if META_KEY in node.meta:
+        return node.meta[META_KEY].effect
+    if node.op == "placeholder":
+        return Effect.INPUT
+    if node.op == "get_attr":
+        return Effect.CONSTANT
+    if node.op == "output":
+        return Effect.OUTPUT
+    return Effect.COMPUTE
+
+
+def strip(gm: fx.GraphModule) -> None:
+    """Removes every capturepass record from ``gm`` (before it leaves capturepass)."""
+    for node in gm.graph.nodes:
+        node.meta.pop(META_KEY, None)
+    gm.meta.pop(META_KEY, None)

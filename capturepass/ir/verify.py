@@ -1,0 +1,411 @@
+"""The verifier: a standalone check of every synchronisation invariant.
+
+It recomputes happens-before from the sync nodes actually present (not from
+what ``insert_syncs`` meant to do), with one vector clock per lane, and checks
+the rules whose IR property has been established:
+
+=====================  ==========  ==========================================================
+rule                   needs       what must hold
+=====================  ==========  ==========================================================
+graph                  --          FX lint: every use is dominated by its definition
+lane                   lanes       every compute node has a known lane; breaks on main
+unordered-read         synced      a cross-lane read runs after its producer (happens-before)
+wait-before-record     synced      every wait follows a record of its event, on another lane
+unforked-lane          synced      an auxiliary lane's first node in a segment runs after the fork
+unjoined-lane          synced      every lane has joined the main lane when a segment ends
+serialize              synced      nothing runs beside a serialized op
+unordered-free         synced      storage is freed only where its allocating lane runs after
+                                   every read on other lanes (or issues nothing more)
+lease-owner            leased      every event has one lease, of the graph's owner, of its role
+lease-overlap          leased      two events that are live at once never share a lease
+unretained-owner       retained    a captured segment retains every static input, constant
+                                   and resource it uses
+segment                partitioned every node but inputs, output and breaks is in a segment
+=====================  ==========  ==========================================================
+
+Errors are :class:`~capturepass.errors.VerificationError`, name the node, the
+lanes and the event, say which pass created the node, and show about ten lines
+of the dump around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.fx as fx
+
+from capturepass.errors import VerificationError
+from capturepass.ir import analysis, meta, printer
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, LaneId
+
+CONTEXT_LINES = 5
+
+
+def _provenance(node: fx.Node) -> str:
+    rec = meta.info(node)
+    parts = []
+    if rec.created_by:
+        parts.append(f"created by {rec.created_by}")
+    if rec.changed_by:
+        parts.append(f"changed by {', '.join(rec.changed_by)}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _context(gm: fx.GraphModule, node: fx.Node) -> str:
+    nodes = list(gm.graph.nodes)
+    try:
+        i = nodes.index(node)
+    except ValueError:
+        return ""
+    gi = meta.graph_info(gm)
+    canon = printer._Canon()
+    canon("g", gi.owner)
+    settings = printer.PrintSettings(shapes=False)
+    lo, hi = max(0, i - CONTEXT_LINES), min(len(nodes), i + CONTEXT_LINES)
+    lines = []
+    for j in range(lo, hi):
+        mark = ">> " if j == i else "   "
+        lines.append(mark + printer.format_node(nodes[j], gi, canon, settings))
+    return "\n".join(lines)
+
+
+def fail(gm: fx.GraphModule, rule: str, node: fx.Node, message: str) -> VerificationError:
+    """Builds the error for ``rule`` at ``node`` with provenance and context."""
+    text = f"[{rule}] %{node.name}{_provenance(node)}: {message}\n{_context(gm, node)}"
+    return VerificationError(rule, node.name, text)
+
+
+class _Checker:
+    def __init__(self, gm: fx.GraphModule, properties: frozenset[str]) -> None:
+        self.gm = gm
+        self.props = properties
+        self.gi = meta.graph_info(gm)
+        self.nlanes = len(self.gi.lanes)
+        self.clock = [[0] * self.nlanes for _ in range(self.nlanes)]
+        self.count = [0] * self.nlanes
+        self.seq: dict[fx.Node, tuple[int, int]] = {}
+        self.events: dict[EventId, tuple[tuple[int, ...], LaneId, fx.Node]] = {}
+
+    def lane(self, node: fx.Node) -> LaneId:
+        lane = meta.lane_of(node)
+        if not 0 <= lane.index < self.nlanes:
+            raise fail(self.gm, "lane", node, f"is on {lane}, but the graph has lanes s0..s{self.nlanes - 1}")
+        return lane
+
+    def issue(self, lane: LaneId, node: fx.Node | None) -> None:
+        li = lane.index
+        self.count[li] += 1
+        self.clock[li][li] = self.count[li]
+        if node is not None:
+            self.seq[node] = (li, self.count[li])
+
+    def run(self) -> None:
+        synced = "synced" in self.props
+        nodes = list(self.gm.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        frees = _free_points(nodes, self.gm.graph, order) if synced else {}
+        segment_open = False
+        seg_start = 0
+        forked: set[int] = set()
+        in_segment: set[int] = set()
+        barrier: tuple[int, fx.Node] | None = None
+        self.layout = analysis.LaneLayout(nodes)
+        for node in nodes:
+            eff = meta.effect_of(node)
+            rec = meta.info(node)
+            if eff in (Effect.INPUT, Effect.CONSTANT):
+                self.issue(MAIN_LANE, node)
+                continue
+            is_break = eff is Effect.COMPUTE and rec.brk is not None
+            if eff is Effect.OUTPUT or is_break:
+                if synced and segment_open:
+                    self.check_joined(node, in_segment)
+                segment_open = False
+                if is_break:
+                    if "lanes" in self.props and self.lane(node) != MAIN_LANE:
+                        raise fail(self.gm, "lane", node, f"is a break ({rec.brk}) but is on {rec.lane}, not s0")
+                if synced:
+                    self.check_reads(node, MAIN_LANE)
+                if is_break:
+                    self.issue(MAIN_LANE, node)
+                    self.check_frees(node, frees, order)
+                continue
+            if not segment_open:
+                segment_open = True
+                self.issue(MAIN_LANE, None)  # the fork point of this segment
+                seg_start = self.count[0]
+                forked, in_segment, barrier = set(), set(), None
+            lane = self.lane(node) if (rec.lane is not None or "lanes" in self.props) else MAIN_LANE
+            if eff is Effect.RECORD:
+                self.events[rec.event] = (tuple(self.clock[lane.index]), lane, node)
+                continue
+            if eff is Effect.WAIT:
+                if synced:
+                    self.check_wait(node, lane)
+                continue
+            if eff is Effect.RELEASE:
+                if synced:
+                    self.check_release(node, lane, order)
+                continue
+            if eff is not Effect.COMPUTE:
+                continue
+            if synced:
+                li = lane.index
+                if li != 0 and li not in forked:
+                    if self.clock[li][0] < seg_start:
+                        raise fail(
+                            self.gm, "unforked-lane", node,
+                            f"is the first node of lane {lane} ({self.gi.lane_name(lane)}) in its segment, "
+                            f"but {lane} does not wait for the segment's fork on s0",
+                        )
+                    forked.add(li)
+                if li != 0 and barrier is not None and self.clock[li][0] < barrier[0]:
+                    raise fail(
+                        self.gm, "serialize", node,
+                        f"runs on {lane} beside serialized %{barrier[1].name}: {lane} does not wait for it",
+                    )
+                self.check_reads(node, lane)
+                cap = rec.capability
+                if cap is not None and cap.overlap != "safe":
+                    for other in range(1, self.nlanes):
+                        if self.count[other] > self.clock[li][other]:
+                            raise fail(
+                                self.gm, "serialize", node,
+                                f"is serialized ({cap.reason}) but lane s{other} may still be running "
+                                f"work issued before it",
+                            )
+            self.issue(lane, node)
+            in_segment.add(lane.index)
+            if synced and cap_serializes(rec):
+                barrier = (self.count[0], node)
+            if synced:
+                self.check_frees(node, frees, order)
+        if "leased" in self.props:
+            self.check_leases(nodes, order)
+        if "retained" in self.props:
+            self.check_retention(nodes)
+        if "partitioned" in self.props:
+            self.check_segments(nodes)
+
+    # -- rules ----------------------------------------------------------------------------
+    def check_reads(self, node: fx.Node, lane: LaneId) -> None:
+        li = lane.index
+        for p in node.all_input_nodes:
+            where = self.seq.get(p)
+            if where is None or not analysis.carries_tensor(p):
+                continue
+            a, s = where
+            if a != li and self.clock[li][a] < s:
+                raise fail(
+                    self.gm, "unordered-read", node,
+                    f"on {lane} reads %{p.name} produced on s{a}, but no wait orders it after %{p.name}",
+                )
+
+    def check_wait(self, node: fx.Node, lane: LaneId) -> None:
+        rec = meta.info(node)
+        entry = self.events.get(rec.event)
+        if entry is None:
+            raise fail(
+                self.gm, "wait-before-record", node,
+                f"on {lane} waits for event {rec.event}, which no earlier node records",
+            )
+        clock, rlane, rnode = entry
+        if rlane == lane:
+            raise fail(
+                self.gm, "wait-before-record", node,
+                f"on {lane} waits for event {rec.event} recorded on the same lane by %{rnode.name}",
+            )
+        rrec = meta.info(rnode)
+        if rrec.owner != rec.owner:
+            raise fail(
+                self.gm, "lease-owner", node,
+                f"waits for event {rec.event} recorded by %{rnode.name} of another owner ({rrec.owner} vs {rec.owner})",
+            )
+        mine = self.clock[lane.index]
+        for i, v in enumerate(clock):
+            if v > mine[i]:
+                mine[i] = v
+
+    def check_joined(self, anchor: fx.Node, in_segment: Iterable[int]) -> None:
+        for li in sorted(in_segment):
+            if li != 0 and self.clock[0][li] < self.count[li]:
+                lane = LaneId(li)
+                raise fail(
+                    self.gm, "unjoined-lane", anchor,
+                    f"ends a segment, but lane {lane} ({self.gi.lane_name(lane)}) has not joined s0",
+                )
+
+    def _racing_read(self, root: fx.Node, now: int) -> fx.Node | None:
+        """A read of ``root`` on another lane that a free after program index ``now`` would race."""
+        if not self.layout.issues_after(root, now):
+            return None  # the allocating lane issues nothing more before the next fork
+        alloc = meta.lane_of(root).index
+        for u in analysis.reads_of(root):
+            where = self.seq.get(u)
+            if where is None:
+                return u
+            li, s = where
+            if li != alloc and self.clock[alloc][li] < s:
+                return u
+        return None
+
+    def check_release(self, node: fx.Node, lane: LaneId, order: dict[fx.Node, int]) -> None:
+        for root in node.all_input_nodes:
+            if meta.lane_of(root) != lane:
+                raise fail(
+                    self.gm, "unordered-free", node,
+                    f"releases %{root.name} on {lane}, but it was allocated on {meta.lane_of(root)}",
+                )
+            bad = self._racing_read(root, order[node])
+            if bad is not None:
+                raise fail(
+                    self.gm, "unordered-free", node,
+                    f"releases %{root.name} on {lane} while %{bad.name} on {meta.lane_of(bad)} may still read it",
+                )
+
+    def check_frees(self, node: fx.Node, frees: dict, order: dict[fx.Node, int]) -> None:
+        for root in frees.get(node, ()):
+            bad = self._racing_read(root, order[node])
+            if bad is not None:
+                raise fail(
+                    self.gm, "unordered-free", root,
+                    f"allocated on {meta.lane_of(root)} is freed after %{node.name}, while %{bad.name} on "
+                    f"{meta.lane_of(bad)} may still read it (a deferred release is missing)",
+                )
+
+    def check_leases(self, nodes: list[fx.Node], order: dict[fx.Node, int]) -> None:
+        owner = self.gi.owner
+        lease_of: dict[EventId, tuple] = {}
+        live: dict[EventId, list[int]] = {}
+        for node in nodes:
+            rec = meta.info(node)
+            if rec.effect not in (Effect.RECORD, Effect.WAIT):
+                continue
+            if rec.lease is None:
+                raise fail(self.gm, "lease-owner", node, f"uses event {rec.event} without a lease")
+            if rec.lease.owner != owner or rec.owner not in (None, owner):
+                raise fail(
+                    self.gm, "lease-owner", node,
+                    f"uses lease {rec.lease} of owner {rec.lease.owner}, but the graph's owner is {owner}",
+                )
+            if rec.lease.role != rec.role:
+                raise fail(
+                    self.gm, "lease-owner", node,
+                    f"uses a {rec.lease.role!r} lease for a {rec.role!r} event",
+                )
+            prev = lease_of.setdefault(rec.event, rec.lease)
+            if prev != rec.lease:
+                raise fail(self.gm, "lease-owner", node, f"event {rec.event} has two leases")
+            span = live.setdefault(rec.event, [order[node], order[node]])
+            span[0], span[1] = min(span[0], order[node]), max(span[1], order[node])
+        by_lease: dict = {}
+        for event, lease in lease_of.items():
+            by_lease.setdefault(lease, []).append((live[event][0], live[event][1], event))
+        for lease, spans in by_lease.items():
+            spans.sort()
+            for (a0, a1, ea), (b0, b1, eb) in zip(spans, spans[1:]):
+                if b0 <= a1:
+                    raise fail(
+                        self.gm, "lease-overlap", nodes[b0],
+                        f"records event {eb} into lease {lease} while event {ea} of the same lease is still "
+                        f"waited on (until %{nodes[a1].name})",
+                    )
+
+    def check_retention(self, nodes: list[fx.Node]) -> None:
+        if not self.gi.captured:
+            return
+        from capturepass.passes.insert_retention import external_owners
+
+        external = external_owners(self.gm)
+        needed: dict[fx.Node, fx.Node] = {}
+        resources: dict = {}
+        retained: set = set()
+        for node in nodes:
+            eff = meta.effect_of(node)
+            rec = meta.info(node)
+            boundary = eff is Effect.OUTPUT or (eff is Effect.COMPUTE and rec.brk is not None)
+            if boundary:
+                for owner_node, user in needed.items():
+                    if owner_node not in retained:
+                        raise fail(
+                            self.gm, "unretained-owner", user,
+                            f"bakes the storage of %{owner_node.name} into a captured segment that does not "
+                            "retain it",
+                        )
+                for binding, user in resources.items():
+                    if binding not in retained:
+                        raise fail(
+                            self.gm, "unretained-owner", user,
+                            f"uses resource {binding} in a captured segment that does not retain it",
+                        )
+                needed, resources, retained = {}, {}, set()
+                continue
+            if eff is Effect.RETAIN:
+                retained.update(node.all_input_nodes)
+                retained.update(rec.resources)
+            elif eff is Effect.COMPUTE:
+                for arg in node.all_input_nodes:
+                    if arg in external:
+                        needed.setdefault(arg, node)
+                for binding in rec.resources:
+                    resources.setdefault(binding, node)
+
+    def check_segments(self, nodes: list[fx.Node]) -> None:
+        seen: list = []
+        for node in nodes:
+            eff = meta.effect_of(node)
+            rec = meta.info(node)
+            if eff in (Effect.INPUT, Effect.CONSTANT, Effect.OUTPUT) or rec.brk is not None:
+                continue
+            if rec.segment is None:
+                raise fail(self.gm, "segment", node, "belongs to no segment")
+            if seen and rec.segment != seen[-1]:
+                if rec.segment in seen:
+                    raise fail(self.gm, "segment", node, f"returns to segment {rec.segment} after leaving it")
+                seen.append(rec.segment)
+            elif not seen:
+                seen.append(rec.segment)
+
+
+def cap_serializes(rec: meta.NodeInfo) -> bool:
+    """Whether a node's capability makes it a barrier."""
+    return rec.capability is not None and rec.capability.overlap != "safe"
+
+
+def _free_points(nodes: list[fx.Node], graph: fx.Graph, order: dict[fx.Node, int]) -> dict[fx.Node, list[fx.Node]]:
+    """node -> storage roots whose last reference dies right after it (roots without a release)."""
+    outputs = analysis.output_roots(graph)
+    points: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        if meta.effect_of(node) is not Effect.COMPUTE or not analysis.is_tensor_node(node):
+            continue
+        if analysis.aliases_input(node) is not None or node in outputs:
+            continue
+        members = analysis.view_members(node)
+        if any(meta.effect_of(u) is Effect.RELEASE for m in members for u in m.users):
+            continue  # checked where the release is
+        holders = [u for m in members for u in m.users]
+        if not holders:
+            continue
+        last = max(holders, key=order.__getitem__)
+        points.setdefault(last, []).append(node)
+    return points
+
+
+def verify(gm: fx.GraphModule, properties: Iterable[str] | None = None) -> None:
+    """Checks ``gm`` against every rule whose property is established.
+
+    Args:
+        gm: an annotated graph.
+        properties: the established IR properties; defaults to the graph's own.
+
+    Raises:
+        VerificationError: the first violated rule, naming the node.
+    """
+    gi = meta.graph_info(gm)
+    props = frozenset(gi.properties if properties is None else properties)
+    try:
+        gm.graph.lint()
+    except Exception as exc:
+        raise VerificationError("graph", "", f"[graph] FX lint failed: {exc}") from exc
+    _Checker(gm, props).run()

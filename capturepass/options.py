@@ -1,0 +1,110 @@
+"""The options of the capturepass backend, validated once at compile time.
+
+``torch.compile(model, backend="capturepass", options={...})`` passes a plain
+mapping; :meth:`Options.from_mapping` turns it into a frozen record and raises
+:class:`~capturepass.errors.OptionError` naming the offending key and the valid
+choices. The record is part of every pass's cache key (``Options.key()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from capturepass.errors import OptionError
+
+POLICIES = ("auto", "hints", "off")
+INNER_COMPILERS = ("inductor", "eager", "tensorrt")
+CUDAGRAPH_MODES = ("monolithic", "breakable", "none")
+
+DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
+VERIFY_ENV = "CAPTUREPASS_VERIFY"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Validated backend options.
+
+    Attributes:
+        policy: ``"auto"`` finds independent branches and assigns lanes,
+            ``"hints"`` honours only user hints, ``"off"`` keeps one lane.
+        max_aux_lanes: how many auxiliary lanes the policy may use (>= 0).
+        inner: the compiler of each region: ``"inductor"``, ``"eager"`` or
+            ``"tensorrt"`` (needs ``torch_tensorrt``).
+        cudagraphs: ``"monolithic"`` (one captured segment), ``"breakable"``
+            (segments around non-capturable ops) or ``"none"``. ``None`` means
+            "monolithic on CUDA, none elsewhere" and is resolved per graph.
+        dump_dir: directory for the per-pass dumps, or ``None``.
+        verify: run the verifier after every pass.
+    """
+
+    policy: str = "auto"
+    max_aux_lanes: int = 2
+    inner: str = "inductor"
+    cudagraphs: str | None = None
+    dump_dir: str | None = None
+    verify: bool = False
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
+        """Builds options from a user mapping, filling defaults from the environment.
+
+        Raises:
+            OptionError: an unknown key, or a value of the wrong type or range.
+        """
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise OptionError(
+                f"unknown capturepass option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(valid)}"
+            )
+        if "dump_dir" not in options and os.environ.get(DUMP_DIR_ENV):
+            options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+        if "verify" not in options and os.environ.get(VERIFY_ENV):
+            options["verify"] = os.environ[VERIFY_ENV] not in ("", "0", "false", "False")
+        opts = cls(**options)
+        opts._validate()
+        return opts
+
+    def _validate(self) -> None:
+        _choice("policy", self.policy, POLICIES)
+        _choice("inner", self.inner, INNER_COMPILERS)
+        if self.cudagraphs is not None:
+            _choice("cudagraphs", self.cudagraphs, CUDAGRAPH_MODES)
+        if isinstance(self.max_aux_lanes, bool) or not isinstance(self.max_aux_lanes, int):
+            raise OptionError(
+                f"option 'max_aux_lanes' must be a non-negative int, got {self.max_aux_lanes!r}"
+            )
+        if self.max_aux_lanes < 0:
+            raise OptionError(
+                f"option 'max_aux_lanes' must be a non-negative int, got {self.max_aux_lanes!r}"
+            )
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise OptionError(f"option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
+        if not isinstance(self.verify, bool):
+            raise OptionError(f"option 'verify' must be True or False, got {self.verify!r}")
+
+    def resolved_cudagraphs(self, on_cuda: bool) -> str:
+        """The capture mode for a graph whose tensors live on CUDA (or not)."""
+        if self.cudagraphs is not None:
+            return self.cudagraphs
+        return "monolithic" if on_cuda else "none"
+
+    def key(self) -> str:
+        """A stable digest of the options that change generated code."""
+        fields = dataclasses.asdict(self)
+        fields.pop("dump_dir")
+        fields.pop("verify")
+        return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise OptionError(
+            f"option {name!r} must be one of {', '.join(map(repr, choices))}; got {value!r}"
+        )

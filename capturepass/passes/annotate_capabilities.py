@@ -1,0 +1,62 @@
+"""annotate_capabilities: every compute node gets a capability answer and a cost.
+
+Asks the capability registry (``capturepass.capabilities``) about each op
+call, with the node's concrete shapes, and the cost model
+(``capturepass.ir.cost``) for its FLOPs and bytes. Later passes read only the
+answers: ``assign_streams`` keeps non-capturable and serializing ops on the main
+lane, ``partition`` turns non-capturable ops into breaks.
+
+Before::
+
+    %item : int = aten._local_scalar_dense.default(%sum_1)
+
+After::
+
+    %item : int = aten._local_scalar_dense.default(%sum_1)  {capturable=no}
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from capturepass.ir import analysis, cost, meta
+from capturepass.passes.base import CAPABILITIES, HINTS, Pass, PassContext
+
+
+def graph_device(gm: fx.GraphModule) -> torch.device | None:
+    """The accelerator the graph runs on, if any tensor lives on one; else the first device."""
+    first = None
+    for node in gm.graph.nodes:
+        dev = analysis.node_device(node)
+        if dev is None:
+            continue
+        if dev.type != "cpu":
+            return dev
+        first = first or dev
+    return first
+
+
+class AnnotateCapabilities(Pass):
+    """Queries the capability registry and the cost model for every compute node."""
+
+    name = "annotate_capabilities"
+    requires = (HINTS,)
+    ensures = (CAPABILITIES,)
+
+    def __init__(self, registry_key: str = "") -> None:
+        self._registry_key = registry_key
+
+    def config(self) -> tuple:
+        return (self._registry_key,)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        device = graph_device(gm)
+        for node in analysis.compute_nodes(gm.graph):
+            cap = ctx.registry.query(node, device)
+            alias = analysis.aliases_input(node) is not None
+            meta.update(node, self.name, capability=cap, cost=cost.estimate(node, alias))
+            if not cap.capturable:
+                ctx.count(self.name, "not_capturable")
+            if cap.overlap != "safe":
+                ctx.count(self.name, "serialized")

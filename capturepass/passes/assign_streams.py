@@ -1,0 +1,215 @@
+"""assign_streams: every compute node gets a lane; non-capturable ops become breaks.
+
+Lanes come from the policy:
+
+- ``off``: everything on the main lane;
+- ``hints``: hinted nodes on their named lanes, the rest on main;
+- ``auto``: hinted nodes on their lanes; the rest are list-scheduled over the
+  main lane and up to ``max_aux_lanes`` automatic lanes (``aux0``, ``aux1``,
+  ...). The scheduler walks the graph in program order and puts each node on
+  the lane where it would finish earliest, given the estimated cost of every
+  node (``ir.cost``), the time each lane is busy, and a price for every
+  cross-lane edge. Independent branches (a MoE's shared expert beside its
+  routed experts) therefore spread over lanes, balanced along the critical
+  path, while chains stay together.
+
+Whatever the policy, ops that are not capturable or that must be serialized
+stay on the main lane, and view ops (no kernel) follow their consumers. With a
+capturing mode, each non-capturable op is marked as a break with its reason;
+``monolithic`` capture of a graph that has one switches to ``breakable`` and
+logs why.
+
+Before::
+
+    %mm_1 : f32[16,64] = aten.mm.default(%x, %w1)
+
+After::
+
+    %mm_1 : f32[16,64] = aten.mm.default(%x, %w1)  {lane=s1}
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from capturepass.ir import analysis, cost, meta
+from capturepass.ir.meta import MAIN_LANE, LaneId
+from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
+
+log = logging.getLogger("capturepass")
+
+# What a cross-lane edge costs the consumer: one event record and wait, plus
+# the loss of fusion across the cut (seconds, on the cost model's scale).
+SYNC_PENALTY_S = 3e-6
+
+
+def _pinned_to_main(node: fx.Node) -> bool:
+    cap = meta.info(node).capability
+    return cap is not None and (not cap.capturable or cap.overlap != "safe")
+
+
+def _is_free(node: fx.Node) -> bool:
+    """A node with no kernel of its own (a view, a tuple selection, host scalar math)."""
+    if _pinned_to_main(node):
+        return False
+    return (
+        analysis.is_getitem(node)
+        or analysis.aliases_input(node) is not None
+        or not analysis.carries_tensor(node)
+    )
+
+
+class AssignStreams(Pass):
+    """Assigns lanes by policy and marks breaks."""
+
+    name = "assign_streams"
+    requires = (HINTS, CAPABILITIES)
+    ensures = (LANES,)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        opts = ctx.options
+        graph = gm.graph
+        nodes = list(analysis.compute_nodes(graph))
+        lane_names: list[str] = [meta.MAIN_LANE_NAME]
+        lanes: dict[fx.Node, LaneId] = {}
+
+        # Hinted lanes first, in order of first appearance, up to max_aux_lanes.
+        folded: list[str] = []
+        for node in nodes:
+            hint = meta.info(node).hint
+            if hint is None or _pinned_to_main(node):
+                continue
+            if hint not in lane_names:
+                if len(lane_names) - 1 >= opts.max_aux_lanes:
+                    if hint not in folded:
+                        folded.append(hint)
+                    lanes[node] = MAIN_LANE
+                    continue
+                lane_names.append(hint)
+            lanes[node] = LaneId(lane_names.index(hint))
+        if folded:
+            msg = (
+                f"max_aux_lanes={opts.max_aux_lanes}: hinted lane(s) {', '.join(folded)} run on the main lane"
+            )
+            log.warning("capturepass: %s", msg)
+            meta.add_decision(gm, msg)
+
+        pinned = [n for n in nodes if _pinned_to_main(n) and meta.info(n).hint is not None]
+        for node in pinned:
+            meta.add_decision(gm, f"%{node.name}: hint ignored, {meta.info(node).capability.reason}")
+
+        auto_lanes: list[LaneId] = []
+        if opts.policy == "auto":
+            for i in range(opts.max_aux_lanes - (len(lane_names) - 1)):
+                auto_lanes.append(LaneId(len(lane_names)))
+                lane_names.append(f"aux{i}")
+            self._schedule(nodes, lanes, [MAIN_LANE] + auto_lanes)
+        self._place_free_nodes(nodes, lanes)
+
+        used = {lanes.get(n, MAIN_LANE) for n in nodes} | {MAIN_LANE}
+        # Drop automatic lanes the schedule left empty, renumbering densely.
+        keep = [i for i, _ in enumerate(lane_names) if LaneId(i) in used]
+        renumber = {LaneId(old): LaneId(new) for new, old in enumerate(keep)}
+        lane_names = [lane_names[i] for i in keep]
+
+        mode = meta.graph_info(gm).cudagraphs
+        breaks = [n for n in nodes if not meta.info(n).capability.capturable] if mode != "none" else []
+        if breaks and mode == "monolithic":
+            first = breaks[0]
+            msg = (
+                f"cudagraphs=monolithic switched to breakable: %{first.name} is not capturable "
+                f"({meta.info(first).capability.reason})"
+            )
+            log.warning("capturepass: %s", msg)
+            meta.add_decision(gm, msg)
+            mode = "breakable"
+        meta.update_graph(gm, lanes=tuple(lane_names), cudagraphs=mode)
+
+        brk_set = set(breaks)
+        for node in graph.nodes:
+            eff = meta.effect_of(node)
+            if eff is meta.Effect.COMPUTE:
+                lane = renumber[lanes.get(node, MAIN_LANE)]
+                if node in brk_set:
+                    meta.update(node, self.name, lane=MAIN_LANE, brk=meta.info(node).capability.reason)
+                else:
+                    meta.update(node, self.name, lane=lane)
+                if lane != MAIN_LANE:
+                    ctx.count(self.name, "aux_nodes")
+            elif eff in (meta.Effect.INPUT, meta.Effect.CONSTANT, meta.Effect.OUTPUT):
+                meta.update(node, self.name, lane=MAIN_LANE)
+        ctx.count(self.name, "lanes", len(lane_names))
+        ctx.count(self.name, "breaks", len(breaks))
+
+    def _schedule(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId], candidates: list[LaneId]) -> None:
+        """Earliest-finish list scheduling of the unhinted kernels over ``candidates``."""
+        if len(candidates) < 2:
+            return
+        ready: dict[LaneId, float] = {}
+        finish: dict[fx.Node, float] = {}
+        where: dict[fx.Node, LaneId] = {}
+
+        def source(n: fx.Node) -> fx.Node | None:
+            # Look through views and tuple selection to the kernel that produced the data.
+            while n.op == "call_function" and _is_free(n):
+                ins = n.all_input_nodes
+                if not ins:
+                    return None
+                n = ins[0]
+            return n if n in finish else None
+
+        for node in nodes:
+            if _is_free(node):
+                continue
+            t = cost.node_time(meta.info(node).cost)
+            preds = [p for p in (source(a) for a in node.all_input_nodes) if p is not None]
+            if _pinned_to_main(node):
+                # Nothing runs beside a serialized op: it starts when every lane is idle.
+                start = max([ready.get(lane, 0.0) for lane in ready] + [finish[p] for p in preds] + [0.0])
+                end = start + t
+                for lane in list(ready) + [MAIN_LANE]:
+                    ready[lane] = end
+                finish[node], where[node] = end, MAIN_LANE
+                continue
+            fixed = lanes.get(node)
+            options = [fixed] if fixed is not None else candidates
+            best: tuple[float, int, int, LaneId] | None = None
+            latest_pred_lane = where[max(preds, key=finish.__getitem__)] if preds else MAIN_LANE
+            for lane in options:
+                start = ready.get(lane, 0.0)
+                for p in preds:
+                    start = max(start, finish[p] + (SYNC_PENALTY_S if where[p] != lane else 0.0))
+                key = (start + t, 0 if lane == latest_pred_lane else 1, lane.index, lane)
+                if best is None or key[:3] < best[:3]:
+                    best = key
+            assert best is not None
+            end, lane = best[0], best[3]
+            ready[lane] = end
+            finish[node], where[node] = end, lane
+            if fixed is None and lane != MAIN_LANE:
+                lanes[node] = lane
+
+    def _place_free_nodes(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId]) -> None:
+        """Views follow their consumers; tuple selections follow their producer."""
+        for node in reversed(nodes):
+            if not _is_free(node) or meta.info(node).hint is not None:
+                continue
+            if analysis.is_getitem(node):
+                continue
+            user_lanes = {lanes.get(u, MAIN_LANE) for u in node.users if meta.effect_of(u) is meta.Effect.COMPUTE}
+            ins = node.all_input_nodes
+            if len(user_lanes) == 1:
+                lanes[node] = next(iter(user_lanes))
+            else:
+                lanes[node] = lanes.get(ins[0], MAIN_LANE) if ins else MAIN_LANE
+            if lanes[node] == MAIN_LANE:
+                lanes.pop(node)
+        for node in nodes:
+            if analysis.is_getitem(node):
+                parent = node.args[0]
+                if parent in lanes:
+                    lanes[node] = lanes[parent]
+                else:
+                    lanes.pop(node, None)

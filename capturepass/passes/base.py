@@ -1,0 +1,96 @@
+"""The pass contract: one module, one public pass class, named IR properties.
+
+A pass is a callable object with
+
+- ``name``: equal to its module name and to the suffix of its dump file;
+- ``stage``: ``"dynamo"`` (runs on Dynamo's torch-level graph, before AOT
+  autograd) or ``"aten"`` (runs on the functional ATen graph);
+- ``requires`` / ``ensures``: named IR properties; the pipeline checks when it
+  is built that every requirement is ensured by an earlier pass;
+- ``uuid()``: a digest of the pass's source and configuration, folded into the
+  torch.compile and vLLM cache keys;
+- ``run(gm, ctx)``: mutates ``gm`` in place. Passes never print: the observer
+  (``passes.observer``) times them, dumps before and after, and counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, ClassVar
+
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from capturepass.capabilities import CapabilityRegistry
+    from capturepass.options import Options
+
+log = logging.getLogger("capturepass")
+
+# Named IR properties, in the order the pipeline establishes them.
+HINTS = "hints"  # user and Dynamo lane hints are typed metadata
+CAPABILITIES = "capabilities"  # every compute node has a capability and a cost
+LANES = "lanes"  # every compute node has a lane; breaks are marked
+SYNCED = "synced"  # every cross-lane dependency is ordered by a record/wait pair
+LEASED = "leased"  # every event has a lease of its owner
+BOUND = "bound"  # owner-bound resources are bound to owner and lane
+RETAINED = "retained"  # captured segments retain their storage owners
+PARTITIONED = "partitioned"  # nodes carry segment ids; breaks have reasons
+VERIFIED = "verified"
+EMITTED = "emitted"
+
+ALL_PROPERTIES = (HINTS, CAPABILITIES, LANES, SYNCED, LEASED, BOUND, RETAINED, PARTITIONED, VERIFIED, EMITTED)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass may read besides the graph, and where it reports.
+
+    Attributes:
+        options: the validated backend options.
+        registry: the capability registry to query.
+        counters: per-pass counters (``counters[pass_name][key]``), read by tests
+            and ``capturepass show``.
+        example_inputs: the graph's example inputs (fake tensors) if known.
+        artifacts: what a pass hands to the backend (the emitted program).
+    """
+
+    options: "Options"
+    registry: "CapabilityRegistry"
+    counters: dict[str, Counter] = dataclasses.field(default_factory=dict)
+    example_inputs: list | None = None
+    artifacts: dict = dataclasses.field(default_factory=dict)
+
+    def count(self, pass_name: str, key: str, n: int = 1) -> None:
+        """Adds ``n`` to a counter of ``pass_name``."""
+        self.counters.setdefault(pass_name, Counter())[key] += n
+
+
+class Pass:
+    """Base class of every capturepass pass."""
+
+    name: ClassVar[str] = ""
+    stage: ClassVar[str] = "aten"
+    requires: ClassVar[tuple[str, ...]] = ()
+    ensures: ClassVar[tuple[str, ...]] = ()
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """Transforms ``gm`` in place."""
+        raise NotImplementedError(f"pass {type(self).__name__} does not implement run()")
+
+    def config(self) -> tuple:
+        """The configuration that changes what this pass produces (part of ``uuid``)."""
+        return ()
+
+    def uuid(self) -> str:
+        """A digest of this pass's module source and configuration."""
+        source = inspect.getsource(inspect.getmodule(type(self)))
+        digest = hashlib.sha256(source.encode())
+        digest.update(repr(self.config()).encode())
+        return digest.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"

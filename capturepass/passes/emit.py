@@ -1,0 +1,201 @@
+"""emit: regions compiled by the inner compiler, stitched by an outer program.
+
+The annotated graph is cut into *regions*: maximal runs of one lane's nodes
+between that lane's sync points (a record after a producer, a wait before a
+consumer), segment boundaries and breaks. Each region becomes a standalone FX
+graph, stripped of every capturepass and hint tag, and is compiled by the inner
+compiler (Inductor, eager, or Torch-TensorRT); regions without a kernel (only
+views and tuple selections) run eagerly. The outer program calls the regions in
+program order (each region at the point where its lane closes it) with the
+``capturepass::`` ops in between, now bound to the runtime of the graph owner:
+records, waits, releases and retentions by integer handle.
+
+Before (annotated ATen graph)::
+
+    %mm   = aten.mm(%x, %w)     {lane=s1}
+    %record = capturepass.record(0, 1) {lane=s1, record=e0, lease=l0}
+    %wait = capturepass.wait(0, 0)     {lane=s0, wait=e0, lease=l0}
+    %add  = aten.add(%mm, %y)   {lane=s0}
+
+After (outer program)::
+
+    %r0 = region_0(%x, %w)       {lane=s1}
+    %mm = getitem(%r0, 0)
+    %record = capturepass.record(0, 1)
+    %wait = capturepass.wait(0, 0)
+    %r1 = region_1(%mm, %y)      {lane=s0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+from capturepass.backends import inner as inner_compilers
+from capturepass.errors import EmitError
+from capturepass.ir import analysis, meta
+from capturepass.ir.meta import Effect, LaneId
+from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
+from capturepass.runtime.program import Program, RegionSpec, Step
+
+
+@dataclasses.dataclass
+class _Region:
+    lane: LaneId
+    segment: int | None
+    eager_break: bool
+    nodes: list[fx.Node] = dataclasses.field(default_factory=list)
+
+
+def _has_kernel(region: _Region) -> bool:
+    for node in region.nodes:
+        if analysis.is_getitem(node) or analysis.aliases_input(node) is not None:
+            continue
+        if not analysis.carries_tensor(node) and meta.info(node).brk is None:
+            continue
+        return True
+    return False
+
+
+def _plan(gm: fx.GraphModule) -> list[Step]:
+    """Cuts the program order into regions and sync steps."""
+    steps: list[Step] = []
+    open_regions: dict[LaneId, _Region] = {}
+    region_of: dict[fx.Node, _Region] = {}
+
+    def close(lane: LaneId) -> None:
+        region = open_regions.pop(lane, None)
+        if region is not None and region.nodes:
+            steps.append(Step("region", lane=lane, payload=region))
+
+    def close_all() -> None:
+        for lane in sorted(open_regions):
+            close(lane)
+
+    for node in gm.graph.nodes:
+        eff = meta.effect_of(node)
+        rec = meta.info(node)
+        if eff in (Effect.INPUT, Effect.CONSTANT):
+            continue
+        if eff is Effect.OUTPUT:
+            close_all()
+            continue
+        lane = meta.lane_of(node)
+        if eff in (Effect.RECORD, Effect.WAIT):
+            close(lane)
+            steps.append(Step(eff.value, lane=lane, payload=node))
+            continue
+        if eff is Effect.RETAIN:
+            # Retention belongs to the capture of its segment: after every region of it.
+            close_all()
+            steps.append(Step(eff.value, lane=lane, payload=node))
+            continue
+        if eff is Effect.RELEASE:
+            # A release only extends a lifetime; FX frees at the later of it and the last use,
+            # and a later free is always safe, so it needs no region boundary.
+            steps.append(Step(eff.value, lane=lane, payload=node))
+            continue
+        if rec.brk is not None:
+            close_all()
+            region = _Region(lane, None, eager_break=True, nodes=[node])
+            region_of[node] = region
+            steps.append(Step("region", lane=lane, payload=region))
+            continue
+        if analysis.is_getitem(node) and node.args[0] in region_of:
+            # Tuple selection is metadata: keep it with its producer, even across a sync.
+            parent_region = region_of[node.args[0]]
+            parent_region.nodes.append(node)
+            region_of[node] = parent_region
+            continue
+        seg = rec.segment.index if rec.segment is not None else None
+        region = open_regions.get(lane)
+        if region is None or region.segment != seg:
+            close(lane)
+            region = open_regions[lane] = _Region(lane, seg, eager_break=False)
+        region.nodes.append(node)
+        region_of[node] = region
+    close_all()
+    return steps
+
+
+def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """A standalone graph for one region: external inputs become placeholders."""
+    members = set(region.nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def arg(n: fx.Node) -> fx.Node:
+        if n in env:
+            return env[n]
+        if n in members:
+            raise EmitError(f"region on {region.lane}: %{n.name} is used before it is computed")
+        ph = graph.placeholder(n.name)
+        ph.meta["val"] = n.meta.get("val")
+        env[n] = ph
+        inputs.append(n)
+        return ph
+
+    for node in region.nodes:
+        for a in node.all_input_nodes:
+            arg(a)
+        new = graph.node_copy(node, arg)
+        new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack", "seq_nr")}
+        env[node] = new
+    outputs = [n for n in region.nodes if n in needed_outside]
+    graph.output(tuple(env[n] for n in outputs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    return gm, inputs, outputs
+
+
+class Emit(Pass):
+    """Compiles each region with the inner compiler and builds the outer program."""
+
+    name = "emit"
+    requires = (VERIFIED,)
+    ensures = (EMITTED,)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        steps = _plan(gm)
+        regions = [s.payload for s in steps if s.kind == "region"]
+        owner_of = {n: r for r in regions for n in r.nodes}
+        needed: dict[int, set[fx.Node]] = {id(r): set() for r in regions}
+        for node in gm.graph.nodes:
+            mine = owner_of.get(node)
+            for a in node.all_input_nodes:
+                src = owner_of.get(a)
+                if src is not None and src is not mine:
+                    needed[id(src)].add(a)
+        specs: dict[int, RegionSpec] = {}
+        for i, region in enumerate(regions):
+            rgm, inputs, outputs = _region_graph(region, needed[id(region)])
+            compiler = ctx.options.inner if _has_kernel(region) else "eager"
+            example = [n.meta.get("val") for n in inputs]
+            try:
+                fn = inner_compilers.compile_region(rgm, example, compiler)
+            except Exception as exc:
+                names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
+                raise EmitError(
+                    f"the {compiler} compiler failed on region {i} (lane {region.lane}: {names}...): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            specs[id(region)] = RegionSpec(
+                index=i,
+                lane=region.lane.index,
+                segment=region.segment,
+                eager=region.eager_break,
+                fn=fn,
+                inputs=inputs,
+                outputs=outputs,
+                graph=rgm,
+                compiler=compiler,
+            )
+            ctx.count(self.name, f"regions_{compiler}")
+        for step in steps:
+            if step.kind == "region":
+                step.payload = specs[id(step.payload)]
+        ctx.artifacts["program"] = Program.build(gm, steps)
+        ctx.count(self.name, "regions", len(regions))

@@ -1,0 +1,297 @@
+"""insert_syncs: the minimal record/wait pairs, forks, joins and deferred releases.
+
+Walks the program order keeping a vector clock per lane: ``clock[B][A]`` is the
+last node of lane ``A`` that lane ``B`` is known to run after. A node on lane
+``B`` that reads a value produced on lane ``A`` needs ``clock[B][A]`` to cover
+the producer; when it does not, the pass records an event on ``A`` right after
+the producer (reusing a record already there) and makes ``B`` wait for it. A
+wait teaches ``B`` everything ``A`` knew at the record, so a dependency that is
+implied by earlier edges gets no wait: the inserted set is the transitive
+reduction of the cross-lane edges. When several waits are needed at once, the
+one whose record implies the most others goes first.
+
+Segment structure (breaks come from ``assign_streams``):
+
+- fork: an auxiliary lane's first node in a segment waits for the main lane at
+  the segment's start (inside a capture this is what pulls the lane into the
+  capture; outside, it orders the lane after the caller's work on inputs);
+- join: the main lane waits for every auxiliary lane's last node before the
+  segment ends (a capture must end joined);
+- a serialized op (capability ``overlap="serialize"``) is a barrier: it waits
+  for every lane, and later auxiliary work waits for it.
+
+Deferred release: the caching allocator hands a freed block to the next
+allocation on the lane that allocated it, without knowing that another lane may
+still read it. Host code frees a tensor after its last use in program order, so
+for every storage allocated on lane ``A`` and read on another lane ``B``, the
+free must come where ``A`` already runs after that read (``clock[A][B]``), or
+after ``A``'s last node in the segment (the next fork orders ``A`` after the
+join). Where the default free is too early, a ``capturepass.release`` on ``A``
+keeps the storage alive until the first point that is safe.
+
+Before::
+
+    %mm   = aten.mm(%x, %w)      {lane=s1}
+    %add  = aten.add(%mm, %y)    {lane=s0}
+
+After::
+
+    %record = capturepass.record(0, 0)  {lane=s0, record=e0, role=fork, why=fork k0}
+    %wait   = capturepass.wait(0, 1)    {lane=s1, wait=e0, role=fork, why=fork k0}
+    %mm     = aten.mm(%x, %w)           {lane=s1}
+    %record_1 = capturepass.record(1, 1) {lane=s1, record=e1, role=join, why=%mm->%add}
+    %wait_1 = capturepass.wait(1, 0)    {lane=s0, wait=e1, role=join, why=%mm->%add}
+    %add    = aten.add(%mm, %y)         {lane=s0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from capturepass.ir import analysis, meta, ops
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId
+from capturepass.passes.base import LANES, SYNCED, Pass, PassContext
+
+Clock = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Point:
+    """A point on one lane that can be recorded: after node ``anchor`` (or before ``before``)."""
+
+    lane: LaneId
+    seq: int
+    clock: Clock
+    after: fx.Node | None = None
+    before: fx.Node | None = None
+    label: str = ""
+
+
+class _Walker:
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext, by: str) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.ctx = ctx
+        self.by = by
+        self.nlanes = len(meta.graph_info(gm).lanes)
+        self.clock: list[list[int]] = [[0] * self.nlanes for _ in range(self.nlanes)]
+        self.count = [0] * self.nlanes
+        self.points: dict[tuple[int, int], _Point] = {}
+        self.pos: dict[fx.Node, tuple[int, int]] = {}
+        self.records: dict[tuple[int, int], EventId] = {}
+        self.next_event = 0
+
+    # -- clocks ---------------------------------------------------------------------------
+    def issue(self, lane: LaneId, node: fx.Node | None, before: fx.Node | None = None, label: str = "") -> _Point:
+        """Advances ``lane`` by one node (a real node, or a virtual point before ``before``)."""
+        li = lane.index
+        self.count[li] += 1
+        self.clock[li][li] = self.count[li]
+        point = _Point(lane, self.count[li], tuple(self.clock[li]), after=node, before=before, label=label)
+        self.points[(li, self.count[li])] = point
+        if node is not None:
+            self.pos[node] = (li, self.count[li])
+        return point
+
+    def knows(self, lane: LaneId, other: int, seq: int) -> bool:
+        return self.clock[lane.index][other] >= seq
+
+    # -- sync insertion ---------------------------------------------------------------------
+    def _record(self, point: _Point, why: str) -> EventId:
+        key = (point.lane.index, point.seq)
+        event = self.records.get(key)
+        if event is not None:
+            return event
+        event = EventId(self.next_event)
+        self.next_event += 1
+        role = EventRole.FORK if point.lane == MAIN_LANE else EventRole.JOIN
+        if point.after is not None:
+            anchor = point.after
+            ops.insert_record(self.graph, anchor, point.lane, event, role.value, self.by, why)
+        else:
+            assert point.before is not None
+            with self.graph.inserting_before(point.before):
+                node = self.graph.call_function(ops.record, (event.index, point.lane.index))
+            meta.create(node, self.by, effect=Effect.RECORD, lane=point.lane, event=event, role=role.value, why=why)
+        self.records[key] = event
+        self.ctx.count(self.by, "records")
+        return event
+
+    def require(self, lane: LaneId, need: dict[int, tuple[int, str]], before: fx.Node) -> None:
+        """Makes ``lane`` run after ``need[A] = (seq, why)`` on each lane ``A``, before ``before``."""
+        li = lane.index
+        reqs = [(a, s, why) for a, (s, why) in need.items() if a != li and self.clock[li][a] < s]
+        while reqs:
+            def implied(r: tuple[int, int, str]) -> int:
+                c = self.points[(r[0], r[1])].clock
+                return sum(1 for o in reqs if c[o[0]] >= o[1])
+
+            a, s, why = max(reqs, key=lambda r: (implied(r), r[1], -r[0]))
+            point = self.points[(a, s)]
+            event = self._record(point, why)
+            role = EventRole.FORK if a == MAIN_LANE.index else EventRole.JOIN
+            ops.insert_wait(self.graph, before, lane, event, role.value, self.by, why)
+            self.ctx.count(self.by, "waits")
+            mine = self.clock[li]
+            for i, v in enumerate(point.clock):
+                if v > mine[i]:
+                    mine[i] = v
+            reqs = [r for r in reqs if self.clock[li][r[0]] < r[1]]
+
+
+def _need(acc: dict[int, tuple[int, str]], lane: int, seq: int, why: str) -> None:
+    if seq > acc.get(lane, (0, ""))[0]:
+        acc[lane] = (seq, why)
+
+
+class InsertSyncs(Pass):
+    """Inserts the minimal cross-lane record/wait pairs, forks, joins and releases."""
+
+    name = "insert_syncs"
+    requires = (LANES,)
+    ensures = (SYNCED,)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        graph = gm.graph
+        w = _Walker(gm, ctx, self.name)
+        nodes = list(graph.nodes)
+        releases = _ReleasePlan(nodes, graph)
+
+        seg_index = 0
+        seg_start: _Point | None = None
+        forked: set[int] = set()
+        barrier: tuple[int, str] | None = None  # main-lane seq every aux lane must follow
+
+        def open_segment(first: fx.Node) -> None:
+            nonlocal seg_start, forked, barrier
+            seg_start = w.issue(MAIN_LANE, None, before=first, label=f"fork k{seg_index}")
+            forked = set()
+            barrier = None
+
+        def close_segment(anchor: fx.Node) -> None:
+            nonlocal seg_start, seg_index
+            if seg_start is None:
+                return
+            need: dict[int, tuple[int, str]] = {}
+            for lane in range(1, w.nlanes):
+                if lane in forked and w.count[lane] > w.clock[0][lane]:
+                    _need(need, lane, w.count[lane], f"join k{seg_index}")
+            w.require(MAIN_LANE, need, anchor)
+            seg_start = None
+            seg_index += 1
+
+        for node in nodes:
+            eff = meta.effect_of(node)
+            if eff in (Effect.INPUT, Effect.CONSTANT):
+                w.issue(MAIN_LANE, node)
+                continue
+            if eff is Effect.OUTPUT:
+                close_segment(node)
+                self._deps(w, node, MAIN_LANE)
+                continue
+            if eff is not Effect.COMPUTE:
+                continue
+            rec = meta.info(node)
+            lane = meta.lane_of(node)
+            if rec.brk is not None:
+                close_segment(node)
+                self._deps(w, node, lane)
+                w.issue(lane, node)
+                continue
+            if seg_start is None:
+                open_segment(node)
+            need = self._need_of(w, node, lane)
+            if lane != MAIN_LANE:
+                if lane.index not in forked:
+                    forked.add(lane.index)
+                    _need(need, 0, seg_start.seq, seg_start.label)
+                if barrier is not None:
+                    _need(need, 0, barrier[0], barrier[1])
+            serialize = rec.capability is not None and rec.capability.overlap != "safe"
+            if serialize:
+                for other in range(1, w.nlanes):
+                    if w.count[other] > w.clock[lane.index][other]:
+                        _need(need, other, w.count[other], f"serialize %{node.name}")
+            w.require(lane, need, node)
+            w.issue(lane, node)
+            if serialize:
+                barrier = (w.count[0], f"serialize %{node.name}")
+            releases.after(w, node, self.name)
+
+    @staticmethod
+    def _need_of(w: _Walker, node: fx.Node, lane: LaneId) -> dict[int, tuple[int, str]]:
+        need: dict[int, tuple[int, str]] = {}
+        for p in node.all_input_nodes:
+            where = w.pos.get(p)
+            if where is None or not analysis.carries_tensor(p):
+                continue
+            a, s = where
+            if a != lane.index:
+                _need(need, a, s, f"%{p.name}->%{node.name}")
+        return need
+
+    def _deps(self, w: _Walker, node: fx.Node, lane: LaneId) -> None:
+        w.require(lane, self._need_of(w, node, lane), node)
+
+
+class _ReleasePlan:
+    """Finds tensors whose default free would race, and defers them.
+
+    A storage root allocated on lane ``A`` is freed by host code right after its
+    last use (over all its views) in program order. That is safe when ``A``
+    already runs after every read on other lanes, or when ``A`` issues nothing
+    more in the segment.
+    """
+
+    def __init__(self, nodes: list[fx.Node], graph: fx.Graph) -> None:
+        self.layout = analysis.LaneLayout(nodes)
+        order = self.layout.order
+        outputs = analysis.output_roots(graph)
+        self._due: dict[int, list[fx.Node]] = {}
+        for node in nodes:
+            if meta.effect_of(node) is not Effect.COMPUTE or not analysis.is_tensor_node(node):
+                continue
+            if analysis.aliases_input(node) is not None or node in outputs:
+                continue
+            reads = analysis.reads_of(node)
+            alloc = meta.lane_of(node)
+            if not reads or all(meta.lane_of(u) == alloc for u in reads):
+                continue
+            holders = [u for m in analysis.view_members(node) for u in m.users]
+            self._due.setdefault(max(order[u] for u in holders), []).append(node)
+        self._waiting: list[fx.Node] = []
+
+    def _safe(self, w: _Walker, root: fx.Node, now: int) -> bool:
+        if not self.layout.issues_after(root, now):
+            return True
+        alloc = meta.lane_of(root).index
+        for u in analysis.reads_of(root):
+            li = meta.lane_of(u).index
+            if li == alloc:
+                continue
+            where = w.pos.get(u)
+            if where is None or w.clock[alloc][li] < where[1]:
+                return False
+        return True
+
+    def after(self, w: _Walker, node: fx.Node, by: str) -> None:
+        """Called after ``node`` was issued: defers releases that became due, places safe ones."""
+        now = self.layout.order[node]
+        for root in self._due.pop(now, []):
+            if not self._safe(w, root, now):
+                self._waiting.append(root)
+        still = []
+        for root in self._waiting:
+            if self._safe(w, root, now):
+                self._place(w, root, node, by)
+            else:
+                still.append(root)
+        self._waiting = still
+
+    def _place(self, w: _Walker, root: fx.Node, node: fx.Node, by: str) -> None:
+        lane = meta.lane_of(root)
+        readers = ",".join(sorted({f"%{u.name}" for u in analysis.reads_of(root) if meta.lane_of(u) != lane}))
+        ops.insert_release(w.graph, node.next, [root], lane, by, f"read by {readers}")
+        w.ctx.count(by, "releases")

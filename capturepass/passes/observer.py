@@ -1,0 +1,87 @@
+"""The observer: the one place that times, dumps, counts and verifies around passes.
+
+Passes never print. The observer runs each pass of a stage in order and, around
+it:
+
+- times it (logged at DEBUG on the ``capturepass`` logger, and kept in
+  ``timings``);
+- records the IR properties the pass ensures in the graph record, and with
+  ``verify=True`` runs the verifier on every established property, so that a
+  broken invariant is reported at the pass that broke it;
+- writes ``NNN_<pass>.txt``, the canonical dump after the pass, when a dump
+  directory is set, and ``graph.json`` after the last pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from capturepass.ir import meta, printer
+from capturepass.ir import verify as ir_verify
+from capturepass.passes.base import Pass, PassContext
+from capturepass.passes.pipeline import PIPELINE
+
+log = logging.getLogger("capturepass")
+
+
+def _index(p: Pass) -> int:
+    for i, cls in enumerate(PIPELINE):
+        if isinstance(p, cls):
+            return i
+    return len(PIPELINE)
+
+
+@dataclasses.dataclass
+class Observer:
+    """Runs passes with timing, dumps, counters and optional verification.
+
+    Attributes:
+        dump_dir: where this graph's dumps go, or ``None``.
+        verify_each: verify after every pass.
+        timings: seconds per pass name, accumulated.
+    """
+
+    dump_dir: str | None = None
+    verify_each: bool = False
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    settings: printer.PrintSettings = dataclasses.field(default_factory=printer.PrintSettings)
+
+    def run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
+        """Runs ``passes`` on ``gm``; returns ``(file name, dump text)`` of each pass."""
+        dumps: list[tuple[str, str]] = []
+        for p in passes:
+            start = time.perf_counter()
+            p.run(gm, ctx)
+            elapsed = time.perf_counter() - start
+            self.timings[p.name] = self.timings.get(p.name, 0.0) + elapsed
+            log.debug("capturepass: pass %s took %.3f ms on %s", p.name, elapsed * 1e3, meta.graph_info(gm).name)
+            if p.stage == "aten":
+                gi = meta.graph_info(gm)
+                meta.update_graph(gm, properties=gi.properties | frozenset(p.ensures))
+                if self.verify_each and p.name not in ("verify", "emit"):
+                    ir_verify.verify(gm)
+            if self.dump_dir is not None:
+                fname = f"{_index(p):03d}_{p.name}.txt"
+                text = printer.dump(gm, title=f"after {p.name}", settings=self.settings)
+                if p.name == "emit" and "program" in ctx.artifacts:
+                    text += "\n# outer program\n" + ctx.artifacts["program"].code().strip() + "\n"
+                dumps.append((fname, text))
+        return dumps
+
+    def write(self, dumps: Sequence[tuple[str, str]], gm: fx.GraphModule | None = None) -> None:
+        """Writes dump files (and ``graph.json`` for ``gm``) into the dump directory."""
+        if self.dump_dir is None:
+            return
+        os.makedirs(self.dump_dir, exist_ok=True)
+        for fname, text in dumps:
+            with open(os.path.join(self.dump_dir, fname), "w") as f:
+                f.write(text)
+        if gm is not None:
+            with open(os.path.join(self.dump_dir, "graph.json"), "w") as f:
+                f.write(printer.dumps_json(gm))
