@@ -1,0 +1,7 @@
+"""``python -m capturepass show DIR``."""
+
+import sys
+
+from capturepass.cli import main
+
+sys.exit(main())

@@ -1,0 +1,133 @@
+"""``capturepass show DIR``: what capturepass did, read back from a dump directory.
+
+Prints, for every compiled graph under ``DIR`` (each a directory holding
+``graph.json``), the lanes, records, waits, event leases, retained owners and
+segments, every graph break with its reason, every wait with the dependency
+that made it necessary, and the decisions the passes logged. ``--json`` prints
+the same summary as one JSON object whose keys are ``lanes``, ``records``,
+``waits``, ``leases``, ``retained``, ``segments``, ``breaks`` (totals over the
+graphs; ``lanes`` is the most any graph uses) and ``graphs`` (one such object
+per graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+SUMMARY_KEYS = ("lanes", "records", "waits", "leases", "retained", "segments", "breaks")
+
+
+def _graph_dirs(root: str) -> list[str]:
+    if os.path.isfile(os.path.join(root, "graph.json")):
+        return [root]
+    found = []
+    for dirpath, _dirnames, filenames in sorted(os.walk(root)):
+        if "graph.json" in filenames:
+            found.append(dirpath)
+    return sorted(found)
+
+
+def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
+    """The summary of one ``graph.json`` document."""
+    nodes = graph["nodes"]
+    records = [n for n in nodes if n["effect"] == "record"]
+    waits = [n for n in nodes if n["effect"] == "wait"]
+    retains = [n for n in nodes if n["effect"] == "retain"]
+    leases = sorted({n["lease"] for n in records + waits if "lease" in n})
+    retained = sum(len(n["args"]) + len(n.get("resources", [])) for n in retains)
+    return {
+        "name": name,
+        "graph": graph["graph"],
+        "owner": graph["owner"],
+        "cudagraphs": graph["cudagraphs"],
+        "lane_names": graph["lanes"],
+        "lanes": len(graph["lanes"]),
+        "records": len(records),
+        "waits": len(waits),
+        "leases": len(leases),
+        "retained": retained,
+        "segments": len(graph["segments"]),
+        "breaks": [dict(b, graph=name) for b in graph["breaks"]],
+        "releases": sum(1 for n in nodes if n["effect"] == "release"),
+        "wait_reasons": [
+            {"node": n["name"], "lane": n["lane"], "event": n.get("event"), "role": n.get("role"),
+             "lease": n.get("lease"), "why": n.get("why")}
+            for n in waits
+        ],
+        "decisions": graph.get("decisions", []),
+    }
+
+
+def summarize(root: str) -> dict[str, Any]:
+    """The summary of every graph under ``root``, with totals."""
+    graphs = []
+    for d in _graph_dirs(root):
+        with open(os.path.join(d, "graph.json")) as f:
+            graphs.append(summarize_graph(json.load(f), os.path.relpath(d, root) if d != root else os.path.basename(d)))
+    if not graphs:
+        raise FileNotFoundError(f"no capturepass dump (graph.json) under {root!r}")
+    total: dict[str, Any] = {
+        "lanes": max(g["lanes"] for g in graphs),
+        "breaks": [b for g in graphs for b in g["breaks"]],
+    }
+    for key in ("records", "waits", "leases", "retained", "segments"):
+        total[key] = sum(g[key] for g in graphs)
+    total["graphs"] = graphs
+    return total
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The human-readable form of :func:`summarize`."""
+    lines = []
+    for g in summary["graphs"]:
+        lanes = " ".join(f"s{i}={n}" for i, n in enumerate(g["lane_names"]))
+        lines.append(f"graph {g['name']} ({g['graph']}, owner {g['owner']}, cudagraphs={g['cudagraphs']})")
+        lines.append(f"  lanes {g['lanes']}: {lanes}")
+        lines.append(
+            f"  records {g['records']}, waits {g['waits']}, leases {g['leases']}, releases {g['releases']}, "
+            f"retained {g['retained']}, segments {g['segments']}, breaks {len(g['breaks'])}"
+        )
+        for w in g["wait_reasons"]:
+            lines.append(
+                f"  wait %{w['node']} on s{w['lane']} for {w['event']} ({w['role']}, lease {w['lease']}): {w['why']}"
+            )
+        for b in g["breaks"]:
+            where = f" at %{b['node']}" if b["node"] else ""
+            lines.append(f"  break ({b['source']}){where}: {b['reason']}")
+        for d in g["decisions"]:
+            lines.append(f"  decision: {d}")
+    lines.append(
+        "total: " + ", ".join(
+            f"{k} {summary[k] if k != 'breaks' else len(summary[k])}" for k in SUMMARY_KEYS
+        )
+    )
+    return "\n".join(lines)
+
+
+def summarize_dir(root: str) -> str:
+    """:func:`format_summary` of :func:`summarize` (used by the examples)."""
+    return format_summary(summarize(root))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``capturepass`` console script."""
+    parser = argparse.ArgumentParser(prog="capturepass", description="Inspect capturepass dumps.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="summarize a dump directory")
+    show.add_argument("dir", help="a dump directory (the dump_dir option, or one graph's folder in it)")
+    show.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        summary = summarize(args.dir)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
+        print(f"capturepass show: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1, sort_keys=True))
+    else:
+        print(format_summary(summary))
+    return 0

@@ -1,0 +1,51 @@
+"""A MoE block with a shared expert, compiled by capturepass with no stream code.
+
+Run: ``python examples/moe_shared_expert.py [--device cuda] [--tokens 16] [--dump DIR]``
+
+capturepass finds the shared expert and the routed experts independent, puts
+them on separate lanes (CUDA streams on a GPU), inserts the events between
+them, and checks the result against eager. It prints what it did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from capturepass.cli import summarize_dir
+from capturepass.testing.models import MoEBlock
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--dump", default=None, help="dump directory (default: a temporary one)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    big = args.device == "cuda"
+    model = MoEBlock(*((4096, 11008, 8, 1408, 2) if big else ()), device=args.device,
+                     dtype=torch.bfloat16 if big else torch.float32)
+    x = torch.randn(args.tokens, model.wg.shape[1], device=args.device, dtype=model.wg.dtype)
+    dump = args.dump or tempfile.mkdtemp(prefix="capturepass-")
+    compiled = torch.compile(model, backend="capturepass", options={"dump_dir": dump, "inner": args.inner})
+    with torch.no_grad():
+        expected = model(x)
+        got = compiled(x)
+        x2 = torch.randn_like(x)
+        again = compiled(x2)
+        expected2 = model(x2)
+    tol = dict(atol=2e-2, rtol=2e-2) if big else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, expected, **tol)
+    torch.testing.assert_close(again, expected2, **tol)
+    print(summarize_dir(dump))
+    print(f"result equals eager on {args.device} (two calls, new input values): OK")
+    print(f"annotated IR per pass: {dump}")
+
+
+if __name__ == "__main__":
+    main()

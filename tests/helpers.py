@@ -1,0 +1,83 @@
+"""Shared test helpers: build annotated ATen graphs, run passes, dump them one way."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from capturepass.capabilities import REGISTRY, CapabilityRegistry
+from capturepass.ir import meta, printer
+from capturepass.ir.meta import GraphInfo, OwnerId
+from capturepass.options import Options
+from capturepass.passes.base import PassContext
+from capturepass.passes.observer import Observer
+from capturepass.passes.pipeline import default_pipeline
+
+_owners = itertools.count(1000)
+
+
+def aten_graph(
+    fn: Callable,
+    *inputs: Any,
+    name: str = "inference",
+    cudagraphs: str = "none",
+    static_inputs: Iterable[int] = (),
+    tracing_mode: str = "fake",
+) -> fx.GraphModule:
+    """Traces ``fn`` to a functional ATen graph with fake values and a graph record."""
+    with torch.fx.traceback.preserve_node_meta():
+        gm = make_fx(fn, tracing_mode=tracing_mode)(*inputs)
+    meta.set_graph_info(
+        gm,
+        GraphInfo(
+            name=name,
+            owner=OwnerId(next(_owners)),
+            cudagraphs=cudagraphs,
+            static_inputs=frozenset(static_inputs),
+        ),
+    )
+    return gm
+
+
+def context(registry: CapabilityRegistry | None = None, **options: Any) -> PassContext:
+    """A pass context with validated options."""
+    options.setdefault("inner", "eager")
+    return PassContext(options=Options.from_mapping(options), registry=registry or REGISTRY)
+
+
+def run_passes(
+    gm: fx.GraphModule,
+    upto: str,
+    ctx: PassContext | None = None,
+    verify_each: bool = True,
+    **options: Any,
+) -> PassContext:
+    """Runs the ATen-stage pipeline on ``gm`` up to and including the pass named ``upto``."""
+    ctx = ctx or context(**options)
+    passes = [p for p in default_pipeline(ctx.registry.key()) if p.stage == "aten"]
+    names = [p.name for p in passes]
+    if upto not in names:
+        raise ValueError(f"no pass {upto!r}; passes are {names}")
+    passes = passes[: names.index(upto) + 1]
+    Observer(verify_each=verify_each).run(passes, gm, ctx)
+    return ctx
+
+
+def dump(gm: fx.GraphModule, **settings: Any) -> str:
+    """The canonical dump every golden test compares (no title, shapes on)."""
+    return printer.dump(gm, settings=printer.PrintSettings(**settings))
+
+
+def nodes_named(gm: fx.GraphModule, prefix: str) -> list[fx.Node]:
+    """Nodes whose name starts with ``prefix``."""
+    return [n for n in gm.graph.nodes if n.name.startswith(prefix)]
+
+
+def sync_nodes(gm: fx.GraphModule, effect: meta.Effect) -> list[fx.Node]:
+    """Nodes with the given effect, in program order."""
+    return [n for n in gm.graph.nodes if meta.effect_of(n) is effect]
