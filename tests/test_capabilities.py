@@ -1,0 +1,418 @@
+"""The capability registry: declarations in every form, defaults, launch plans, the cache key.
+
+Every op these tests define lives in the test-private ``cptest_caps`` namespace,
+and every declaration is made through the ``declared`` fixture, which forgets it
+afterwards and checks that the global registry's key is back where it started.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+import torch.fx as fx
+
+import capturepass
+from capturepass.capabilities import REGISTRY, CallInfo, CapabilityRegistry, op_qualname
+from capturepass.errors import CapabilityError
+from capturepass.ir.meta import Capability
+from tests.helpers import aten_graph
+
+NS = "cptest_caps"
+_fresh_names = itertools.count()
+
+
+def _fresh(stem: str) -> str:
+    """A new op name: custom ops cannot be defined twice in one process."""
+    return f"{NS}::{stem}_{next(_fresh_names)}"
+
+
+@torch.library.custom_op(f"{NS}::scale", mutates_args=())
+def scale(x: torch.Tensor) -> torch.Tensor:
+    """A plain custom op the tests declare in every accepted form."""
+    return x * 2
+
+
+@scale.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NS}::plan", mutates_args=())
+def plan(x: torch.Tensor) -> torch.Tensor:
+    """A custom op whose capability comes from a launch-plan callable."""
+    return x + 1
+
+
+@plan.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NS}::undeclared", mutates_args=())
+def undeclared(x: torch.Tensor) -> torch.Tensor:
+    """A custom op nobody declares."""
+    return x - 1
+
+
+@undeclared.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NS}::unsafe", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def unsafe(x: torch.Tensor) -> torch.Tensor:
+    """A custom op tagged as unsafe to capture."""
+    return x.clone()
+
+
+@unsafe.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@pytest.fixture
+def declared():
+    """Collects ops the test declares on the global registry and forgets them afterwards."""
+    before = REGISTRY.key()
+    ops: list = []
+    yield ops
+    for op in ops:
+        REGISTRY.unregister(op)
+    assert REGISTRY.key() == before, "a test left a capability declared on the global registry"
+
+
+def _calls(gm: fx.GraphModule, qualname: str) -> list[fx.Node]:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.name == qualname
+    ]
+
+
+def _only_call(gm: fx.GraphModule, qualname: str) -> fx.Node:
+    nodes = _calls(gm, qualname)
+    assert len(nodes) == 1, f"expected one call of {qualname}, found {len(nodes)}"
+    return nodes[0]
+
+
+def _scale_node() -> fx.Node:
+    gm = aten_graph(lambda x: torch.ops.cptest_caps.scale(x).relu(), torch.randn(4, 8))
+    return _only_call(gm, f"{NS}::scale")
+
+
+# -- declaration forms ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(lambda: f"{NS}::scale", id="string"),
+        pytest.param(lambda: f"{NS}::scale.default", id="string-with-overload"),
+        pytest.param(lambda: torch.ops.cptest_caps.scale.default, id="overload"),
+        pytest.param(lambda: torch.ops.cptest_caps.scale, id="packet"),
+        pytest.param(lambda: scale, id="custom-op-object"),
+    ],
+)
+def test_register_forms_all_name_the_same_op(declared, form):
+    op = form()
+    assert op_qualname(op) == f"{NS}::scale"
+    node = _scale_node()
+    # Undeclared, a custom op is serialized by default; a declaration makes it safe.
+    assert REGISTRY.query(node).source == "default"
+    capturepass.register_capability(op, overlap="safe", resources=("workspace",))
+    declared.append(op)
+    cap = REGISTRY.query(node)
+    assert cap == Capability(
+        capturable=True,
+        overlap="safe",
+        reason="declared overlap=safe",
+        resources=("workspace",),
+        source="registry",
+    )
+
+
+def test_unregister_by_another_form(declared):
+    node = _scale_node()
+    capturepass.register_capability(f"{NS}::scale", capturable=False, overlap="serialize")
+    cap = REGISTRY.query(node)
+    assert (cap.capturable, cap.overlap, cap.source) == (False, "serialize", "registry")
+    assert "not capturable" in cap.reason
+    REGISTRY.unregister(scale)  # the custom-op object names the op declared by string
+    assert REGISTRY.query(node).source == "default"
+
+
+def test_redeclaring_replaces_the_answer(declared):
+    node = _scale_node()
+    capturepass.register_capability(torch.ops.cptest_caps.scale, overlap="serialize")
+    declared.append(scale)
+    assert REGISTRY.query(node).overlap == "serialize"
+    capturepass.register_capability(torch.ops.cptest_caps.scale.default, overlap="safe")
+    assert REGISTRY.query(node).overlap == "safe"
+
+
+def test_decorator_next_to_custom_op(declared):
+    name = _fresh("decorated")
+
+    @capturepass.capability(overlap="serialize", resources=("scratch",))
+    @torch.library.custom_op(name, mutates_args=())
+    def decorated(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    declared.append(name)
+
+    @decorated.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    # The decorator hands back the custom op itself: it still runs and traces.
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(decorated(x), x * 3)
+    op = getattr(getattr(torch.ops, NS), name.split("::")[1])
+    gm = aten_graph(lambda x: op(x), x)
+    cap = REGISTRY.query(_only_call(gm, name))
+    assert (cap.overlap, cap.resources, cap.source) == ("serialize", ("scratch",), "registry")
+
+
+# -- invalid declarations ------------------------------------------------------------------------
+
+
+def test_invalid_overlap_lists_the_choices():
+    with pytest.raises(CapabilityError, match=r"'safe', 'serialize'.*got 'sometimes'") as info:
+        capturepass.register_capability(f"{NS}::scale", overlap="sometimes")
+    assert f"{NS}::scale" in str(info.value)
+    assert REGISTRY.query(_scale_node()).source == "default"  # nothing was declared
+
+
+def test_invalid_capturable_is_refused():
+    with pytest.raises(CapabilityError, match=r"capturable must be a bool, got 'yes'"):
+        capturepass.register_capability(f"{NS}::scale", capturable="yes")
+
+
+@pytest.mark.parametrize(
+    "op, pattern",
+    [
+        ("scale", r"must be qualified as 'namespace::name'"),
+        (42, r"pass an op name 'ns::name', a torch.ops overload or packet, or a torch.library.custom_op"),
+        (torch.sin, r"pass an op name 'ns::name'"),
+    ],
+)
+def test_invalid_op_is_refused(op, pattern):
+    with pytest.raises(CapabilityError, match=pattern):
+        capturepass.register_capability(op)
+
+
+# -- defaults ------------------------------------------------------------------------------------
+
+
+def test_undeclared_custom_op_is_serialized_and_logged_once(caplog):
+    registry = CapabilityRegistry()  # its own "already warned" set
+    gm = aten_graph(lambda x: torch.ops.cptest_caps.undeclared(x) * 2, torch.randn(4))
+    node = _only_call(gm, f"{NS}::undeclared")
+    caplog.set_level(logging.INFO, logger="capturepass")
+    first = registry.query(node)
+    assert (first.capturable, first.overlap, first.source) == (True, "serialize", "default")
+    assert f"{NS}::undeclared" in first.reason
+    lines = [r.getMessage() for r in caplog.records if r.name == "capturepass"]
+    assert len(lines) == 1, lines
+    assert f"{NS}::undeclared" in lines[0]
+    assert "\n" not in lines[0]
+    caplog.clear()
+    assert registry.query(node) == first
+    assert [r for r in caplog.records if r.name == "capturepass"] == []
+
+
+def test_aten_ops_are_overlap_safe_without_a_log_line(caplog):
+    registry = CapabilityRegistry()
+    gm = aten_graph(lambda x, w: torch.mm(x, w).relu(), torch.randn(4, 4), torch.randn(4, 4))
+    caplog.set_level(logging.INFO, logger="capturepass")
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            cap = registry.query(node)
+            assert (cap.capturable, cap.overlap, cap.source) == (True, "safe", "default"), node.name
+    assert [r for r in caplog.records if r.name == "capturepass"] == []
+
+
+def test_cudagraph_unsafe_tag_is_not_capturable():
+    gm = aten_graph(lambda x: torch.ops.cptest_caps.unsafe(x) + 1, torch.randn(4))
+    cap = REGISTRY.query(_only_call(gm, f"{NS}::unsafe"))
+    assert cap.capturable is False
+    assert "cudagraph_unsafe" in cap.reason
+
+
+def test_item_is_not_capturable():
+    gm = aten_graph(lambda x: x * x.sum().item(), torch.randn(4))
+    cap = REGISTRY.query(_only_call(gm, "aten::_local_scalar_dense"))
+    assert cap.capturable is False
+    assert cap.reason.startswith("host sync")
+
+
+def test_nonzero_is_not_capturable():
+    gm = aten_graph(lambda x: torch.nonzero(x), torch.randn(4, 4), tracing_mode="symbolic")
+    cap = REGISTRY.query(_only_call(gm, "aten::nonzero"))
+    assert cap.capturable is False
+    assert "depends on data" in cap.reason
+
+
+def test_integer_index_is_capturable():
+    """aten.index.Tensor carries the dynamic_output_shape tag (for boolean masks); with an
+    integer index the output size is known, so it must stay capturable."""
+    gm = aten_graph(lambda x, i: x[i], torch.randn(4, 4), torch.tensor([0, 2]))
+    cap = REGISTRY.query(_only_call(gm, "aten::index"))
+    assert (cap.capturable, cap.overlap) == (True, "safe")
+
+
+def test_boolean_mask_index_is_not_capturable():
+    gm = aten_graph(lambda x, m: x[m], torch.randn(4, 4), torch.tensor([True, False, True, True]),
+                    tracing_mode="symbolic")
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not REGISTRY.query(n).capturable]
+    assert nodes, "a boolean-mask index has a data-dependent size and must not be capturable"
+
+
+# -- launch plans ----------------------------------------------------------------------------------
+
+
+def _plan_graph(tracing_mode: str = "fake") -> fx.GraphModule:
+    def fn(a, b, c):
+        return torch.ops.cptest_caps.plan(a), torch.ops.cptest_caps.plan(b), torch.ops.cptest_caps.plan(c)
+
+    return aten_graph(fn, torch.randn(4, 8), torch.randn(4, 8), torch.randn(2, 8), tracing_mode=tracing_mode)
+
+
+def test_launch_plan_called_once_per_shape_and_cached(declared):
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> dict:
+        seen.append(call)
+        big = call.shapes[0][0] >= 4
+        return {"overlap": "serialize" if big else "safe", "reason": f"rows={call.shapes[0][0]}"}
+
+    capturepass.register_capability(plan, overlap=launch_plan)
+    declared.append(plan)
+    nodes = _calls(_plan_graph(), f"{NS}::plan")
+    assert len(nodes) == 3
+    caps = [REGISTRY.query(n) for n in nodes]
+    assert [c.overlap for c in caps] == ["serialize", "serialize", "safe"]
+    assert [c.reason for c in caps] == ["rows=4", "rows=4", "rows=2"]
+    assert {c.source for c in caps} == {"launch-plan"}
+    assert [c.shapes for c in seen] == [((4, 8),), ((2, 8),)]
+    assert {c.op for c in seen} == {f"{NS}::plan"}
+    assert {c.dtypes for c in seen} == {(torch.float32,)}
+    assert {str(c.device) for c in seen} == {"cpu"}
+    assert {c.sm_count for c in seen} == {None}
+    # Asked again: answered from the cache.
+    assert [REGISTRY.query(n) for n in nodes] == caps
+    assert len(seen) == 2
+    # Re-declaring drops the cache.
+    capturepass.register_capability(plan, overlap=launch_plan)
+    REGISTRY.query(nodes[0])
+    assert len(seen) == 3
+
+
+def test_launch_plan_sees_shape_hints_when_dynamic(declared):
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> Capability:
+        seen.append(call)
+        return Capability(overlap="safe")
+
+    capturepass.register_capability(plan, overlap=launch_plan)
+    declared.append(plan)
+    nodes = _calls(_plan_graph("symbolic"), f"{NS}::plan")
+    caps = [REGISTRY.query(n) for n in nodes]
+    assert {c.reason for c in caps} == {"launch plan"}
+    assert sorted({c.shapes for c in seen}) == [((2, 8),), ((4, 8),)]
+    for call in seen:
+        assert all(type(d) is int for shape in call.shapes for d in shape)
+
+
+def test_launch_plan_that_raises_names_op_and_node(declared):
+    def launch_plan(call: CallInfo) -> dict:
+        raise ValueError("no plan for this shape")
+
+    capturepass.register_capability(plan, overlap=launch_plan)
+    declared.append(plan)
+    node = _calls(_plan_graph(), f"{NS}::plan")[0]
+    with pytest.raises(CapabilityError) as info:
+        REGISTRY.query(node)
+    msg = str(info.value)
+    assert f"{NS}::plan" in msg
+    assert f"%{node.name}" in msg
+    assert "ValueError: no plan for this shape" in msg
+    assert "(4, 8)" in msg
+
+
+@pytest.mark.parametrize(
+    "answer, pattern",
+    [
+        ({"overlap": "whenever"}, r"answered overlap='whenever'"),
+        ({"overlap": "safe", "colour": "red"}, r"unknown field\(s\) \['colour'\]; valid fields are"),
+        ("safe", r"must return a Capability or a mapping"),
+    ],
+)
+def test_launch_plan_with_invalid_answer(declared, answer, pattern):
+    capturepass.register_capability(plan, overlap=lambda call: answer)
+    declared.append(plan)
+    node = _calls(_plan_graph(), f"{NS}::plan")[0]
+    with pytest.raises(CapabilityError, match=pattern):
+        REGISTRY.query(node)
+
+
+def test_launch_plan_mapping_inherits_declared_fields(declared):
+    capturepass.register_capability(
+        plan, capturable=False, overlap=lambda call: {"overlap": "safe"}, resources=("ws",)
+    )
+    declared.append(plan)
+    cap = REGISTRY.query(_calls(_plan_graph(), f"{NS}::plan")[0])
+    assert (cap.capturable, cap.overlap, cap.resources, cap.source) == (False, "safe", ("ws",), "launch-plan")
+
+
+# -- the cache key ---------------------------------------------------------------------------------
+
+
+def test_key_changes_when_a_declaration_changes(declared):
+    k0 = REGISTRY.key()
+    declared.append(scale)
+    capturepass.register_capability(scale, overlap="safe")
+    k1 = REGISTRY.key()
+    capturepass.register_capability(scale, overlap="serialize")
+    k2 = REGISTRY.key()
+    capturepass.register_capability(scale, overlap="serialize", capturable=False)
+    k3 = REGISTRY.key()
+    capturepass.register_capability(scale, overlap="serialize", capturable=False, resources=("ws",))
+    k4 = REGISTRY.key()
+    assert len({k0, k1, k2, k3, k4}) == 5
+    capturepass.register_capability(scale, overlap="serialize", capturable=False, resources=("ws",))
+    assert REGISTRY.key() == k4  # the same declaration again: the same key
+    REGISTRY.unregister(scale)
+    assert REGISTRY.key() == k0
+
+
+def test_key_changes_with_the_launch_plan_source(declared):
+    def plan_a(call: CallInfo) -> dict:
+        return {"overlap": "safe"}
+
+    def plan_b(call: CallInfo) -> dict:
+        return {"overlap": "serialize"}
+
+    declared.append(plan)
+    capturepass.register_capability(plan, overlap=plan_a)
+    ka = REGISTRY.key()
+    capturepass.register_capability(plan, overlap=plan_b)
+    assert REGISTRY.key() != ka
+    capturepass.register_capability(plan, overlap=plan_a)
+    assert REGISTRY.key() == ka
+
+
+def test_key_is_order_independent():
+    r1, r2 = CapabilityRegistry(), CapabilityRegistry()
+    r1.register(f"{NS}::a", overlap="safe")
+    r1.register(f"{NS}::b", overlap="serialize")
+    r2.register(f"{NS}::b", overlap="serialize")
+    r2.register(f"{NS}::a", overlap="safe")
+    assert r1.key() == r2.key()
+    assert r1.key() != CapabilityRegistry().key()
