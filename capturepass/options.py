@@ -39,6 +39,12 @@ class Options:
             "monolithic on CUDA, none elsewhere" and is resolved per graph.
         dump_dir: directory for the per-pass dumps, or ``None``.
         verify: run the verifier after every pass.
+        capture_sizes: batch sizes to capture up front (dim 0 of the first
+            dynamic input), as engines pre-capture.
+        max_captures: capture shapes kept per graph; beyond it new shapes run
+            uncaptured (logged once).
+        static_outputs: return replayed outputs without copying them out of the
+            graph's pool (they are overwritten by the next call).
     """
 
     policy: str = "auto"
@@ -47,6 +53,9 @@ class Options:
     cudagraphs: str | None = None
     dump_dir: str | None = None
     verify: bool = False
+    capture_sizes: tuple[int, ...] = ()
+    max_captures: int = 16
+    static_outputs: bool = False
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -67,6 +76,13 @@ class Options:
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
         if "verify" not in options and os.environ.get(VERIFY_ENV):
             options["verify"] = os.environ[VERIFY_ENV] not in ("", "0", "false", "False")
+        if "capture_sizes" in options:
+            sizes = options["capture_sizes"]
+            if not isinstance(sizes, (list, tuple)) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes
+            ):
+                raise OptionError(f"option 'capture_sizes' must be a list of positive ints, got {sizes!r}")
+            options["capture_sizes"] = tuple(sorted(set(sizes), reverse=True))
         opts = cls(**options)
         opts._validate()
         return opts
@@ -86,6 +102,10 @@ class Options:
             )
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise OptionError(f"option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
+        if isinstance(self.max_captures, bool) or not isinstance(self.max_captures, int) or self.max_captures < 1:
+            raise OptionError(f"option 'max_captures' must be a positive int, got {self.max_captures!r}")
+        if not isinstance(self.static_outputs, bool):
+            raise OptionError(f"option 'static_outputs' must be True or False, got {self.static_outputs!r}")
         if not isinstance(self.verify, bool):
             raise OptionError(f"option 'verify' must be True or False, got {self.verify!r}")
 

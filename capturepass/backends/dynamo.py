@@ -39,6 +39,7 @@ from capturepass.options import Options
 from capturepass.passes.base import PassContext
 from capturepass.passes.observer import Observer
 from capturepass.passes.pipeline import default_pipeline
+from capturepass.runtime.executor import Executor
 
 log = logging.getLogger("capturepass")
 
@@ -98,6 +99,7 @@ class CompiledGraph:
     counters: dict
     timings: dict
     dump_dir: str | None
+    executor: Any = None
 
 
 _last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
@@ -147,11 +149,20 @@ def _aten_compiler(
             kind, len(gi.lanes), len(gi.segments), len(program.regions),
         )
 
-        def run(args: list[Any]) -> Any:
-            return program(*args)
+        executor = Executor(
+            program,
+            max_captures=opts.max_captures,
+            static_outputs=opts.static_outputs,
+            capture_sizes=opts.capture_sizes if kind != "backward" else (),
+        )
+        _last_compiled[-1].executor = executor
 
+        def run(args: list[Any]) -> Any:
+            return executor(args)
+
+        # AOT autograd calls boxed functions with one list, which it may clear to free inputs.
         run._boxed_call = True  # type: ignore[attr-defined]
-        run.program = program  # type: ignore[attr-defined]
+        run.executor = executor  # type: ignore[attr-defined]
         return run
 
     return compile_graph

@@ -197,5 +197,5 @@ class Emit(Pass):
         for step in steps:
             if step.kind == "region":
                 step.payload = specs[id(step.payload)]
-        ctx.artifacts["program"] = Program.build(gm, steps)
+        ctx.artifacts["program"] = Program(gm, steps)
         ctx.count(self.name, "regions", len(regions))

@@ -30,6 +30,17 @@ from capturepass.passes.pipeline import PIPELINE
 log = logging.getLogger("capturepass")
 
 
+def describe_program(program) -> str:
+    """The outer program's generated code, bound to a throwaway host owner (handles as in the IR)."""
+    from capturepass.runtime.owner import GraphOwner
+
+    owner = GraphOwner(program.info.name, len(program.info.lanes), None, captured=False)
+    try:
+        return program.bind(owner, owner.lanes("eager")).code().strip()
+    finally:
+        owner.close()
+
+
 def _index(p: Pass) -> int:
     for i, cls in enumerate(PIPELINE):
         if isinstance(p, cls):
@@ -70,7 +81,7 @@ class Observer:
                 fname = f"{_index(p):03d}_{p.name}.txt"
                 text = printer.dump(gm, title=f"after {p.name}", settings=self.settings)
                 if p.name == "emit" and "program" in ctx.artifacts:
-                    text += "\n# outer program\n" + ctx.artifacts["program"].code().strip() + "\n"
+                    text += "\n# outer program\n" + describe_program(ctx.artifacts["program"]) + "\n"
                 dumps.append((fname, text))
         return dumps
 

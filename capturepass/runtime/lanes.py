@@ -1,9 +1,14 @@
 """Lane runtimes: how a lane runs a region and how events order lanes.
 
-:class:`HostLanes` is the runtime of a graph whose tensors live on the host:
-there is one host thread, the program order already orders every lane, and
-records and waits only count. The CUDA runtime maps lanes to streams and leases
-to events with the same interface.
+A lane runtime is bound to one graph owner and one event scope. The integer
+handles in the IR (lanes, leases) resolve here to that owner's objects only:
+
+- :class:`HostLanes`: tensors on the host; program order already orders every
+  lane, so records and waits only count.
+- :class:`CudaLanes`: lane 0 is the current stream of the call (inside a
+  capture, the capture stream); every other lane is a stream the owner owns.
+  Leases become events from the :class:`~capturepass.runtime.events.EventPool`
+  under the owner's name and this runtime's scope.
 """
 
 from __future__ import annotations
@@ -12,11 +17,40 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from capturepass.ir.meta import LeaseId
+from capturepass.runtime.events import POOL, EventPool
+
+Runner = Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]
+
+
+def _call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+    return fn(*args)
+
 
 class Lanes:
-    """Interface of a lane runtime."""
+    """Base of lane runtimes: lease handles and counters."""
 
-    def region_runner(self, lane: int) -> Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]:
+    def __init__(self) -> None:
+        self.counters: Counter = Counter()
+        self._handles: dict[LeaseId, int] = {}
+
+    def lease_handle(self, lease: LeaseId | None) -> int:
+        """The integer handle of ``lease`` in this runtime (its event made on first use)."""
+        if lease is None:
+            raise ValueError("an event without a lease cannot run (lease_events did not run)")
+        handle = self._handles.get(lease)
+        if handle is None:
+            handle = self._handles[lease] = self.new_event(lease.role)
+        return handle
+
+    @property
+    def num_events(self) -> int:
+        """How many events this runtime holds."""
+        return len(self._handles)
+
+    def region_runner(self, lane: int) -> Runner:
         """A function ``run(fn, args)`` that runs a region on ``lane``."""
         raise NotImplementedError
 
@@ -33,34 +67,31 @@ class Lanes:
         raise NotImplementedError
 
     def release(self, *values: Any) -> None:
-        """The point where ``values`` may be freed (their last reference is the caller's)."""
+        """The point where ``values`` may be freed: the caller drops them right after."""
 
     def synchronize(self) -> None:
         """Waits for all work on every lane."""
 
     def close(self) -> None:
-        """Releases the runtime's events and streams."""
-
-
-def _call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
-    return fn(*args)
+        """Forgets the runtime's events."""
+        self._handles.clear()
 
 
 class HostLanes(Lanes):
     """Lanes of a host graph: program order is the only order; events are counted."""
 
     def __init__(self, num_lanes: int) -> None:
+        super().__init__()
         self.num_lanes = num_lanes
-        self.counters: Counter = Counter()
-        self._events: list[str] = []
+        self._roles: list[str] = []
 
-    def region_runner(self, lane: int) -> Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]:
+    def region_runner(self, lane: int) -> Runner:
         return _call
 
     def new_event(self, role: str) -> int:
-        self._events.append(role)
+        self._roles.append(role)
         self.counters[f"events_{role}"] += 1
-        return len(self._events) - 1
+        return len(self._roles) - 1
 
     def record(self, event: int, lane: int) -> None:
         self.counters["records"] += 1
@@ -68,5 +99,60 @@ class HostLanes(Lanes):
     def wait(self, event: int, lane: int) -> None:
         self.counters["waits"] += 1
 
+
+class CudaLanes(Lanes):
+    """Lanes on CUDA streams, with events leased from the pool for one owner and scope.
+
+    Args:
+        streams: the owner's auxiliary streams (index ``i - 1`` is lane ``i``).
+        owner: the owner's name (the pool's lease key).
+        scope: ``"eager"`` or ``"capture:<n>"``.
+        pool: the event pool.
+    """
+
+    def __init__(self, streams: list[torch.cuda.Stream], owner: str, scope: str, pool: EventPool = POOL) -> None:
+        super().__init__()
+        self.streams = streams
+        self.owner = owner
+        self.scope = scope
+        self.pool = pool
+        self._events: list[torch.cuda.Event] = []
+
+    def _stream(self, lane: int) -> torch.cuda.Stream:
+        return torch.cuda.current_stream() if lane == 0 else self.streams[lane - 1]
+
+    def region_runner(self, lane: int) -> Runner:
+        if lane == 0:
+            return _call
+        stream = self.streams[lane - 1]
+
+        def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+            with torch.cuda.stream(stream):
+                return fn(*args)
+
+        return run
+
+    def new_event(self, role: str) -> int:
+        self._events.append(self.pool.acquire(self.owner, self.scope, role))
+        return len(self._events) - 1
+
+    def record(self, event: int, lane: int) -> None:
+        self._events[event].record(self._stream(lane))
+
+    def wait(self, event: int, lane: int) -> None:
+        self._stream(lane).wait_event(self._events[event])
+
+    def release(self, *values: Any) -> None:
+        # The allocator frees on the allocating stream when the last reference dies,
+        # which the generated code does right after this call; insert_syncs placed the
+        # call where that stream already runs after every reader.
+        return None
+
+    def synchronize(self) -> None:
+        for s in self.streams:
+            s.synchronize()
+        torch.cuda.current_stream().synchronize()
+
     def close(self) -> None:
+        super().close()
         self._events.clear()

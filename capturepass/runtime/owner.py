@@ -1,103 +1,171 @@
-"""GraphOwner: one per compiled graph (and capture shape); owns what its captures reference.
+"""GraphOwner: one per compiled graph and capture shape; owns what its captures reference.
 
-An owner holds the event leases of its graph, the storage owners its captured
-segments retain, and the owner-bound resources bound to it; ``close()`` (or
-garbage collection) synchronizes its lanes and releases everything. Owners are
-numbered per process; a lease or a resource handle is never valid for another
-owner.
+An owner holds its lanes' streams, its event leases (one lane runtime per event
+scope: eager, each capture), its CUDA graphs and their private memory pool, the
+static buffers its graphs read and write, the storage owners its captures
+retain, and the owner-bound resources (workspaces) bound to it. ``close()`` (or
+garbage collection) synchronizes its streams and releases all of it; a lease,
+a workspace or a retained object is never valid for another owner.
 
-On a machine without CUDA nothing is captured, but the bookkeeping runs as it
-does on a GPU: when the graph's mode is a capturing one, a segment's first run
-stands for its capture and retains the segment's storage owners until
-``close()``, which tests observe with weak references.
+On a machine without CUDA nothing is captured, but the bookkeeping runs as on a
+GPU: when the graph's mode is a capturing one, a segment's first run stands for
+its capture and retains the segment's storage owners until ``close()``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from typing import Any
 
-from capturepass.ir.meta import GraphInfo, LeaseId, ResourceBinding
-from capturepass.runtime.lanes import HostLanes, Lanes
+import torch
+
+from capturepass.ir.meta import ResourceBinding
+from capturepass.runtime.events import POOL
+from capturepass.runtime.lanes import CudaLanes, HostLanes, Lanes
+
+log = logging.getLogger("capturepass")
 
 _ids = itertools.count()
 _live: "weakref.WeakSet[GraphOwner]" = weakref.WeakSet()
 _lock = threading.Lock()
 
+_HAS_RETAIN_OBJECT = hasattr(torch.cuda.CUDAGraph, "retain_object")
+
 
 class GraphOwner:
-    """Owns one compiled graph's leases, retained objects and resources.
+    """Owns one compiled graph's (one capture shape's) streams, events, graphs and retained objects.
+
+    Args:
+        graph_name: the graph's name (``"forward"``, ...), for messages.
+        num_lanes: lanes of the graph (lane 0 is the caller's stream).
+        device: the CUDA device, or ``None`` for a host graph.
+        captured: whether its segments are captured (CPU: simulated for bookkeeping).
 
     Attributes:
-        name: a process-unique name (``"g<N>:<graph>"``).
-        lanes: the lane runtime (streams and events, or host no-ops).
+        name: a process-unique name, ``"g<N>:<graph>"``.
         retained: per segment, the objects its capture keeps alive.
+        graphs: piece index -> captured CUDA graph.
     """
 
-    def __init__(self, graph_name: str, captured: bool, lanes: Lanes) -> None:
+    def __init__(self, graph_name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
         with _lock:
             self.id = next(_ids)
             _live.add(self)
         self.name = f"g{self.id}:{graph_name}"
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.num_lanes = num_lanes
         self.captured = captured
-        self.lanes = lanes
+        self.streams: list[torch.cuda.Stream] = (
+            [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
+        )
+        self._scopes: dict[str, Lanes] = {}
         self.retained: dict[int, list[Any]] = {}
-        self._leases: dict[LeaseId, int] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None
+        self.static: dict[str, Any] = {}
+        self.capturing: int | None = None
         self._resources: dict[ResourceBinding, int] = {}
+        self.workspaces: dict[tuple[int, str], torch.Tensor] = {}
         self.closed = False
 
-    @classmethod
-    def for_graph(cls, gi: GraphInfo) -> "GraphOwner":
-        """The owner of a graph that runs on the host (no CUDA streams)."""
-        return cls(gi.name, gi.captured, HostLanes(len(gi.lanes)))
+    # -- lanes and events ---------------------------------------------------------------------
+    def lanes(self, scope: str = "eager") -> Lanes:
+        """The lane runtime of ``scope`` (``"eager"``, ``"capture:<n>"``, ``"outer"``), made on first use."""
+        lanes = self._scopes.get(scope)
+        if lanes is None:
+            if self.device is None:
+                lanes = HostLanes(self.num_lanes)
+            else:
+                lanes = CudaLanes(self.streams, self.name, scope)
+            self._scopes[scope] = lanes
+        return lanes
 
-    def lease_handle(self, lease: LeaseId | None) -> int:
-        """The integer handle of ``lease`` in this owner (allocated on first use)."""
-        if lease is None:
-            raise ValueError(f"{self.name}: an event without a lease cannot run")
-        handle = self._leases.get(lease)
-        if handle is None:
-            handle = self._leases[lease] = self.lanes.new_event(lease.role)
-        return handle
+    @property
+    def num_leases(self) -> int:
+        """How many event leases this owner holds over all scopes."""
+        return sum(lanes.num_events for lanes in self._scopes.values())
+
+    def lane_of_stream(self, stream: Any) -> int:
+        """The lane a stream is, for this owner (0 when it is not one of the owner's streams)."""
+        for i, s in enumerate(self.streams):
+            if s == stream:
+                return i + 1
+        return 0
+
+    # -- retention and resources ----------------------------------------------------------------
+    def retain(self, segment: int, resources: tuple[int, ...], *objs: Any) -> None:
+        """Keeps ``objs`` alive as long as ``segment``'s capture (called at capture time)."""
+        if not self.captured:
+            return
+        if self.device is not None and self.capturing not in (segment, -1):
+            return  # replays and eager runs retain nothing new; -1 is a capture around us
+        if segment in self.retained and self.device is None:
+            return  # host: the first run stood for the capture
+        self.keep(segment, list(objs) + [self._resource_obj(h) for h in resources])
+
+    def keep(self, segment: int, objs: list[Any]) -> None:
+        """Ties ``objs`` to the capture of ``segment`` (``CUDAGraph.retain_object`` where torch has it)."""
+        self.retained.setdefault(segment, []).extend(objs)
+        graph = self.graphs.get(segment)
+        if _HAS_RETAIN_OBJECT and graph is not None:
+            for obj in objs:
+                graph.retain_object(obj)
 
     def resource_handle(self, binding: ResourceBinding) -> int:
         """The integer handle of an owner-bound resource."""
         return self._resources.setdefault(binding, len(self._resources))
 
-    def retain(self, segment: int, resources: tuple[int, ...], *objs: Any) -> None:
-        """Keeps ``objs`` alive for the life of ``segment``'s capture (first run only)."""
-        if not self.captured or segment in self.retained:
-            return
-        self.retained[segment] = list(objs) + [("resource", h) for h in resources]
-
-    @property
-    def num_leases(self) -> int:
-        """How many event leases this owner holds."""
-        return len(self._leases)
+    def _resource_obj(self, handle: int) -> Any:
+        for binding, h in self._resources.items():
+            if h == handle:
+                return binding
+        return handle
 
     @property
     def num_retained(self) -> int:
         """How many objects this owner's captures retain."""
         return sum(len(v) for v in self.retained.values())
 
+    # -- teardown ---------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Waits for every lane of this owner."""
+        if self.device is not None:
+            for s in self.streams:
+                s.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
     def close(self) -> None:
-        """Synchronizes the lanes and releases leases, retained objects and resources."""
+        """Synchronizes, then releases graphs, pool, static buffers, leases, retained objects and workspaces."""
         if self.closed:
             return
-        self.lanes.synchronize()
-        self.retained.clear()
-        self._leases.clear()
-        self._resources.clear()
-        self.lanes.close()
         self.closed = True
+        try:
+            self.synchronize()
+        finally:
+            for lanes in self._scopes.values():
+                lanes.close()
+            self._scopes.clear()
+            POOL.release_owner(self.name)
+            self.graphs.clear()
+            self.static.clear()
+            self.retained.clear()
+            self._resources.clear()
+            self.workspaces.clear()
+            self.pool = None
+            self.streams = []
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:
             pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.graphs)} graph(s), {self.num_retained} retained"
+        return f"<GraphOwner {self.name}: {state}>"
 
 
 def live_owners() -> list[GraphOwner]:

@@ -1,9 +1,13 @@
 """The outer program: regions and ``capturepass::`` ops, run in program order.
 
-``Program.build`` turns emit's step list into an FX graph whose nodes call the
-compiled regions and the owner's runtime (record, wait, release, retain, by
-integer handle), and lets FX generate its Python code. The generated code drops
-every value right after its last use, which is exactly where ``insert_syncs``
+emit hands over a list of steps (region calls, records, waits, releases,
+retentions). ``Program`` groups them into *pieces*: one per capture segment,
+and one per break (a non-capturable region run eagerly between segments). Each
+piece becomes its own FX graph taking its live-in values and returning its
+live-out values; ``Program.bind`` generates the Python of every piece against
+one graph owner's lanes (its streams and its event leases), so the integer
+handles in the IR resolve to that owner's objects only. FX's generated code
+drops every value right after its last use, which is where ``insert_syncs``
 put a ``release`` when the default free would have raced another lane.
 """
 
@@ -12,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from capturepass.ir import meta
-from capturepass.ir.meta import LaneId
-from capturepass.runtime.owner import GraphOwner
+from capturepass.ir.meta import GraphInfo, LaneId
+
+if TYPE_CHECKING:
+    from capturepass.runtime.lanes import Lanes
+    from capturepass.runtime.owner import GraphOwner
 
 
 @dataclasses.dataclass
@@ -57,15 +64,34 @@ class RegionSpec:
     compiler: str
 
 
-class RegionCall:
-    """The callable an outer-program node invokes for one region."""
+@dataclasses.dataclass
+class Piece:
+    """A capture segment or a break, with the values it reads and provides.
 
-    def __init__(self, spec: RegionSpec, owner: GraphOwner) -> None:
+    Attributes:
+        kind: ``"segment"`` or ``"break"``.
+        segment: the segment index (``None`` for a break).
+        steps: its steps, in program order.
+        live_in: annotated-graph values it reads from outside.
+        live_out: values it produces that later pieces or the output read.
+    """
+
+    kind: str
+    segment: int | None
+    steps: list[Step]
+    live_in: list[fx.Node] = dataclasses.field(default_factory=list)
+    live_out: list[fx.Node] = dataclasses.field(default_factory=list)
+
+
+class RegionCall:
+    """The callable an outer-program node invokes for one region on one owner's lane."""
+
+    def __init__(self, spec: RegionSpec, run: Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]) -> None:
         self.spec = spec
         self.__name__ = f"region_{spec.index}"
         self.__qualname__ = self.__name__
         self._fn = spec.fn
-        self._run = owner.lanes.region_runner(spec.lane)
+        self._run = run
 
     def __call__(self, *args: Any) -> Sequence[Any]:
         return self._run(self._fn, args)
@@ -74,61 +100,148 @@ class RegionCall:
         return f"<region {self.spec.index} on s{self.spec.lane} ({self.spec.compiler})>"
 
 
+def _uses(step: Step) -> list[fx.Node]:
+    if step.kind == "region":
+        return list(step.payload.inputs)
+    if step.kind in ("release", "retain"):
+        return list(step.payload.all_input_nodes)
+    return []
+
+
+def _defs(step: Step) -> list[fx.Node]:
+    return list(step.payload.outputs) if step.kind == "region" else []
+
+
 class Program:
-    """A compiled graph: the outer program and the owner that runs it."""
+    """A compiled graph: its pieces, regions and output, independent of any owner.
 
-    def __init__(self, outer: fx.GraphModule, regions: list[RegionSpec], owner: GraphOwner) -> None:
-        self.outer = outer
-        self.regions = regions
-        self.owner = owner
+    Attributes:
+        info: the annotated graph's record (lanes, capture mode, owner).
+        inputs: the graph's placeholders, in order.
+        constants: ``get_attr`` values the pieces read.
+        pieces: segments and breaks in program order.
+        regions: every compiled region.
+        output: the output structure (annotated-graph nodes in a pytree).
+        static_inputs: input positions whose storage the caller keeps fixed.
+    """
 
-    @classmethod
-    def build(cls, gm: fx.GraphModule, steps: list[Step], owner: GraphOwner | None = None) -> "Program":
-        """Builds the outer program for an annotated graph ``gm`` from emit's steps."""
-        gi = meta.graph_info(gm)
-        owner = owner or GraphOwner.for_graph(gi)
-        outer = fx.Graph()
-        root = torch.nn.Module()
-        env: dict[fx.Node, fx.Node] = {}
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = outer.placeholder(node.name)
-            elif node.op == "get_attr":
-                setattr(root, node.target.replace(".", "_"), _fetch_attr(gm, node.target))
-                env[node] = outer.get_attr(node.target.replace(".", "_"))
-        regions: list[RegionSpec] = []
-        lanes = owner.lanes
-        for step in steps:
-            if step.kind == "region":
-                spec: RegionSpec = step.payload
-                regions.append(spec)
-                call = outer.call_function(RegionCall(spec, owner), tuple(env[n] for n in spec.inputs))
-                for k, out in enumerate(spec.outputs):
-                    env[out] = outer.call_function(operator.getitem, (call, k))
-                continue
-            node: fx.Node = step.payload
-            rec = meta.info(node)
-            if step.kind in ("record", "wait"):
-                handle = owner.lease_handle(rec.lease)
-                fn = lanes.record if step.kind == "record" else lanes.wait
-                outer.call_function(fn, (handle, step.lane.index))
-            elif step.kind == "release":
-                outer.call_function(lanes.release, tuple(env[a] for a in node.all_input_nodes))
-            elif step.kind == "retain":
-                seg = rec.segment.index if rec.segment is not None else -1
-                handles = tuple(owner.resource_handle(r) for r in rec.resources)
-                outer.call_function(owner.retain, (seg, handles) + tuple(env[a] for a in node.all_input_nodes))
+    def __init__(self, gm: fx.GraphModule, steps: list[Step]) -> None:
+        self.info: GraphInfo = meta.graph_info(gm)
+        self.inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.constants = {n: _fetch_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        outer.output(fx.node.map_arg(out_node.args[0], lambda n: env[n]))
-        outer_gm = fx.GraphModule(root, outer, class_name="CapturePassProgram")
-        return cls(outer_gm, regions, owner)
+        self.output = out_node.args[0]
+        self.static_inputs = self.info.static_inputs
+        self.regions = [s.payload for s in steps if s.kind == "region"]
+        self.pieces = self._split(steps, out_node)
+
+    @staticmethod
+    def _split(steps: list[Step], out_node: fx.Node) -> list[Piece]:
+        pieces: list[Piece] = []
+        for step in steps:
+            if step.kind == "region" and step.payload.eager:
+                pieces.append(Piece("break", None, [step]))
+                continue
+            seg = step.payload.segment if step.kind == "region" else _segment_of(step.payload)
+            if not pieces or pieces[-1].kind != "segment":
+                pieces.append(Piece("segment", seg, []))
+            pieces[-1].steps.append(step)
+        defined_in: dict[fx.Node, int] = {}
+        for i, piece in enumerate(pieces):
+            for step in piece.steps:
+                for d in _defs(step):
+                    defined_in[d] = i
+        needed_later: list[set[fx.Node]] = [set() for _ in pieces]
+        for i, piece in enumerate(pieces):
+            seen: set[fx.Node] = set()
+            for step in piece.steps:
+                for u in _uses(step):
+                    if defined_in.get(u) != i and u not in seen:
+                        seen.add(u)
+                        piece.live_in.append(u)
+                        if u in defined_in:
+                            needed_later[defined_in[u]].add(u)
+        for u in out_node.all_input_nodes:
+            if u in defined_in:
+                needed_later[defined_in[u]].add(u)
+        for i, piece in enumerate(pieces):
+            piece.live_out = [d for step in piece.steps for d in _defs(step) if d in needed_later[i]]
+        return pieces
+
+    def bind(self, owner: "GraphOwner", lanes: "Lanes") -> "BoundProgram":
+        """Generates every piece's code against ``owner``'s ``lanes`` (one event scope)."""
+        return BoundProgram(self, [_piece_module(p, owner, lanes) for p in self.pieces])
+
+
+class BoundProgram:
+    """A program bound to one owner's lanes: callable pieces and the value threading."""
+
+    def __init__(self, program: Program, modules: list[fx.GraphModule]) -> None:
+        self.program = program
+        self.modules = modules
+
+    def run_piece(self, index: int, env: dict[fx.Node, Any]) -> None:
+        """Runs piece ``index`` reading and extending ``env``."""
+        piece = self.program.pieces[index]
+        outs = self.modules[index](*[env[n] for n in piece.live_in])
+        for node, value in zip(piece.live_out, outs):
+            env[node] = value
+
+    def initial_env(self, args: Sequence[Any]) -> dict[fx.Node, Any]:
+        """The value environment for a call with ``args``."""
+        env: dict[fx.Node, Any] = dict(zip(self.program.inputs, args))
+        env.update(self.program.constants)
+        return env
+
+    def result(self, env: dict[fx.Node, Any]) -> Any:
+        """The graph's outputs from a finished environment."""
+        return fx.node.map_arg(self.program.output, lambda n: env[n])
 
     def __call__(self, *args: Any) -> Any:
-        return self.outer(*args)
+        env = self.initial_env(args)
+        for i in range(len(self.modules)):
+            self.run_piece(i, env)
+        return self.result(env)
 
     def code(self) -> str:
-        """The generated Python of the outer program (for dumps)."""
-        return self.outer.code
+        """The generated Python of every piece (for dumps)."""
+        parts = []
+        for piece, module in zip(self.program.pieces, self.modules):
+            title = f"segment {piece.segment}" if piece.kind == "segment" else "break (eager)"
+            parts.append(f"# {title}\n{module.code.strip()}")
+        return "\n\n".join(parts)
+
+
+def _segment_of(node: fx.Node) -> int | None:
+    seg = meta.info(node).segment
+    return seg.index if seg is not None else None
+
+
+def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes") -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in piece.live_in}
+    for step in piece.steps:
+        if step.kind == "region":
+            spec: RegionSpec = step.payload
+            call = graph.call_function(
+                RegionCall(spec, lanes.region_runner(spec.lane)), tuple(env[n] for n in spec.inputs)
+            )
+            for k, out in enumerate(spec.outputs):
+                env[out] = graph.call_function(operator.getitem, (call, k))
+            continue
+        node: fx.Node = step.payload
+        rec = meta.info(node)
+        if step.kind in ("record", "wait"):
+            handle = lanes.lease_handle(rec.lease)
+            graph.call_function(lanes.record if step.kind == "record" else lanes.wait, (handle, step.lane.index))
+        elif step.kind == "release":
+            graph.call_function(lanes.release, tuple(env[a] for a in node.all_input_nodes))
+        elif step.kind == "retain":
+            seg = rec.segment.index if rec.segment is not None else -1
+            handles = tuple(owner.resource_handle(r) for r in rec.resources)
+            graph.call_function(owner.retain, (seg, handles) + tuple(env[a] for a in node.all_input_nodes))
+    graph.output(tuple(env[n] for n in piece.live_out))
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassPiece")
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -136,6 +249,3 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-__all__ = ["Program", "RegionCall", "RegionSpec", "Step"]

@@ -1,0 +1,346 @@
+"""The compiled callable: runs a program eagerly, or captures and replays it.
+
+Modes, per graph:
+
+- host graph, or ``cudagraphs="none"``: the program runs eagerly, its lanes on
+  the owner's streams (CUDA) or in program order (host);
+- ``monolithic`` / ``breakable`` on CUDA: one :class:`GraphOwner` per input
+  shape. The first call with a shape warms the program up on a side stream,
+  clears cuBLAS's workspaces (so that the graphs allocate and own theirs: a
+  graph that recorded a workspace it did not own is corrupted when the
+  workspace is freed), and captures every segment into its own CUDA graph, all
+  in one private pool on one capture stream; breaks run eagerly between
+  segments. Calls then copy new input values into the static input buffers and
+  replay. A new shape gets a new owner, up to ``max_captures``; beyond it the
+  program runs uncaptured, and says so once.
+- called while a capture that capturepass did not start is in progress (an
+  engine capturing around the model): the program runs without starting its
+  own capture, forking from and joining to the capturing stream, with events of
+  a scope reserved for outer captures.
+
+Outputs of a replay live in the owner's pool and would be overwritten by the
+next replay, so they are copied out unless ``static_outputs=True`` (for callers
+that consume them before the next call, as engines do).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.errors import CapturePassError
+from capturepass.runtime import context
+from capturepass.runtime.owner import GraphOwner
+from capturepass.runtime.program import Program
+
+log = logging.getLogger("capturepass")
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def _shape_key(args: Sequence[Any]) -> tuple:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), tuple(a.stride()), a.dtype, a.device))
+        elif isinstance(a, (int, float, bool)):
+            key.append(a)
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any] | None:
+    """``args`` with the batch symbol (dim 0 of the first dynamic non-static input) set to ``size``."""
+    symbol = None
+    for i, node in enumerate(program.inputs):
+        val = node.meta.get("val")
+        if i in program.static_inputs or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        d0 = val.shape[0]
+        if isinstance(d0, torch.SymInt) and d0.node.expr.free_symbols:
+            symbol = d0.node.expr
+            break
+    if symbol is None:
+        return None
+    out: list[Any] = []
+    for i, (node, arg) in enumerate(zip(program.inputs, args)):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr == symbol:
+            out.append(size)
+        elif isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and i not in program.static_inputs:
+            shape = [
+                size if isinstance(d, torch.SymInt) and d.node.expr == symbol else int(a)
+                for d, a in zip(val.shape, arg.shape)
+            ]
+            out.append(torch.zeros(shape, dtype=arg.dtype, device=arg.device))
+        else:
+            out.append(arg)
+    return out
+
+
+class _Capture:
+    """One capture shape: its owner, graphs and static buffers."""
+
+    def __init__(self, program: Program, owner: GraphOwner, static_outputs: bool) -> None:
+        self.program = program
+        self.owner = owner
+        self.static_outputs = static_outputs
+        self.eager = program.bind(owner, owner.lanes("eager"))
+        self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
+        self.static_ptrs: dict[int, int] = {}  # input position -> address baked into the graphs
+        self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, buffer)
+        self.seg_out: dict[int, list[torch.Tensor]] = {}
+        self.uncaptured: set[int] = set()
+
+    def capture(self, args: Sequence[Any]) -> None:
+        program, owner = self.program, self.owner
+        device = owner.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with context.running(owner), torch.cuda.stream(stream):
+            self.eager(*args)  # warm-up: autotuning, lazy init, cuBLAS handles
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        _clear_cublas_workspaces()
+        owner.pool = torch.cuda.graph_pool_handle()
+        bound = program.bind(owner, owner.lanes("capture:0"))
+        env = bound.initial_env(args)
+        for i, (node, arg) in enumerate(zip(program.inputs, args)):
+            if not isinstance(arg, torch.Tensor):
+                continue
+            if i in program.static_inputs:
+                self.static_ptrs[i] = arg.data_ptr()
+                continue
+            buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
+            buf.copy_(arg)
+            self.inputs[i] = buf
+            env[node] = buf
+        breaks_out: set[fx.Node] = set()
+        with context.running(owner):
+            for p, piece in enumerate(program.pieces):
+                if piece.kind == "break":
+                    bound.run_piece(p, env)
+                    breaks_out.update(piece.live_out)
+                    continue
+                staged = []
+                for node in piece.live_in:
+                    if node in breaks_out and isinstance(env[node], torch.Tensor):
+                        buf = env[node].clone()
+                        env[node] = buf
+                        staged.append((node, buf))
+                self.seg_in[p] = staged
+                graph = torch.cuda.CUDAGraph()
+                owner.graphs[piece.segment] = graph
+                owner.capturing = piece.segment
+                try:
+                    with torch.cuda.graph(graph, pool=owner.pool, stream=stream):
+                        bound.run_piece(p, env)
+                finally:
+                    owner.capturing = None
+                self.seg_out[p] = [env[n] for n in piece.live_out]
+        torch.cuda.synchronize(device)
+
+    def replay(self, args: Sequence[Any]) -> Any:
+        program = self.program
+        for i, ptr in self.static_ptrs.items():
+            if args[i].data_ptr() != ptr:
+                return None  # a static input moved: the graphs read a stale address
+        for i, buf in self.inputs.items():
+            arg = args[i]
+            if arg.data_ptr() != buf.data_ptr():
+                buf.copy_(arg)
+        env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
+        env.update(program.constants)
+        graphs = self.owner.graphs
+        with context.running(self.owner):
+            for p, piece in enumerate(program.pieces):
+                if piece.kind == "break" or p in self.uncaptured:
+                    self.eager.run_piece(p, env)
+                    continue
+                for node, buf in self.seg_in[p]:
+                    value = env[node]
+                    if value.shape != buf.shape or value.stride() != buf.stride():
+                        log.warning(
+                            "capturepass: %s: segment %s reads %%%s with shape %s, captured with %s; "
+                            "running the segment uncaptured from now on",
+                            self.owner.name, piece.segment, node.name, tuple(value.shape), tuple(buf.shape),
+                        )
+                        self.uncaptured.add(p)
+                        self.eager.run_piece(p, env)
+                        break
+                    buf.copy_(value)
+                else:
+                    graphs[piece.segment].replay()
+                    for node, value in zip(piece.live_out, self.seg_out[p]):
+                        env[node] = value
+        out = self.eager.result(env)
+        if self.static_outputs:
+            return out
+        static = {id(t) for outs in self.seg_out.values() for t in outs}
+        return fx.node.map_aggregate(out, lambda v: v.clone() if id(v) in static else v)
+
+
+class Executor:
+    """The compiled callable of one ATen graph (boxed: takes a list of arguments).
+
+    Args:
+        program: the emitted program.
+        max_captures: capture shapes kept before falling back to uncaptured runs.
+        static_outputs: return replay outputs without copying them.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        max_captures: int = 16,
+        static_outputs: bool = False,
+        capture_sizes: Sequence[int] = (),
+    ) -> None:
+        self.program = program
+        self.capture_sizes = tuple(capture_sizes)
+        info = program.info
+        self.captured = info.captured and info.on_cuda
+        self.max_captures = max_captures
+        self.static_outputs = static_outputs
+        self._captures: dict[tuple, _Capture] = {}
+        self._eager_owner: GraphOwner | None = None
+        self._eager: Any = None
+        self._outer: Any = None
+        self._warned_bound = False
+        self._lock = threading.Lock()
+        self.closed = False
+
+    # -- owners --------------------------------------------------------------------------------
+    def _device(self, args: Sequence[Any]) -> torch.device | None:
+        if not self.program.info.on_cuda:
+            return None
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+                return a.device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _eager_program(self, args: Sequence[Any]) -> Any:
+        if self._eager is None:
+            info = self.program.info
+            self._eager_owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=info.captured)
+            self._eager = self.program.bind(self._eager_owner, self._eager_owner.lanes("eager"))
+        return self._eager
+
+    @property
+    def owners(self) -> list[GraphOwner]:
+        """Every owner this callable holds (one per capture shape, plus the eager one)."""
+        owners = [c.owner for c in self._captures.values()]
+        if self._eager_owner is not None:
+            owners.append(self._eager_owner)
+        return owners
+
+    # -- calls -----------------------------------------------------------------------------------
+    def __call__(self, args: list[Any]) -> Any:
+        if self.closed:
+            raise CapturePassError(f"this compiled {self.program.info.name} graph was closed; compile it again")
+        if not self.captured:
+            return self._run_eager(args)
+        if torch.cuda.is_current_stream_capturing():
+            return self._run_in_outer_capture(args)
+        if self.capture_sizes and not self._captures:
+            self._precapture(args)
+        key = _shape_key(args)
+        cap = self._captures.get(key)
+        if cap is not None:
+            out = cap.replay(args)
+            if out is not None:
+                return out
+            log.info("capturepass: a static input of %s moved; capturing again", cap.owner.name)
+            self._captures.pop(key).owner.close()
+            cap = None
+        if len(self._captures) >= self.max_captures:
+            if not self._warned_bound:
+                self._warned_bound = True
+                log.warning(
+                    "capturepass: %s graph reached max_captures=%d capture shapes; new shapes run uncaptured "
+                    "(raise max_captures, or give capture_sizes)",
+                    self.program.info.name, self.max_captures,
+                )
+            return self._run_eager(args)
+        return self.capture(args, key).replay(args)
+
+    def capture(self, args: Sequence[Any], key: tuple | None = None) -> _Capture:
+        """Captures the program for the shapes of ``args`` (kept for later calls)."""
+        key = _shape_key(args) if key is None else key
+        with self._lock:
+            info = self.program.info
+            owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
+            cap = _Capture(self.program, owner, self.static_outputs)
+            try:
+                cap.capture(args)
+            except Exception:
+                owner.close()
+                raise
+            self._captures[key] = cap
+        return cap
+
+    def _precapture(self, args: Sequence[Any]) -> None:
+        """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input)."""
+        for size in self.capture_sizes:
+            sized = _args_for_size(self.program, args, size)
+            if sized is None:
+                log.warning(
+                    "capturepass: capture_sizes given, but the %s graph has no dynamic batch dimension; "
+                    "capturing the shapes it is called with instead",
+                    self.program.info.name,
+                )
+                return
+            key = _shape_key(sized)
+            if key not in self._captures and len(self._captures) < self.max_captures:
+                self.capture(sized, key)
+
+    def _run_eager(self, args: Sequence[Any]) -> Any:
+        program = self._eager_program(args)
+        with context.running(self._eager_owner):
+            return program(*args)
+
+    def _run_in_outer_capture(self, args: Sequence[Any]) -> Any:
+        # An engine is capturing around us: emit streams and events into its capture,
+        # with events of a scope reserved for it, and retain for our own owner's life
+        # (torch gives no handle to the outer graph).
+        self._eager_program(args)
+        owner = self._eager_owner
+        if self._outer is None:
+            self._outer = self.program.bind(owner, owner.lanes("outer"))
+        owner.capturing = -1
+        try:
+            with context.running(owner):
+                return self._outer(*args)
+        finally:
+            owner.capturing = None
+
+    @property
+    def num_captures(self) -> int:
+        """How many capture shapes are held."""
+        return len(self._captures)
+
+    def close(self) -> None:
+        """Synchronizes and releases every owner (graphs, pools, leases, retained objects)."""
+        for cap in self._captures.values():
+            cap.owner.close()
+        self._captures.clear()
+        if self._eager_owner is not None:
+            self._eager_owner.close()
+        self._eager_owner = self._eager = self._outer = None
+        self.closed = True
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
