@@ -12,6 +12,7 @@ Public API:
 
 - :func:`lane`: a lane hint, as a context manager or decorator;
 - :func:`register_capability` / :func:`capability`: what an op may do;
+- :func:`retain` / :func:`workspace`: for custom ops whose storage a capture bakes in;
 - :class:`Options`, :class:`CapturePassError` and its subclasses.
 """
 
@@ -28,6 +29,7 @@ from capturepass.errors import (
 from capturepass.hints import lane
 from capturepass.ir.meta import Capability
 from capturepass.options import Options
+from capturepass.runtime.resources import retain, workspace
 
 __version__ = "0.1.0"
 
@@ -45,4 +47,6 @@ __all__ = [
     "capability",
     "lane",
     "register_capability",
+    "retain",
+    "workspace",
 ]

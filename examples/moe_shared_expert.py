@@ -24,10 +24,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
     parser.add_argument("--dump", default=None, help="dump directory (default: a temporary one)")
+    parser.add_argument("--small", action="store_true", help="a small block even on a GPU")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    big = args.device == "cuda"
+    big = args.device == "cuda" and not args.small
     model = MoEBlock(*((4096, 11008, 8, 1408, 2) if big else ()), device=args.device,
                      dtype=torch.bfloat16 if big else torch.float32)
     x = torch.randn(args.tokens, model.wg.shape[1], device=args.device, dtype=model.wg.dtype)

@@ -329,6 +329,14 @@ class Executor:
         """How many capture shapes are held."""
         return len(self._captures)
 
+    def release_captures(self) -> None:
+        """Closes every capture owner (graphs, pools, leases, retained objects); the callable
+        stays usable and captures again on its next call."""
+        for cap in self._captures.values():
+            cap.owner.close()
+        self._captures.clear()
+        self._warned_bound = False
+
     def close(self) -> None:
         """Synchronizes and releases every owner (graphs, pools, leases, retained objects)."""
         for cap in self._captures.values():

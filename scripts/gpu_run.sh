@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a GPU machine without registry access: install capturepass (and carried wheels)
+# into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
+#   bash scripts/gpu_run.sh tests|bench|sanitize|all [OUTDIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${2:-${OUT:-/tmp/capturepass-out}}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl >/dev/null 2>&1 \
+  || python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . .whl/*.whl
+export PYTHONPATH=/tmp/site
+export PYTHONUNBUFFERED=1
+python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_cuda_runtime.py 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  python3 examples/moe_shared_expert.py --device cuda 2>&1 | tail -12
+fi
+if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  for tool in racecheck memcheck; do
+    compute-sanitizer --tool $tool --print-limit 20 python3 examples/moe_shared_expert.py --device cuda --small \
+      > "$out/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool: exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -2)"
+  done
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 bench/overlap.py --procs "${PROCS:-3}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
+fi
+exit $rc
