@@ -172,7 +172,8 @@ class Emit(Pass):
         specs: dict[int, RegionSpec] = {}
         for i, region in enumerate(regions):
             rgm, inputs, outputs = _region_graph(region, needed[id(region)])
-            compiler = ctx.options.inner if _has_kernel(region) else "eager"
+            kernels = _has_kernel(region)
+            compiler = ctx.options.inner if kernels else "eager"
             example = [n.meta.get("val") for n in inputs]
             try:
                 fn = inner_compilers.compile_region(rgm, example, compiler)
@@ -192,6 +193,7 @@ class Emit(Pass):
                 outputs=outputs,
                 graph=rgm,
                 compiler=compiler,
+                kernels=kernels,
             )
             ctx.count(self.name, f"regions_{compiler}")
         for step in steps:

@@ -128,9 +128,12 @@ class _Capture:
         breaks_out: set[fx.Node] = set()
         with context.running(owner):
             for p, piece in enumerate(program.pieces):
-                if piece.kind == "break":
+                if piece.kind == "break" or not piece.has_kernels:
+                    # Breaks run eagerly; a segment without a kernel (only views and host
+                    # scalar math) has nothing to capture.
                     bound.run_piece(p, env)
                     breaks_out.update(piece.live_out)
+                    self.uncaptured.add(p)
                     continue
                 staged = []
                 for node in piece.live_in:
@@ -186,8 +189,10 @@ class _Capture:
         out = self.eager.result(env)
         if self.static_outputs:
             return out
-        static = {id(t) for outs in self.seg_out.values() for t in outs}
-        return fx.node.map_aggregate(out, lambda v: v.clone() if id(v) in static else v)
+        static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
+        return fx.node.map_aggregate(
+            out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
+        )
 
 
 class Executor:

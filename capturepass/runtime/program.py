@@ -51,6 +51,7 @@ class RegionSpec:
         inputs / outputs: the annotated-graph nodes it reads and provides.
         graph: its standalone FX graph (for dumps and debugging).
         compiler: which inner compiler produced ``fn``.
+        kernels: whether it launches any kernel (views and host math do not).
     """
 
     index: int
@@ -62,6 +63,7 @@ class RegionSpec:
     outputs: list[fx.Node]
     graph: fx.GraphModule
     compiler: str
+    kernels: bool = True
 
 
 @dataclasses.dataclass
@@ -81,6 +83,11 @@ class Piece:
     steps: list[Step]
     live_in: list[fx.Node] = dataclasses.field(default_factory=list)
     live_out: list[fx.Node] = dataclasses.field(default_factory=list)
+
+    @property
+    def has_kernels(self) -> bool:
+        """Whether any region of the piece launches a kernel."""
+        return any(s.kind == "region" and s.payload.kernels for s in self.steps)
 
 
 class RegionCall:
