@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Iterator
 
@@ -159,19 +160,33 @@ class LaneLayout:
         self.order = {n: i for i, n in enumerate(nodes)}
         self.segment_of: dict[fx.Node, int] = {}
         self._by_lane: dict[tuple[int, int], list[int]] = {}
+        self._breaks: list[int] = []
         seg = 0
         for i, node in enumerate(nodes):
             if meta.effect_of(node) is not Effect.COMPUTE:
                 continue
             if meta.info(node).brk is not None:
                 self.segment_of[node] = seg + 1
+                self._breaks.append(i)
                 seg += 2
                 continue
             self.segment_of[node] = seg
             self._by_lane.setdefault((seg, meta.lane_of(node).index), []).append(i)
 
+    def segment_at(self, index: int) -> int:
+        """The segment number of program index ``index`` (odd for a break itself)."""
+        before = bisect.bisect_left(self._breaks, index)
+        if before < len(self._breaks) and self._breaks[before] == index:
+            return 2 * before + 1
+        return 2 * before
+
     def issues_after(self, root: fx.Node, index: int) -> bool:
-        """Whether ``root``'s lane issues another node in ``root``'s segment after ``index``."""
-        key = (self.segment_of.get(root, 0), meta.lane_of(root).index)
+        """Whether ``root``'s lane issues another node after ``index``, in the segment of ``index``.
+
+        NOTE: the segment is that of the free point, not of ``root``: storage allocated
+        in one segment and freed in a later one races the allocating lane's later work
+        in the later segment; only the next fork orders that lane after the reads.
+        """
+        key = (self.segment_at(index), meta.lane_of(root).index)
         positions = self._by_lane.get(key, ())
         return bool(positions) and positions[-1] > index
