@@ -1,0 +1,328 @@
+"""Compile-time scaling of the capturepass ATen pipeline, and its share of an Inductor compile.
+
+Run: ``.venv/bin/python bench/compile_scaling.py [--sizes 1000,10000,100000] [--repeat 3]``
+
+Part 1 builds synthetic functional ATen graphs of about the requested node
+counts directly as ``fx.Graph``s (no tracing), with fake-tensor values in
+``node.meta["val"]``, and runs the ATen-stage passes up to and including
+``verify`` (``emit`` is left out: it generates code) with ``policy="auto"``.
+Each graph is a stack of layers; a layer forks the running activation into
+parallel branches, each a chain of ``aten.t`` (a view of a weight),
+``aten.mm``, ``aten.add`` and ``aten.relu``; a branch half-way reads a view of
+its neighbour's value (a cross-lane read of a view, which exercises the
+deferred-release logic), and the branches are joined by a sum. A fraction of
+the layers put their first branch on a hinted lane, so hinted and automatic
+lanes coexist. With ``--breaks-every N`` a host synchronisation
+(``aten._local_scalar_dense``) every N layers cuts the graph into segments.
+
+It prints, per size, the median over ``--repeat`` runs of the total time,
+the time per node and the time of each pass, and the ratio t(largest)/t(next).
+
+Part 2 compiles ``capturepass.testing.models.MoEBlock()`` (small, CPU) with
+``backend="capturepass"`` and with ``backend="inductor"``, and compares the
+capturepass passes (all but ``emit``, from the observer's timings) with the
+whole Inductor compile (first call, minus an eager call), cold (a fresh
+Inductor cache directory) and warm (a second compile on the same cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from capturepass.capabilities import REGISTRY
+from capturepass.hints import HINT_KEY
+from capturepass.ir import meta
+from capturepass.ir.meta import GraphInfo, OwnerId
+from capturepass.options import Options
+from capturepass.passes.base import PassContext
+from capturepass.passes.observer import Observer
+from capturepass.passes.pipeline import default_pipeline
+
+aten = torch.ops.aten
+
+# Shapes are small: the passes look at metadata only.
+TOKENS = 32
+WIDTH = 64
+N_WEIGHTS = 16
+BRANCHES = 4
+STEPS = 6  # chain links per branch and layer
+
+
+class _Builder:
+    """Appends ATen calls to an ``fx.Graph``, computing each fake value as it goes."""
+
+    def __init__(self) -> None:
+        self.graph = fx.Graph()
+        self.mode = FakeTensorMode()
+        self.hint: str | None = None
+        self.count = 0
+
+    def placeholder(self, name: str, shape: Sequence[int]) -> fx.Node:
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty(*shape)
+        self.count += 1
+        return node
+
+    def call(self, op, *args) -> fx.Node:
+        node = self.graph.call_function(op, args)
+        vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+        with self.mode:
+            node.meta["val"] = op(*vals)
+        if self.hint is not None:
+            node.meta["custom"] = {HINT_KEY: {"lane": self.hint}}
+        self.count += 1
+        return node
+
+    def host_sync(self, x: fx.Node) -> fx.Node:
+        """A data-dependent scalar read (not capturable): ``x.sum().item()``."""
+        s = self.call(aten.sum.default, x)
+        node = self.graph.call_function(aten._local_scalar_dense.default, (s,))
+        node.meta["val"] = 0  # a host scalar; fake mode cannot produce its value
+        self.count += 1
+        return node
+
+
+def build_graph(
+    n_nodes: int,
+    hint_fraction: float = 0.1,
+    breaks_every: int = 0,
+    seed: int = 0,
+) -> fx.GraphModule:
+    """A synthetic ATen graph of about ``n_nodes`` nodes (see the module docstring)."""
+    rng = random.Random(seed)
+    b = _Builder()
+    x = b.placeholder("x", (TOKENS, WIDTH))
+    weights = [b.placeholder(f"w{i}", (WIDTH, WIDTH)) for i in range(N_WEIGHTS)]
+    biases = [b.placeholder(f"b{i}", (WIDTH,)) for i in range(N_WEIGHTS)]
+    layer = 0
+    widx = 0
+    while b.count < n_nodes:
+        hinted = rng.random() < hint_fraction
+        heads: list[fx.Node] = []
+        mids: list[fx.Node] = []
+        for br in range(BRANCHES):
+            b.hint = "side" if hinted and br == 0 else None
+            h = x
+            for step in range(STEPS):
+                if step == STEPS // 2 and br > 0:
+                    # Read the neighbour's mid value through a view: a cross-lane read of a view.
+                    v = b.call(aten.view.default, mids[br - 1], [TOKENS, WIDTH])
+                    h = b.call(aten.add.Tensor, h, v)
+                w = weights[widx % N_WEIGHTS]
+                bias = biases[widx % N_WEIGHTS]
+                widx += 1
+                wt = b.call(aten.t.default, w)
+                m = b.call(aten.mm.default, h, wt)
+                a = b.call(aten.add.Tensor, m, bias)
+                h = b.call(aten.relu.default, a)
+                if step == STEPS // 2 - 1:
+                    mids.append(h)
+            heads.append(h)
+        b.hint = None
+        acc = heads[0]
+        for h in heads[1:]:
+            acc = b.call(aten.add.Tensor, acc, h)
+        x = b.call(aten.mul.Tensor, acc, 1.0 / BRANCHES)
+        layer += 1
+        if breaks_every and layer % breaks_every == 0:
+            b.host_sync(x)
+    b.graph.output((x,))
+    gm = fx.GraphModule(torch.nn.Module(), b.graph)
+    meta.set_graph_info(
+        gm,
+        GraphInfo(
+            name="inference",
+            owner=OwnerId(0),
+            cudagraphs="breakable" if breaks_every else "none",
+            static_inputs=frozenset(range(1, 1 + 2 * N_WEIGHTS)),
+        ),
+    )
+    return gm
+
+
+def aten_passes(upto: str = "verify") -> list:
+    passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
+    names = [p.name for p in passes]
+    return passes[: names.index(upto) + 1]
+
+
+def run_pipeline(gm: fx.GraphModule) -> tuple[float, dict[str, float]]:
+    """Runs the ATen passes through ``verify``; returns (total seconds, seconds per pass)."""
+    ctx = PassContext(options=Options.from_mapping({"policy": "auto", "inner": "eager"}), registry=REGISTRY)
+    observer = Observer(verify_each=False)
+    passes = aten_passes()
+    gc.collect()
+    start = time.perf_counter()
+    observer.run(passes, gm, ctx)
+    total = time.perf_counter() - start
+    return total, dict(observer.timings)
+
+
+def scaling(sizes: Sequence[int], repeat: int, hint_fraction: float, breaks_every: int) -> list[dict]:
+    rows = []
+    for size in sizes:
+        totals: list[float] = []
+        per_pass: dict[str, list[float]] = {}
+        n_before = n_after = 0
+        for _ in range(repeat):
+            gm = build_graph(size, hint_fraction=hint_fraction, breaks_every=breaks_every)
+            n_before = len(gm.graph.nodes)
+            total, timings = run_pipeline(gm)
+            n_after = len(gm.graph.nodes)
+            totals.append(total)
+            for name, t in timings.items():
+                per_pass.setdefault(name, []).append(t)
+            del gm
+        gi_lanes = None
+        rows.append(
+            {
+                "size": size,
+                "nodes": n_before,
+                "nodes_after": n_after,
+                "total": statistics.median(totals),
+                "passes": {k: statistics.median(v) for k, v in per_pass.items()},
+                "lanes": gi_lanes,
+            }
+        )
+        print(f"  built and ran {n_before} nodes ({n_after} after the passes): "
+              f"{statistics.median(totals):.3f} s median of {repeat}", file=sys.stderr, flush=True)
+    return rows
+
+
+_SHORT = {
+    "read_hints": "hints",
+    "annotate_capabilities": "caps",
+    "assign_streams": "streams",
+    "insert_syncs": "syncs",
+    "lease_events": "lease",
+    "bind_resources": "bind",
+    "insert_retention": "retain",
+    "partition": "part",
+    "verify": "verify",
+}
+
+
+def print_scaling(rows: list[dict]) -> None:
+    names = list(rows[0]["passes"])
+    head = f"| {'nodes':>7} | {'+syncs':>6} | {'total s':>8} | {'us/node':>7} | " + " | ".join(
+        f"{_SHORT.get(n, n):>7}" for n in names
+    ) + " |"
+    print(head)
+    print("|" + "|".join("-" * (len(c) + 2 - (2 if i == 0 else 0)) for i, c in enumerate(head.split("|")[1:-1])) + "|")
+    for r in rows:
+        cells = [f"{r['nodes']:>7}", f"{r['nodes_after'] - r['nodes']:>6}", f"{r['total']:>8.3f}",
+                 f"{1e6 * r['total'] / r['nodes']:>7.1f}"]
+        cells += [f"{r['passes'][n]:>7.3f}" for n in names]
+        print("| " + " | ".join(cells) + " |")
+    print("(per-pass columns in seconds; +syncs: nodes the passes inserted)")
+    if len(rows) >= 2:
+        a, b = rows[-2], rows[-1]
+        ratio = b["total"] / a["total"]
+        print(f"t({b['nodes']})/t({a['nodes']}) = {ratio:.2f} for {b['nodes'] / a['nodes']:.1f}x the nodes")
+
+
+# -- MoE: the pipeline against a whole Inductor compile ------------------------------------
+
+
+def _fresh_cache_dir():
+    try:
+        from torch._inductor.utils import fresh_cache
+    except ImportError:  # older torch
+        from torch._inductor.utils import fresh_inductor_cache as fresh_cache
+    return fresh_cache()
+
+
+def moe_ratio(repeat: int, tokens: int) -> dict:
+    from capturepass.backends.dynamo import last_compiled
+    from capturepass.testing.models import MoEBlock
+
+    torch.manual_seed(0)
+    model = MoEBlock()
+    x = torch.randn(tokens, model.wg.shape[1])
+    with torch.no_grad():
+        model(x)  # warm the eager path
+        start = time.perf_counter()
+        model(x)
+        eager = time.perf_counter() - start
+
+    pipeline: list[float] = []
+    nodes = 0
+    for _ in range(repeat):
+        torch._dynamo.reset()
+        before = len(last_compiled())
+        compiled = torch.compile(model, backend="capturepass", options={"policy": "auto", "inner": "eager"})
+        with torch.no_grad():
+            compiled(x)
+        graphs = last_compiled()[before:] if len(last_compiled()) > before else last_compiled()[-1:]
+        pipeline.append(sum(t for g in graphs for name, t in g.timings.items() if name != "emit"))
+        nodes = sum(len(g.graph.graph.nodes) for g in graphs)
+
+    cold: list[float] = []
+    warm: list[float] = []
+    for _ in range(repeat):
+        with _fresh_cache_dir():
+            for bucket in (cold, warm):
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend="inductor")
+                with torch.no_grad():
+                    start = time.perf_counter()
+                    compiled(x)
+                    bucket.append(time.perf_counter() - start - eager)
+    torch._dynamo.reset()
+    return {
+        "nodes": nodes,
+        "pipeline": statistics.median(pipeline),
+        "inductor_cold": statistics.median(cold),
+        "inductor_warm": statistics.median(warm),
+    }
+
+
+def print_moe(r: dict, tokens: int) -> None:
+    print(f"MoEBlock() on CPU, {tokens} tokens, ATen graph of {r['nodes']} nodes after the passes:")
+    print(f"  capturepass passes (all but emit): {1e3 * r['pipeline']:8.2f} ms")
+    print(f"  inductor compile, cold cache:      {1e3 * r['inductor_cold']:8.2f} ms  "
+          f"-> ratio {100 * r['pipeline'] / r['inductor_cold']:.2f}%")
+    print(f"  inductor compile, warm cache:      {1e3 * r['inductor_warm']:8.2f} ms  "
+          f"-> ratio {100 * r['pipeline'] / r['inductor_warm']:.2f}%")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1000,10000,100000",
+                        help="comma-separated node counts (default: 1000,10000,100000)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per size; the median is reported")
+    parser.add_argument("--hint-fraction", type=float, default=0.1,
+                        help="fraction of layers whose first branch carries a lane hint")
+    parser.add_argument("--breaks-every", type=int, default=0,
+                        help="a host sync (a segment break, cudagraphs=breakable) every N layers; 0: none")
+    parser.add_argument("--tokens", type=int, default=16, help="MoE tokens")
+    parser.add_argument("--skip-moe", action="store_true", help="only the synthetic scaling part")
+    parser.add_argument("--skip-scaling", action="store_true", help="only the MoE part")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPU(s)")
+    if not args.skip_scaling:
+        print(f"\nATen passes through verify, policy=auto, median of {args.repeat} run(s):")
+        print_scaling(scaling(sizes, args.repeat, args.hint_fraction, args.breaks_every))
+    if not args.skip_moe:
+        print()
+        print_moe(moe_ratio(args.repeat, args.tokens), args.tokens)
+
+
+if __name__ == "__main__":
+    main()
