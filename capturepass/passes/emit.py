@@ -110,6 +110,13 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             parent_region.nodes.append(node)
             region_of[node] = parent_region
             continue
+        for a in node.all_input_nodes:
+            src = region_of.get(a)
+            if src is not None and src.lane != lane and open_regions.get(src.lane) is src:
+                # NOTE: a host value (a scalar from .item(), a size) crosses lanes without an
+                # event, so no sync step closed its producer's region: close it now, or the
+                # reader's region would be emitted first and read a value not yet computed.
+                close(src.lane)
         seg = rec.segment.index if rec.segment is not None else None
         region = open_regions.get(lane)
         if region is None or region.segment != seg:
