@@ -244,13 +244,18 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--workloads", nargs="+", default=["moe:16", "moe:256", "attn:0"])
     p.add_argument("--out", default=None)
+    p.add_argument("--budget-s", type=float, default=0, help="start no new process after this many seconds")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
     results = []
+    start = time.perf_counter()
     for i in range(args.procs):
+        if args.budget_s and i > 0 and time.perf_counter() - start > args.budget_s:
+            print(f"stopping after {i} processes: over the {args.budget_s} s budget", flush=True)
+            break
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--iters", str(args.iters),
                "--workloads", *args.workloads]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -260,14 +265,16 @@ def main() -> None:
             raise SystemExit(f"benchmark process {i} failed")
         results.append(json.loads(line[len("RESULT "):]))
         print(f"process {i + 1}/{args.procs} done", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "overlap.json"), "w") as f:
+                json.dump(results, f)
     text = table(results)
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "overlap.md"), "w") as f:
             f.write(text + "\n")
-        with open(os.path.join(args.out, "overlap.json"), "w") as f:
-            json.dump(results, f)
 
 
 if __name__ == "__main__":

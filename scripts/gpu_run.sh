@@ -26,6 +26,6 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 bench/overlap.py --procs "${PROCS:-3}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
+  python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
 fi
 exit $rc

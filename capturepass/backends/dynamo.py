@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,19 @@ _compile_ids = itertools.count()
 _owner_ids = itertools.count()
 _seen_breaks: dict[str, int] = {}
 _lock = threading.Lock()
+
+
+def _dynamo_breaks(gm: fx.GraphModule) -> list[str]:
+    """Why Dynamo cut its graph ``gm`` short, if it did.
+
+    Dynamo attaches the reason it compiled each graph to the graph itself; a
+    graph break is that graph's own, never one counted while another frame (or
+    another backend) compiled.
+    """
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None:  # pragma: no cover - older torch: fall back to the global counters
+        return _new_dynamo_breaks()
+    return [str(reason.reason)] if getattr(reason, "graph_break", False) else []
 
 
 def _new_dynamo_breaks() -> list[str]:
@@ -99,7 +113,12 @@ class CompiledGraph:
     counters: dict
     timings: dict
     dump_dir: str | None
-    executor: Any = None
+    _executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """The compiled callable's executor while it is alive (held weakly), else ``None``."""
+        return None if self._executor is None else self._executor()
 
 
 _last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
@@ -155,7 +174,8 @@ def _aten_compiler(
             static_outputs=opts.static_outputs,
             capture_sizes=opts.capture_sizes if kind != "backward" else (),
         )
-        _last_compiled[-1].executor = executor
+        # Weakly: this record must not keep captured graphs and their pools alive.
+        _last_compiled[-1]._executor = weakref.ref(executor)
 
         def run(args: list[Any]) -> Any:
             return executor(args)
@@ -192,7 +212,7 @@ def capturepass_backend(
     opts = Options.from_mapping(options)
     inner_compilers.check_available(opts.inner)
     compile_id = next(_compile_ids)
-    upstream = _new_dynamo_breaks()
+    upstream = _dynamo_breaks(gm)
     front = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "dynamo"]
     ctx = PassContext(options=opts, registry=REGISTRY, example_inputs=list(example_inputs))
     observer = Observer(dump_dir=opts.dump_dir, verify_each=False)

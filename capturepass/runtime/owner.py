@@ -149,6 +149,7 @@ class GraphOwner:
                 lanes.close()
             self._scopes.clear()
             POOL.release_owner(self.name)
+            had_graphs = bool(self.graphs)
             self.graphs.clear()
             self.static.clear()
             self.retained.clear()
@@ -156,6 +157,13 @@ class GraphOwner:
             self.workspaces.clear()
             self.pool = None
             self.streams = []
+            if had_graphs:
+                # cuBLAS caches a workspace per (handle, stream); the one our capture
+                # allocated lives in our pool and would pin it past close. Dropping the
+                # cache is what every capture does before capturing (as cudagraph trees do).
+                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
 
     def __del__(self) -> None:
         try:

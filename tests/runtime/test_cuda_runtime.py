@@ -59,6 +59,17 @@ def test_attention_indexer_equals_eager():
         torch.testing.assert_close(compiled(q, x), model(q, x), **BF16)
 
 
+@torch.library.custom_op("cptest_gpu::host_round", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _host_round(x: torch.Tensor) -> torch.Tensor:
+    # A host round trip: it synchronizes and cannot be captured.
+    return (torch.round(x.cpu() * 64.0) / 64.0).to(x.device)
+
+
+@_host_round.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 class _WithBreak(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -69,25 +80,36 @@ class _WithBreak(torch.nn.Module):
         h = self.a(x).relu()
         with capturepass.lane("aux"):
             side = (x * 2).sin()
-        n = int(h.sum().item() > 0)  # a host sync: not capturable
-        return self.b(h) * (n + 1) + side
+        h = torch.ops.cptest_gpu.host_round(h)
+        return self.b(h) * 0.5 + side
 
 
 @torch.no_grad()
 def test_breakable_capture_segments_and_replays():
     torch.manual_seed(0)
     model = _WithBreak()
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        compiled = _compile(model, cudagraphs="breakable")
-        for _ in range(3):
-            x = torch.randn(8, 64, device="cuda")
-            torch.testing.assert_close(compiled(x), model(x))
+    compiled = _compile(model, cudagraphs="breakable")
+    for _ in range(3):
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(compiled(x), model(x))
     gi = meta.graph_info(last_compiled()[-1].graph)
     assert len(gi.segments) == 2
     assert [b.source for b in gi.breaks] == ["partition"]
-    ex = _executor()
-    owner = ex.owners[0]
+    assert "cudagraph_unsafe" in gi.breaks[0].reason
+    owner = _executor().owners[0]
     assert sorted(owner.graphs) == [0, 1]
+
+
+@torch.no_grad()
+def test_monolithic_with_a_break_switches_and_says_why():
+    torch.manual_seed(0)
+    model = _WithBreak()
+    compiled = _compile(model, cudagraphs="monolithic")
+    x = torch.randn(8, 64, device="cuda")
+    torch.testing.assert_close(compiled(x), model(x))
+    gi = meta.graph_info(last_compiled()[-1].graph)
+    assert gi.cudagraphs == "breakable"
+    assert any("switched to breakable" in d for d in gi.decisions)
 
 
 @torch.no_grad()
