@@ -462,3 +462,41 @@ def test_inside_an_outer_capture_emits_into_it():
         torch.testing.assert_close(out, model(x), atol=1e-4, rtol=1e-4)
     scopes = {scope for owner, scope, _, _ in POOL.leases() if owner == ex.owners[-1].name}
     assert "outer" in scopes
+
+
+def test_training_step_forward_captured_backward_eager():
+    """Training: the forward graph is captured, the backward runs uncaptured on one lane;
+    gradients and the updated weights equal eager's."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64, device="cuda")
+            self.b = torch.nn.Linear(64, 64, device="cuda")
+
+        def forward(self, x):
+            with capturepass.lane("aux"):
+                side = self.b(x).tanh()
+            return (self.a(x).relu() + side).pow(2).mean()
+
+    ref = Net()
+    net = Net()
+    net.load_state_dict(ref.state_dict())
+    compiled = torch.compile(net, backend="capturepass", options={"verify": True})
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(16, 64, device="cuda")
+        for m, o, f in ((ref, opt_ref, ref), (net, opt, compiled)):
+            o.zero_grad()
+            f(x).backward()
+            o.step()
+        for p, q in zip(net.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+    kinds = {g.name for g in last_compiled()}
+    assert {"forward", "backward"} <= kinds
+    fwd = [g for g in last_compiled() if g.name == "forward"][-1]
+    assert meta.graph_info(fwd.graph).cudagraphs == "monolithic"
+    bwd = [g for g in last_compiled() if g.name == "backward"][-1]
+    assert meta.graph_info(bwd.graph).cudagraphs == "none"
