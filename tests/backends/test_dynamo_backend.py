@@ -1,0 +1,359 @@
+"""End to end through torch.compile: results equal eager, and the dump shows the lanes and waits.
+
+Most tests use the eager inner compiler (fast); one MoE test and one training
+test compile their regions with Inductor (marked ``slow``, still run in CI).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from backends.e2e_util import (
+    HappensBefore,
+    assert_cross_lane_reads_ordered,
+    assert_main_joins,
+    assert_waits_well_formed,
+    compile_eager,
+    compute_nodes,
+    from_function,
+    kernels,
+    lane_name,
+    lanes_used,
+    new_compiles,
+    sync_nodes,
+)
+
+import capturepass
+from capturepass.cli import summarize
+from capturepass.ir import meta
+from capturepass.ir import verify as ir_verify
+from capturepass.ir.meta import Effect
+from capturepass.testing.models import AttnIndexer, MoEBlock
+
+
+def _check_overlapped(gm: torch.fx.GraphModule, branch_a: str, branch_b: str) -> None:
+    """The kernels of two independent functions do not all share one lane, and every crossing is ordered."""
+    nodes = compute_nodes(gm)
+    a = kernels(n for n in nodes if from_function(n, branch_a))
+    b = kernels(n for n in nodes if from_function(n, branch_b))
+    assert a and b, f"no kernels traced from {branch_a} ({len(a)}) or {branch_b} ({len(b)})"
+    lanes_a, lanes_b = lanes_used(gm, a), lanes_used(gm, b)
+    assert len(lanes_a | lanes_b) >= 2, f"{branch_a} and {branch_b} both run only on {lanes_a | lanes_b}"
+    edges = assert_cross_lane_reads_ordered(gm)
+    assert edges, "branches on different lanes, but no tensor crosses lanes"
+    assert_waits_well_formed(gm)
+    assert_main_joins(gm)
+
+
+def _check_dump(dump_dir: os.PathLike, gm: torch.fx.GraphModule) -> dict:
+    """The dump of one graph agrees with the graph: lanes, waits, a join wait on the main lane."""
+    summary = summarize(os.fspath(dump_dir))
+    assert len(summary["graphs"]) == 1
+    g = summary["graphs"][0]
+    gi = meta.graph_info(gm)
+    assert g["lane_names"] == list(gi.lanes)
+    assert g["lanes"] >= 2
+    assert g["waits"] == len(sync_nodes(gm, Effect.WAIT)) > 0
+    assert g["records"] == len(sync_nodes(gm, Effect.RECORD)) > 0
+    main_joins = [w for w in g["wait_reasons"] if w["lane"] == 0 and w["role"] == "join"]
+    assert main_joins, f"no join wait on the main lane: {g['wait_reasons']}"
+    assert all(w["why"] for w in g["wait_reasons"]), "every wait says why it exists"
+    return g
+
+
+# -- reference models ---------------------------------------------------------------------------
+
+
+def test_moe_block_matches_eager_with_branches_on_separate_lanes(tmp_path):
+    torch.manual_seed(0)
+    model = MoEBlock()
+    compiled = compile_eager(model, dump_dir=str(tmp_path))
+    x = torch.randn(16, 64)
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compiled(x), model(x))
+        x2 = torch.randn(16, 64)
+        torch.testing.assert_close(compiled(x2), model(x2))
+    assert [g.name for g in graphs] == ["inference"]
+    gm = graphs[0].graph
+    _check_overlapped(gm, "shared_expert", "routed_experts")
+    _check_dump(tmp_path, gm)
+
+
+def test_attn_indexer_matches_eager_with_branches_on_separate_lanes(tmp_path):
+    torch.manual_seed(0)
+    model = AttnIndexer()
+    q, x = model.example_inputs()
+    compiled = compile_eager(model, dump_dir=str(tmp_path))
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compiled(q, x), model(q, x))
+    assert [g.name for g in graphs] == ["inference"]
+    gm = graphs[0].graph
+    _check_overlapped(gm, "attention", "indexer")
+    # The attention kernel itself runs beside the indexer's first kernel.
+    attn = kernels(n for n in compute_nodes(gm) if from_function(n, "attention"))
+    idx = kernels(n for n in compute_nodes(gm) if from_function(n, "indexer"))
+    assert {lane_name(gm, n) for n in attn}.isdisjoint({lane_name(gm, idx[0])})
+    _check_dump(tmp_path, gm)
+
+
+# -- Dynamo graph breaks ------------------------------------------------------------------------
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x)) + torch.sigmoid(self.b(x))
+        torch._dynamo.graph_break()
+        return torch.tanh(self.a(y)) * self.b(y)
+
+
+def test_graph_break_gives_two_correct_graphs_and_the_dump_names_the_break(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = _Broken()
+    compiled = compile_eager(model, dump_dir=str(tmp_path))
+    x = torch.randn(4, 8)
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compiled(x), model(x))
+    assert [g.name for g in graphs] == ["inference", "inference"]
+    for g in graphs:
+        gm = g.graph
+        assert len(meta.graph_info(gm).lanes) >= 2
+        assert_cross_lane_reads_ordered(gm)
+        assert_main_joins(gm)
+    # The break belongs to the graph compiled when Dynamo broke the frame: the first one.
+    first, second = (meta.graph_info(g.graph).breaks for g in graphs)
+    assert [b.source for b in first] == ["dynamo"]
+    assert "graph_break()" in first[0].reason
+    assert second == ()
+
+    summary = summarize(str(tmp_path))
+    assert len(summary["graphs"]) == 2
+    assert [b["source"] for b in summary["breaks"]] == ["dynamo"]
+    assert capturepass.cli.main(["show", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "break (dynamo): Call to `torch._dynamo.graph_break()`" in out
+
+
+def _fn_with_break(x):
+    y = x.sin()
+    torch._dynamo.graph_break()
+    return y.cos()
+
+
+def _fn_without_break(x):
+    return x.sin() + x.cos()
+
+
+def test_dynamo_breaks_are_attributed_to_the_graph_they_cut():
+    # A break in a frame compiled by another backend is not this graph's break.
+    x = torch.randn(3)
+    torch.compile(_fn_with_break, backend="eager")(x)
+    with new_compiles() as graphs:
+        torch.testing.assert_close(compile_eager(_fn_without_break)(x), _fn_without_break(x))
+    assert [meta.graph_info(g.graph).breaks for g in graphs] == [()]
+
+    # Clearing Dynamo's counters (as test suites do) does not hide the next break.
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    with new_compiles() as graphs:
+        torch.testing.assert_close(compile_eager(_fn_with_break)(x), _fn_with_break(x))
+    breaks = [meta.graph_info(g.graph).breaks for g in graphs]
+    assert len(breaks) == 2
+    assert [b.source for b in breaks[0]] == ["dynamo"] and breaks[1] == ()
+
+
+# -- non-capturable ops inside one graph --------------------------------------------------------
+
+
+class _HostSync(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        n = y.sum().item()  # a host read: not capturable
+        return self.b(y) * torch.full_like(x, n) + torch.sigmoid(self.a(x))
+
+
+@pytest.mark.parametrize("mode", ["breakable", "monolithic"])
+def test_host_sync_splits_the_graph_into_two_segments(mode, tmp_path):
+    torch.manual_seed(0)
+    model = _HostSync()
+    x = torch.randn(4, 8)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.no_grad(), new_compiles() as graphs:
+        compiled = compile_eager(model, cudagraphs=mode, dump_dir=str(tmp_path))
+        torch.testing.assert_close(compiled(x), model(x))
+        x2 = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(x2), model(x2))
+    assert [g.name for g in graphs] == ["inference"]
+    gm = graphs[0].graph
+    gi = meta.graph_info(gm)
+    assert gi.cudagraphs == "breakable"
+    assert len(gi.segments) == 2
+    assert len(gi.breaks) == 1
+    brk = gi.breaks[0]
+    assert brk.source == "partition"
+    assert brk.node.startswith("_local_scalar_dense")
+    assert "host sync" in brk.reason and "_local_scalar_dense" in brk.reason
+
+    # The break runs on the main lane, in no segment, after every lane has joined.
+    node = next(n for n in gm.graph.nodes if n.name == brk.node)
+    assert meta.lane_of(node).index == 0 and meta.info(node).segment is None
+    hb = HappensBefore(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for other in gm.graph.nodes:
+        if meta.lane_of(other).index != 0 and order[other] < order[node]:
+            assert hb(other, node), f"%{other.name} is not joined before the break"
+    assert_cross_lane_reads_ordered(gm)
+
+    switched = [d for d in gi.decisions if "switched to breakable" in d]
+    if mode == "monolithic":
+        assert len(switched) == 1 and "_local_scalar_dense" in switched[0]
+    else:
+        assert switched == []
+    (graph_dir,) = [d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d)]
+    with open(tmp_path / graph_dir / "graph.json") as f:
+        doc = json.load(f)
+    assert doc["cudagraphs"] == "breakable"
+    assert len(doc["segments"]) == 2
+    assert [b["node"] for b in doc["breaks"]] == [brk.node]
+    assert doc["decisions"] == list(gi.decisions)
+
+
+# -- dynamic shapes -----------------------------------------------------------------------------
+
+
+def test_dynamic_batch_sizes_match_eager_without_recompiling():
+    torch.manual_seed(0)
+    model = MoEBlock()
+    compiled = compile_eager(model, dynamic=True)
+    with torch.no_grad(), new_compiles() as graphs:
+        for batch in (3, 5, 9, 16):
+            x = torch.randn(batch, 64)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert [g.name for g in graphs] == ["inference"]
+    gm = graphs[0].graph
+    symbolic = [
+        n for n in gm.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+        and any(isinstance(d, torch.SymInt) for d in n.meta["val"].shape)
+    ]
+    assert symbolic, "the batch dimension is not symbolic"
+    assert len(lanes_used(gm)) >= 2
+    assert_cross_lane_reads_ordered(gm)
+    assert_main_joins(gm)
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+class _HintedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        with capturepass.lane("aux"):
+            h = torch.relu(self.a(x))
+        g = torch.tanh(self.b(x))
+        return self.out(h * g)
+
+
+def _train_and_compare(inner: str, dump_dir: str, steps: int = 2) -> list:
+    torch.manual_seed(0)
+    ref = _HintedMLP()
+    mod = copy.deepcopy(ref)
+    compiled = torch.compile(mod, backend="capturepass", options={"inner": inner, "dump_dir": dump_dir})
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_mod = torch.optim.SGD(mod.parameters(), lr=0.1)
+    x, target = torch.randn(5, 8), torch.randn(5, 4)
+    with new_compiles() as graphs:
+        for _ in range(steps):
+            loss_ref = F.mse_loss(ref(x), target)
+            loss_ref.backward()
+            loss = F.mse_loss(compiled(x), target)
+            loss.backward()
+            torch.testing.assert_close(loss, loss_ref)
+            for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+                assert q.grad is not None, name
+                torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"grad of {name}: {m}")
+            opt_ref.step()
+            opt_mod.step()
+            opt_ref.zero_grad()
+            opt_mod.zero_grad()
+    for p, q in zip(ref.parameters(), mod.parameters()):
+        torch.testing.assert_close(q, p)
+    return graphs
+
+
+def _check_training_graphs(graphs: list, dump_dir) -> None:
+    assert [g.name for g in graphs] == ["forward", "backward"]
+    fw, bw = graphs
+    fgi = meta.graph_info(fw.graph)
+    assert fgi.lanes == ("main", "aux")
+    hinted = [n for n in compute_nodes(fw.graph) if meta.info(n).hint == "aux"]
+    assert hinted and all(lane_name(fw.graph, n) == "aux" for n in hinted)
+    assert_cross_lane_reads_ordered(fw.graph)
+    assert_main_joins(fw.graph)
+    # The backward graph runs on one lane, uncaptured, and verifies.
+    bgi = meta.graph_info(bw.graph)
+    assert bgi.lanes == ("main",)
+    assert bgi.cudagraphs == "none"
+    assert {"verified", "emitted"} <= bgi.properties
+    ir_verify.verify(bw.graph)
+    assert bw.program.regions
+    dirs = sorted(os.listdir(dump_dir))
+    assert [d.split("_", 1)[1] for d in dirs] == ["backward", "forward"]
+    with open(os.path.join(dump_dir, dirs[0], "graph.json")) as f:
+        doc = json.load(f)
+    assert doc["graph"] == "backward" and doc["lanes"] == ["main"]
+    assert os.path.exists(os.path.join(dump_dir, dirs[0], "010_emit.txt"))
+
+
+def test_training_step_gradients_match_eager(tmp_path):
+    graphs = _train_and_compare("eager", str(tmp_path))
+    _check_training_graphs(graphs, str(tmp_path))
+
+
+# -- Inductor (one test each; tiny sizes) -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_moe_block_with_inductor_regions():
+    torch.manual_seed(0)
+    model = MoEBlock(d=16, shared=32, experts=4, expert_width=8, topk=2)
+    # One auxiliary lane: fewer regions, fewer Inductor compiles.
+    compiled = torch.compile(model, backend="capturepass", options={"inner": "inductor", "max_aux_lanes": 1})
+    x = torch.randn(4, 16)
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compiled(x), model(x))
+        x2 = torch.randn(4, 16)
+        torch.testing.assert_close(compiled(x2), model(x2))
+    assert [g.name for g in graphs] == ["inference"]
+    gm = graphs[0].graph
+    _check_overlapped(gm, "shared_expert", "routed_experts")
+    compilers = {r.compiler for r in graphs[0].program.regions}
+    assert "inductor" in compilers
+
+
+@pytest.mark.slow
+def test_training_step_with_inductor_regions(tmp_path):
+    graphs = _train_and_compare("inductor", str(tmp_path), steps=1)
+    _check_training_graphs(graphs, str(tmp_path))
+    assert {r.compiler for g in graphs for r in g.program.regions} >= {"inductor"}
