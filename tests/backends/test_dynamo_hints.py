@@ -1,0 +1,250 @@
+"""Lane hints through torch.compile: context manager, decorator, policies, nesting, Dynamo streams."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+from backends.e2e_util import (
+    assert_cross_lane_reads_ordered,
+    assert_main_joins,
+    compile_eager,
+    compute_nodes,
+    lane_name,
+    new_compiles,
+    unwrap,
+)
+
+import capturepass
+from capturepass.backends import inner as inner_compilers
+from capturepass.hints import HINT_KEY
+from capturepass.ir import meta
+
+AUX_OPS = (torch.ops.aten.relu.default, torch.ops.aten.sigmoid.default)
+MAIN_OPS = (torch.ops.aten.tanh.default,)
+
+
+class _WithBlock(nn.Module):
+    """relu and sigmoid on the hinted lane, tanh beside them, unhinted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with capturepass.lane("aux"):
+            h = torch.sigmoid(torch.relu(self.a(x)))
+        return h + torch.tanh(self.b(x))
+
+
+class _Decorated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    @capturepass.lane("aux")
+    def side(self, x):
+        return torch.sigmoid(torch.relu(self.a(x)))
+
+    def forward(self, x):
+        return self.side(x) + torch.tanh(self.b(x))
+
+
+def _run(model: nn.Module, **options):
+    torch.manual_seed(0)
+    x = torch.randn(4, model.a.in_features)
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compile_eager(model, **options)(x), model(x))
+    assert [g.name for g in graphs] == ["inference"]
+    return graphs[0]
+
+
+def _nodes_with(gm, targets):
+    nodes = [n for n in compute_nodes(gm) if n.target in targets]
+    assert nodes, f"no node calls {targets}"
+    return nodes
+
+
+@pytest.fixture
+def inner_graphs(monkeypatch):
+    """Every region graph the inner compiler receives."""
+    seen = []
+    original = inner_compilers._COMPILERS["eager"]
+
+    def spy(gm, example_inputs):
+        seen.append(gm)
+        return original(gm, example_inputs)
+
+    monkeypatch.setitem(inner_compilers._COMPILERS, "eager", spy)
+    return seen
+
+
+def _assert_untagged(graphs) -> None:
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            custom = node.meta.get("custom") or {}
+            assert "stream" not in custom, f"%{node.name} still carries a Dynamo stream tag"
+            assert HINT_KEY not in custom, f"%{node.name} still carries a lane hint"
+            assert meta.META_KEY not in node.meta, f"%{node.name} still carries capturepass metadata"
+
+
+@pytest.mark.parametrize("model_cls", [_WithBlock, _Decorated], ids=["with", "decorator"])
+def test_hint_puts_the_code_on_the_named_lane(model_cls, inner_graphs):
+    record = _run(model_cls())
+    gm = record.graph
+    gi = meta.graph_info(gm)
+    assert gi.lanes[0] == "main" and "aux" in gi.lanes
+    for node in _nodes_with(gm, AUX_OPS):
+        assert meta.info(node).hint == "aux"
+        assert lane_name(gm, node) == "aux"
+        assert meta.lane_of(node).index == gi.lanes.index("aux")
+    for node in _nodes_with(gm, MAIN_OPS):
+        assert meta.info(node).hint is None
+        assert lane_name(gm, node) != "aux"
+    assert_cross_lane_reads_ordered(gm)
+    assert_main_joins(gm)
+    # What the inner compiler sees carries no hint and no capturepass data.
+    regions = [r.graph for r in record.program.regions]
+    assert regions and all(any(g is r for g in inner_graphs) for r in regions)
+    _assert_untagged(inner_graphs)
+
+
+class _ThreeBranches(nn.Module):
+    """One hinted branch and two unhinted independent ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.c = nn.Linear(32, 32)
+
+    def forward(self, x):
+        with capturepass.lane("aux"):
+            h = torch.sigmoid(torch.relu(self.a(x)))
+        return h + torch.tanh(self.b(x)) + torch.exp(self.c(x))
+
+
+def test_policy_auto_adds_lanes_beside_the_hinted_one():
+    gm = _run(_ThreeBranches(), policy="auto", max_aux_lanes=3).graph
+    lanes = meta.graph_info(gm).lanes
+    assert lanes[:2] == ("main", "aux")
+    assert len(lanes) >= 3, "auto policy found no lane for the unhinted branches"
+
+
+def test_policy_hints_uses_only_the_hinted_lanes():
+    gm = _run(_ThreeBranches(), policy="hints", max_aux_lanes=3).graph
+    assert meta.graph_info(gm).lanes == ("main", "aux")
+    for node in compute_nodes(gm):
+        expected = "aux" if meta.info(node).hint == "aux" else "main"
+        assert lane_name(gm, node) == expected, f"%{node.name} on {lane_name(gm, node)}"
+    assert {lane_name(gm, n) for n in _nodes_with(gm, AUX_OPS)} == {"aux"}
+    assert_cross_lane_reads_ordered(gm)
+
+
+def test_policy_off_keeps_one_lane_and_says_it_dropped_the_hints():
+    gm = _run(_ThreeBranches(), policy="off").graph
+    gi = meta.graph_info(gm)
+    assert gi.lanes == ("main",)
+    assert all(meta.lane_of(n).index == 0 for n in gm.graph.nodes)
+    assert all(meta.info(n).hint is None for n in gm.graph.nodes)
+    assert not [n for n in gm.graph.nodes if meta.info(n).effect.value in ("record", "wait")]
+    (decision,) = [d for d in gi.decisions if d.startswith("policy=off")]
+    dropped = int(re.search(r"hints of (\d+) node", decision).group(1))
+    # As many nodes as carry the hint when hints are honoured.
+    torch._dynamo.reset()
+    honoured = _run(_ThreeBranches(), policy="hints").graph
+    assert dropped == len([n for n in honoured.graph.nodes if meta.info(n).hint == "aux"]) >= 2
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with capturepass.lane("outer"):
+            o = torch.relu(self.a(x))
+            with capturepass.lane("inner"):
+                i = torch.sigmoid(self.b(x))
+            o = torch.exp(o)  # back on the outer lane
+        return o + torch.tanh(i)
+
+
+def test_nested_hints_innermost_wins():
+    gm = _run(_Nested(), policy="hints").graph
+    assert meta.graph_info(gm).lanes == ("main", "outer", "inner")
+    expected = {
+        torch.ops.aten.relu.default: "outer",
+        torch.ops.aten.exp.default: "outer",
+        torch.ops.aten.sigmoid.default: "inner",
+        torch.ops.aten.tanh.default: "main",
+    }
+    for target, lane in expected.items():
+        for node in _nodes_with(gm, (target,)):
+            assert lane_name(gm, node) == lane, f"%{node.name}"
+    assert_cross_lane_reads_ordered(gm)
+    assert_main_joins(gm)
+
+
+def test_hint_naming_main_is_refused():
+    with pytest.raises(capturepass.HintError, match="'main'"):
+        capturepass.lane("main")
+    with pytest.raises(capturepass.HintError):
+        capturepass.lane("")
+
+
+def test_hint_naming_main_is_refused_at_compile_time():
+    # A tag that bypassed capturepass.lane() (written with fx.traceback.annotate) is caught by read_hints.
+    def fn(x):
+        with fx_traceback.annotate({HINT_KEY: {"lane": "main"}}):
+            y = x.sin()
+        return y + x.cos()
+
+    with pytest.raises(Exception) as info:
+        compile_eager(fn)(torch.randn(4))
+    err = unwrap(info.value)
+    assert isinstance(err, capturepass.HintError), repr(info.value)
+    assert "'main'" in str(err) and "%sin" in str(err)
+
+
+class _DynamoStream(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = torch.Stream(device="cpu")
+        with s:
+            h = torch.sigmoid(torch.relu(self.a(x)))
+        return h + torch.tanh(self.b(x))
+
+
+@pytest.mark.parametrize("policy", ["auto", "hints"])
+def test_dynamo_stream_region_becomes_a_lane(policy, inner_graphs):
+    record = _run(_DynamoStream(), policy=policy)
+    gm = record.graph
+    gi = meta.graph_info(gm)
+    stream_lanes = [name for name in gi.lanes if re.fullmatch(r"stream\d+", name)]
+    assert len(stream_lanes) == 1, gi.lanes
+    for node in _nodes_with(gm, AUX_OPS):
+        assert lane_name(gm, node) == stream_lanes[0]
+    for node in _nodes_with(gm, MAIN_OPS):
+        assert lane_name(gm, node) != stream_lanes[0]
+    assert_cross_lane_reads_ordered(gm)
+    assert_main_joins(gm)
+    # Neither the stream tag nor a capturepass tag survives: not in the annotated graph,
+    # not in the region graphs, not in what the inner compiler received.
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        assert "stream" not in custom and HINT_KEY not in custom, f"%{node.name}: {custom}"
+    regions = [r.graph for r in record.program.regions]
+    _assert_untagged(regions)
+    assert regions and all(any(g is r for g in inner_graphs) for r in regions)
+    _assert_untagged(inner_graphs)
