@@ -1,0 +1,135 @@
+"""Backend options: validation errors name the valid choices; the dump directory from the environment."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+import torch
+from backends.e2e_util import new_compiles, unwrap
+
+import capturepass
+from capturepass.backends.dynamo import capturepass_backend
+from capturepass.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
+from capturepass.passes.pipeline import PIPELINE
+
+OPTION_NAMES = ("policy", "max_aux_lanes", "inner", "cudagraphs", "dump_dir", "verify")
+
+# (options, the words the message must contain)
+BAD_OPTIONS = [
+    pytest.param({"bogus": 1}, ("'bogus'",) + OPTION_NAMES, id="unknown-key"),
+    pytest.param({"polcy": "off"}, ("'polcy'",) + OPTION_NAMES, id="misspelled-key"),
+    pytest.param({"policy": "fast"}, ("'policy'", "'fast'") + tuple(f"'{p}'" for p in POLICIES), id="policy"),
+    pytest.param({"inner": "tvm"}, ("'inner'", "'tvm'") + tuple(f"'{c}'" for c in INNER_COMPILERS), id="inner"),
+    pytest.param(
+        {"cudagraphs": "always"}, ("'cudagraphs'", "'always'") + tuple(f"'{m}'" for m in CUDAGRAPH_MODES),
+        id="cudagraphs",
+    ),
+    pytest.param({"cudagraphs": True}, ("'cudagraphs'", "True", "'breakable'"), id="cudagraphs-bool"),
+    pytest.param({"max_aux_lanes": -1}, ("'max_aux_lanes'", "non-negative int", "-1"), id="lanes-negative"),
+    pytest.param({"max_aux_lanes": 1.5}, ("'max_aux_lanes'", "non-negative int", "1.5"), id="lanes-float"),
+    pytest.param({"max_aux_lanes": "2"}, ("'max_aux_lanes'", "non-negative int", "'2'"), id="lanes-str"),
+    pytest.param({"max_aux_lanes": True}, ("'max_aux_lanes'", "non-negative int", "True"), id="lanes-bool"),
+    pytest.param({"verify": "yes"}, ("'verify'", "True or False"), id="verify"),
+    pytest.param({"dump_dir": 3}, ("'dump_dir'", "path"), id="dump-dir"),
+]
+
+
+def _assert_message(err: BaseException, words) -> None:
+    assert isinstance(err, capturepass.OptionError), repr(err)
+    assert isinstance(err, capturepass.CapturePassError)
+    for word in words:
+        assert word in str(err), f"{word!r} not in {str(err)!r}"
+
+
+@pytest.mark.parametrize("options,words", BAD_OPTIONS)
+def test_bad_option_is_refused_with_the_valid_choices(options, words):
+    with pytest.raises(capturepass.OptionError) as info:
+        Options.from_mapping(options)
+    _assert_message(info.value, words)
+
+
+def _graph():
+    return torch.fx.symbolic_trace(lambda x: x.sin())
+
+
+@pytest.mark.parametrize("options,words", BAD_OPTIONS[:6])
+def test_the_backend_refuses_bad_options_before_compiling(options, words):
+    # Called directly, the backend raises OptionError itself ...
+    with new_compiles() as graphs, pytest.raises(capturepass.OptionError) as info:
+        capturepass_backend(_graph(), [torch.randn(3)], options=options)
+    _assert_message(info.value, words)
+    assert graphs == []
+
+
+@pytest.mark.parametrize("options,words", [BAD_OPTIONS[0], BAD_OPTIONS[2]])
+def test_torch_compile_reports_the_option_error(options, words):
+    # ... and through torch.compile, Dynamo wraps it; the OptionError and its message survive.
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: x.sin(), backend="capturepass", options=options)(torch.randn(3))
+    _assert_message(unwrap(info.value), words)
+    assert "OptionError" in str(info.value)
+
+
+def test_mode_is_refused():
+    with pytest.raises(capturepass.OptionError) as info:
+        capturepass_backend(_graph(), [torch.randn(3)], mode="reduce-overhead")
+    _assert_message(info.value, ("'reduce-overhead'", "cudagraphs", "'monolithic'", "'breakable'", "'none'"))
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: x.sin(), backend="capturepass", mode="max-autotune")(torch.randn(3))
+    _assert_message(unwrap(info.value), ("'max-autotune'", "'monolithic'", "'breakable'", "'none'"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_tensorrt") is not None, reason="torch_tensorrt is installed")
+def test_tensorrt_without_the_package_is_a_clear_option_error():
+    assert Options.from_mapping({"inner": "tensorrt"}).inner == "tensorrt"  # a valid choice ...
+    with pytest.raises(Exception) as info:  # ... that cannot run here
+        torch.compile(lambda x: x.sin(), backend="capturepass", options={"inner": "tensorrt"})(torch.randn(3))
+    _assert_message(unwrap(info.value), ("torch_tensorrt", "not installed", "'inductor'", "'eager'"))
+
+
+def test_valid_options_are_accepted():
+    opts = Options.from_mapping(
+        {"policy": "hints", "max_aux_lanes": 0, "inner": "eager", "cudagraphs": "none", "verify": True}
+    )
+    assert (opts.policy, opts.max_aux_lanes, opts.inner, opts.cudagraphs, opts.verify) == (
+        "hints", 0, "eager", "none", True
+    )
+
+
+def _dump_files(root) -> tuple[str, list[str]]:
+    (graph_dir,) = os.listdir(root)
+    return graph_dir, sorted(os.listdir(os.path.join(root, graph_dir)))
+
+
+def test_dump_dir_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))
+    assert Options.from_mapping({}).dump_dir == str(tmp_path)
+    x = torch.randn(4, 8)
+    fn = lambda x: torch.relu(x) + torch.tanh(x)  # noqa: E731
+    with new_compiles() as graphs:
+        out = torch.compile(fn, backend="capturepass", options={"inner": "eager"})(x)
+    torch.testing.assert_close(out, fn(x))
+    assert [g.dump_dir for g in graphs] == [os.path.join(str(tmp_path), _dump_files(tmp_path)[0])]
+
+    graph_dir, files = _dump_files(tmp_path)
+    assert re.fullmatch(r"\d{3}_inference", graph_dir)
+    passes = [cls.name for cls in PIPELINE]
+    assert files == sorted([f"{i:03d}_{name}.txt" for i, name in enumerate(passes)] + ["graph.json"])
+    with open(tmp_path / graph_dir / "graph.json") as f:
+        doc = json.load(f)
+    assert doc["graph"] == "inference" and doc["lanes"][0] == "main"
+    assert {n["name"] for n in doc["nodes"]} >= {"relu", "tanh"}
+    with open(tmp_path / graph_dir / "010_emit.txt") as f:
+        text = f.read()
+    assert text.startswith("# after emit") and "# outer program" in text
+
+
+def test_explicit_dump_dir_wins_over_the_environment(tmp_path, monkeypatch):
+    env_dir, opt_dir = tmp_path / "env", tmp_path / "opt"
+    monkeypatch.setenv(DUMP_DIR_ENV, str(env_dir))
+    assert Options.from_mapping({"dump_dir": str(opt_dir)}).dump_dir == str(opt_dir)
+    assert Options.from_mapping({"dump_dir": None}).dump_dir is None
