@@ -246,6 +246,14 @@ def before_after(gm: fx.GraphModule, name: str, **options: Any) -> tuple[str, st
     return before, dump(gm), ctx
 
 
+def run_one(gm: fx.GraphModule, name: str, **options: Any) -> tuple[str, PassContext]:
+    """Runs the single ATen-stage pass ``name`` on ``gm`` (verifying); returns the dump after it."""
+    ctx = context(**options)
+    (p,) = [p for p in default_pipeline(ctx.registry.key()) if p.name == name]
+    Observer(verify_each=True).run([p], gm, ctx)
+    return dump(gm), ctx
+
+
 def case_before_after(name: str, pass_name: str, **options: Any) -> tuple[fx.GraphModule, str, str, PassContext]:
     """:func:`before_after` on a traced case, under the case's options."""
     case = CASES[name]

@@ -1,0 +1,191 @@
+"""Golden tests of ``assign_streams``: lanes by policy, views follow consumers, breaks are marked.
+
+``hints`` puts hinted nodes on their named lanes and everything else on main;
+``auto`` schedules unhinted kernels over automatic lanes; ``off`` keeps one
+lane. Whatever the policy, a non-capturable op stays on main and becomes a
+break under a capturing mode (``monolithic`` then switches to ``breakable``,
+and says why).
+"""
+
+from __future__ import annotations
+
+import torch
+from expecttest import assert_expected_inline
+
+import capturepass
+from capturepass.ir import meta
+from capturepass.ir.meta import MAIN_LANE, Effect
+from tests.helpers import aten_graph
+from tests.passes.cases import before_after, case_before_after, host_break, run_one
+
+L = capturepass.lane
+
+
+def _lanes(gm) -> dict[str, int]:
+    return {n.name: meta.lane_of(n).index for n in gm.graph.nodes if meta.effect_of(n) is Effect.COMPUTE}
+
+
+def test_hinted_nodes_run_on_their_lanes():
+    gm, _, after, ctx = case_before_after("two_joins", "assign_streams")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=a1 s2=a2; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w1_1 : f32[4,4] = input  {lane=s0}
+  %w2_1 : f32[4,4] = input  {lane=s0}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %w1_1)  {lane=s1, hint=a1}
+  %mm_1 : f32[4,4] = aten.mm.default(%x_1, %w2_1)  {lane=s2, hint=a2}
+  %add : f32[4,4] = aten.add.Tensor(%mm, %mm_1)  {lane=s0}
+  return %add  {lane=s0}
+""")
+    assert meta.graph_info(gm).lanes == ("main", "a1", "a2")
+    assert ctx.counters["assign_streams"] == {"lanes": 3, "aux_nodes": 2, "breaks": 0}
+
+
+def test_views_follow_their_consumers():
+    def fn(x, w):
+        v = x.view(16)
+        with L("aux"):
+            a = v.sin()
+        t = w.t()
+        with L("aux"):
+            b = torch.mm(t, x)
+        return a.view(4, 4) + b
+
+    gm = aten_graph(fn, torch.randn(4, 4), torch.randn(4, 4))
+    _, after, _ = before_after(gm, "assign_streams", policy="hints")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w_1 : f32[4,4] = input  {lane=s0}
+  %view : f32[16] = aten.view.default(%x_1, [16])  {lane=s1}
+  %sin : f32[16] = aten.sin.default(%view)  {lane=s1, hint=aux}
+  %t : f32[4,4] = aten.t.default(%w_1)  {lane=s1}
+  %mm : f32[4,4] = aten.mm.default(%t, %x_1)  {lane=s1, hint=aux}
+  %view_1 : f32[4,4] = aten.view.default(%sin, [4, 4])  {lane=s0}
+  %add : f32[4,4] = aten.add.Tensor(%view_1, %mm)  {lane=s0}
+  return %add  {lane=s0}
+""")
+    assert _lanes(gm) == {"view": 1, "sin": 1, "t": 1, "mm": 1, "view_1": 0, "add": 0}
+
+
+def test_auto_policy_spreads_independent_branches():
+    gm, _, after, _ = case_before_after("auto_branches", "assign_streams")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux0; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w1_1 : f32[4,4] = input  {lane=s0}
+  %w2_1 : f32[4,4] = input  {lane=s0}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %w1_1)  {lane=s0}
+  %mm_1 : f32[4,4] = aten.mm.default(%x_1, %w2_1)  {lane=s1}
+  %add : f32[4,4] = aten.add.Tensor(%mm, %mm_1)  {lane=s0}
+  return %add  {lane=s0}
+""")
+    assert _lanes(gm) == {"mm": 0, "mm_1": 1, "add": 0}
+
+
+def test_auto_policy_keeps_a_chain_on_main():
+    gm, _, after, ctx = case_before_after("single_lane", "assign_streams", policy="auto")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w_1 : f32[4,4] = input  {lane=s0}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %w_1)  {lane=s0}
+  %relu : f32[4,4] = aten.relu.default(%mm)  {lane=s0}
+  %add : f32[4,4] = aten.add.Tensor(%relu, %x_1)  {lane=s0}
+  return %add  {lane=s0}
+""")
+    # The automatic lanes the schedule left empty are dropped.
+    assert meta.graph_info(gm).lanes == ("main",)
+    assert "aux_nodes" not in ctx.counters["assign_streams"]
+
+
+def test_non_capturable_op_stays_on_main_and_monolithic_becomes_breakable():
+    def fn(x):
+        with L("aux"):
+            s = x.sum().item()
+        return x * s
+
+    gm = aten_graph(fn, torch.randn(4, 4), cudagraphs="monolithic")
+    _, after, ctx = before_after(gm, "assign_streams", policy="hints")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux; cudagraphs=breakable
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %sum_1 : f32[] = aten.sum.default(%x_1)  {lane=s1, hint=aux}
+  break b0: host sync: aten::_local_scalar_dense reads a tensor value on the host
+  %_local_scalar_dense : float = aten._local_scalar_dense.default(%sum_1)  {lane=s0, hint=aux, break='host sync: aten::_local_scalar_dense reads a tensor value on the host', capturable=no}
+  %mul : f32[4,4] = aten.mul.Tensor(%x_1, %_local_scalar_dense)  {lane=s0}
+  return %mul  {lane=s0}
+# decision: %_local_scalar_dense: hint ignored, host sync: aten::_local_scalar_dense reads a tensor value on the host
+# decision: cudagraphs=monolithic switched to breakable: %_local_scalar_dense is not capturable (host sync: aten::_local_scalar_dense reads a tensor value on the host)
+""")
+    item = next(n for n in gm.graph.nodes if n.name == "_local_scalar_dense")
+    assert meta.lane_of(item) == MAIN_LANE
+    assert meta.info(item).brk == "host sync: aten::_local_scalar_dense reads a tensor value on the host"
+    assert meta.graph_info(gm).cudagraphs == "breakable"
+    assert ctx.counters["assign_streams"]["breaks"] == 1
+
+
+def test_non_capturable_op_is_a_break_only_under_capture():
+    captured, _, _, _ = case_before_after("host_break", "assign_streams")
+    assert [n.name for n in captured.graph.nodes if meta.info(n).brk is not None] == ["_local_scalar_dense"]
+    eager = aten_graph(host_break, torch.randn(4, 4), torch.randn(4, 4), cudagraphs="none")
+    _, after, ctx = before_after(eager, "assign_streams", policy="hints")
+    assert all(meta.info(n).brk is None for n in eager.graph.nodes)
+    assert meta.graph_info(eager).cudagraphs == "none"
+    assert ctx.counters["assign_streams"]["breaks"] == 0
+
+
+def test_hinted_lanes_beyond_max_aux_lanes_fold_onto_main():
+    def fn(x):
+        with L("a1"):
+            a = x.sin()
+        with L("a2"):
+            b = x.cos()
+        with L("a3"):
+            c = x.exp()
+        return a + b + c
+
+    gm = aten_graph(fn, torch.randn(4, 4))
+    _, after, _ = before_after(gm, "assign_streams", policy="hints", max_aux_lanes=1)
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=a1; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %sin : f32[4,4] = aten.sin.default(%x_1)  {lane=s1, hint=a1}
+  %cos : f32[4,4] = aten.cos.default(%x_1)  {lane=s0, hint=a2}
+  %exp : f32[4,4] = aten.exp.default(%x_1)  {lane=s0, hint=a3}
+  %add : f32[4,4] = aten.add.Tensor(%sin, %cos)  {lane=s0}
+  %add_1 : f32[4,4] = aten.add.Tensor(%add, %exp)  {lane=s0}
+  return %add_1  {lane=s0}
+# decision: max_aux_lanes=1: hinted lane(s) a2, a3 run on the main lane
+""")
+    assert _lanes(gm) == {"sin": 1, "cos": 0, "exp": 0, "add": 0, "add_1": 0}
+
+
+def test_policy_off_keeps_one_lane():
+    gm, _, after, ctx = case_before_after("two_joins", "assign_streams", policy="off")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w1_1 : f32[4,4] = input  {lane=s0}
+  %w2_1 : f32[4,4] = input  {lane=s0}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %w1_1)  {lane=s0}
+  %mm_1 : f32[4,4] = aten.mm.default(%x_1, %w2_1)  {lane=s0}
+  %add : f32[4,4] = aten.add.Tensor(%mm, %mm_1)  {lane=s0}
+  return %add  {lane=s0}
+# decision: policy=off: ignored the lane hints of 2 node(s)
+""")
+    assert set(_lanes(gm).values()) == {0}
+    assert meta.graph_info(gm).lanes == ("main",)
+
+
+def test_running_again_changes_nothing():
+    gm, _, after, _ = case_before_after("host_break", "assign_streams")
+    again, _ = run_one(gm, "assign_streams", policy="hints")
+    assert again == after
