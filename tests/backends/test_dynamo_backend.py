@@ -45,6 +45,10 @@ def _check_overlapped(gm: torch.fx.GraphModule, branch_a: str, branch_b: str) ->
     assert a and b, f"no kernels traced from {branch_a} ({len(a)}) or {branch_b} ({len(b)})"
     lanes_a, lanes_b = lanes_used(gm, a), lanes_used(gm, b)
     assert len(lanes_a | lanes_b) >= 2, f"{branch_a} and {branch_b} both run only on {lanes_a | lanes_b}"
+    # Some kernel of one branch may run while one of the other does: neither is ordered before the other.
+    hb = HappensBefore(gm)
+    concurrent = [(x, y) for x in a for y in b if not hb(x, y) and not hb(y, x)]
+    assert concurrent, f"every kernel of {branch_a} is ordered with every kernel of {branch_b}"
     edges = assert_cross_lane_reads_ordered(gm)
     assert edges, "branches on different lanes, but no tensor crosses lanes"
     assert_waits_well_formed(gm)
@@ -95,10 +99,11 @@ def test_attn_indexer_matches_eager_with_branches_on_separate_lanes(tmp_path):
     assert [g.name for g in graphs] == ["inference"]
     gm = graphs[0].graph
     _check_overlapped(gm, "attention", "indexer")
-    # The attention kernel itself runs beside the indexer's first kernel.
-    attn = kernels(n for n in compute_nodes(gm) if from_function(n, "attention"))
+    # The attention kernel itself may run beside an indexer kernel.
+    (attn,) = kernels(n for n in compute_nodes(gm) if from_function(n, "attention"))
     idx = kernels(n for n in compute_nodes(gm) if from_function(n, "indexer"))
-    assert {lane_name(gm, n) for n in attn}.isdisjoint({lane_name(gm, idx[0])})
+    hb = HappensBefore(gm)
+    assert any(not hb(attn, n) and not hb(n, attn) for n in idx), f"%{attn.name} is ordered with the whole indexer"
     _check_dump(tmp_path, gm)
 
 
@@ -306,7 +311,7 @@ def _check_training_graphs(graphs: list, dump_dir) -> None:
     assert [g.name for g in graphs] == ["forward", "backward"]
     fw, bw = graphs
     fgi = meta.graph_info(fw.graph)
-    assert fgi.lanes == ("main", "aux")
+    assert fgi.lanes[:2] == ("main", "aux")  # the policy may add automatic lanes after the hinted one
     hinted = [n for n in compute_nodes(fw.graph) if meta.info(n).hint == "aux"]
     assert hinted and all(lane_name(fw.graph, n) == "aux" for n in hinted)
     assert_cross_lane_reads_ordered(fw.graph)
