@@ -17,6 +17,7 @@ from backends.e2e_util import (
     new_compiles,
 )
 
+import capturepass
 from capturepass.ir import meta
 
 
@@ -183,3 +184,17 @@ def test_in_place_mutation_of_a_buffer_across_calls():
             x = torch.randn(2, 4)
             torch.testing.assert_close(compiled(x), ref(x))
     torch.testing.assert_close(model.steps, torch.full((4,), 3.0))
+
+
+def _break_inside_a_hint(x):
+    with capturepass.lane("aux"):
+        y = torch.sin(x)
+        torch._dynamo.graph_break()
+        z = torch.cos(y)
+    return z + torch.tanh(x)
+
+
+def test_graph_break_inside_a_hint_block():
+    # Dynamo cannot resume inside the hint's context manager; whatever it compiles, the result is eager's.
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(compile_eager(_break_inside_a_hint)(x), _break_inside_a_hint(x))
