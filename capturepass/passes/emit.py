@@ -60,16 +60,41 @@ def _has_kernel(region: _Region) -> bool:
     return False
 
 
+def _allocating_lanes(region: _Region) -> list[LaneId]:
+    """Other lanes that allocated storage this region reads from outside itself."""
+    members = set(region.nodes)
+    lanes: set[LaneId] = set()
+    for node in region.nodes:
+        for arg in node.all_input_nodes:
+            if arg in members:
+                continue
+            root = analysis.storage_root(arg)
+            if meta.effect_of(root) is Effect.COMPUTE and meta.lane_of(root) != region.lane:
+                lanes.add(meta.lane_of(root))
+    return sorted(lanes)
+
+
 def _plan(gm: fx.GraphModule) -> list[Step]:
     """Cuts the program order into regions and sync steps."""
     steps: list[Step] = []
     open_regions: dict[LaneId, _Region] = {}
     region_of: dict[fx.Node, _Region] = {}
 
+    deferred: dict[LaneId, list[Step]] = {}
+
     def close(lane: LaneId) -> None:
         region = open_regions.pop(lane, None)
         if region is not None and region.nodes:
+            # NOTE: the caller frees a value right after its last use in the outer program.
+            # insert_syncs and the verifier judged each free in program order, where every
+            # node of the allocating lane that precedes the read is already issued. That
+            # lane's open region holds such nodes; issue it first, or they would allocate
+            # after the free and could reuse the block while this region still reads it.
+            for other in _allocating_lanes(region):
+                if other in open_regions:
+                    close(other)
             steps.append(Step("region", lane=lane, payload=region))
+        steps.extend(deferred.pop(lane, ()))
 
     def close_all() -> None:
         for lane in sorted(open_regions):
@@ -95,8 +120,15 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             continue
         if eff is Effect.RELEASE:
             # A release only extends a lifetime; FX frees at the later of it and the last use,
-            # and a later free is always safe, so it needs no region boundary.
-            steps.append(Step(eff.value, lane=lane, payload=node))
+            # and a later free is always safe, so it needs no region boundary. NOTE: it must not
+            # run earlier than its place, though: the open region of its lane holds nodes that
+            # precede it and is issued only when it closes; freeing before them would let them
+            # reuse the block while another lane still reads it. So it waits for that region.
+            step = Step(eff.value, lane=lane, payload=node)
+            if lane in open_regions:
+                deferred.setdefault(lane, []).append(step)
+            else:
+                steps.append(step)
             continue
         if rec.brk is not None:
             close_all()
