@@ -1,0 +1,239 @@
+"""Tests of ``emit``: regions for the inner compiler, stitched by the outer program.
+
+Each test checks the number of regions, that the emitted program run on real
+tensors (host lanes, ``inner="eager"``) equals the traced function, and the
+outer program's code as a golden string. Two regressions pin the order of the
+outer program where the allocator's reuse depends on it: a value must not be
+freed before the nodes that precede its free point on its allocating lane.
+"""
+
+from __future__ import annotations
+
+import torch
+from expecttest import assert_expected_inline
+
+import capturepass
+from capturepass.ir import meta
+from capturepass.passes.observer import describe_program
+from capturepass.runtime.executor import Executor
+from tests.helpers import aten_graph
+from tests.passes.cases import CASES, before_after, case_before_after
+
+L = capturepass.lane
+
+
+def _run(program, args):
+    executor = Executor(program)
+    try:
+        return executor(list(args))
+    finally:
+        executor.close()
+
+
+def _check_numerics(name: str, program) -> None:
+    case = CASES[name]
+    args = case.inputs(seed=1)
+    torch.testing.assert_close(_run(program, args), case.fn(*args))
+
+
+def _code_lines(program) -> list[str]:
+    return [line.strip() for line in describe_program(program).splitlines()]
+
+
+def _position(lines: list[str], prefix: str) -> int:
+    (index,) = [i for i, line in enumerate(lines) if line.startswith(prefix)]
+    return index
+
+
+def test_fork_join_emits_three_regions():
+    _, before, after, ctx = case_before_after("fork_join", "emit")
+    program = ctx.artifacts["program"]
+    assert [(r.lane, r.segment, r.eager) for r in program.regions] == [(1, 0, False), (0, 0, False), (0, 0, False)]
+    assert ctx.counters["emit"] == {"regions": 3, "regions_eager": 3}
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, x_1, w1_1, w2_1):
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_0 = capturepass_runtime_program_region_0(x_1, w1_1);  w1_1 = None
+    getitem = region_0[0];  region_0 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    region_1 = capturepass_runtime_program_region_1(x_1, w2_1);  x_1 = w2_1 = None
+    getitem_1 = region_1[0];  region_1 = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    region_2 = capturepass_runtime_program_region_2(getitem, getitem_1);  getitem = getitem_1 = None
+    getitem_2 = region_2[0];  region_2 = None
+    return (getitem_2,)""")
+    _check_numerics("fork_join", program)
+    assert after == before  # the annotated graph itself is left as it was
+
+
+def test_host_break_runs_eagerly_between_two_segments():
+    _, _, _, ctx = case_before_after("host_break", "emit")
+    program = ctx.artifacts["program"]
+    assert [(r.lane, r.segment, r.eager) for r in program.regions] == [
+        (1, 0, False),
+        (0, 0, False),
+        (0, None, True),
+        (1, 1, False),
+        (0, 1, False),
+    ]
+    assert [p.kind for p in program.pieces] == ["segment", "break", "segment"]
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, y_1, x_1):
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_0 = capturepass_runtime_program_region_0(y_1);  y_1 = None
+    getitem = region_0[0];  region_0 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    region_1 = capturepass_runtime_program_region_1(x_1);  x_1 = None
+    getitem_1 = region_1[0];  region_1 = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    return (getitem, getitem_1)
+
+# break (eager)
+def forward(self, sum_1):
+    region_2 = capturepass_runtime_program_region_2(sum_1);  sum_1 = None
+    getitem = region_2[0];  region_2 = None
+    return (getitem,)
+
+# segment 1
+def forward(self, y_1, _local_scalar_dense, cos):
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_3 = capturepass_runtime_program_region_3(y_1);  y_1 = None
+    getitem = region_3[0];  region_3 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    region_4 = capturepass_runtime_program_region_4(getitem, _local_scalar_dense, cos);  getitem = _local_scalar_dense = cos = None
+    getitem_1 = region_4[0];  region_4 = None
+    return (getitem_1,)""")
+    _check_numerics("host_break", program)
+
+
+def test_regions_carry_no_capturepass_metadata():
+    _, _, _, ctx = case_before_after("retention", "emit")
+    program = ctx.artifacts["program"]
+    for region in program.regions:
+        for node in region.graph.graph.nodes:
+            assert "capturepass" not in node.meta and "custom" not in node.meta
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, x_1, w1_1, w2_1):
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_0 = capturepass_runtime_program_region_0(x_1, w1_1)
+    getitem = region_0[0];  region_0 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    region_1 = capturepass_runtime_program_region_1(x_1, w2_1);  x_1 = w2_1 = None
+    getitem_1 = region_1[0];  region_1 = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    region_2 = capturepass_runtime_program_region_2(getitem, getitem_1);  getitem = getitem_1 = None
+    getitem_2 = region_2[0];  region_2 = None
+    retain = capturepass_runtime_owner_retain(0, (), w1_1);  w1_1 = retain = None
+    return (getitem_2,)""")
+    _check_numerics("retention", program)
+
+
+def test_every_case_runs_like_the_traced_function():
+    for name in ("chain", "diamond", "deferred_release", "cross_segment_release", "serialized", "auto_branches"):
+        _, _, _, ctx = case_before_after(name, "emit")
+        _check_numerics(name, ctx.artifacts["program"])
+
+
+def test_policy_off_emits_one_region():
+    _, _, _, ctx = case_before_after("fork_join", "emit", policy="off")
+    program = ctx.artifacts["program"]
+    assert len(program.regions) == 1
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, x_1, w1_1, w2_1):
+    region_0 = capturepass_runtime_program_region_0(x_1, w1_1, w2_1);  x_1 = w1_1 = w2_1 = None
+    getitem = region_0[0];  region_0 = None
+    return (getitem,)""")
+    _check_numerics("fork_join", program)
+
+
+def _emit(fn) -> object:
+    gm = aten_graph(fn, torch.randn(4, 4))
+    _, _, ctx = before_after(gm, "emit", policy="hints")
+    return ctx.artifacts["program"]
+
+
+def _region_of(program, name: str) -> int:
+    (index,) = [r.index for r in program.regions if any(n.name == name for n in r.inputs + r.outputs)]
+    return index
+
+
+def test_release_runs_after_the_region_before_it():
+    """Regression: the release of ``%sin`` sits after ``%exp`` in the annotated graph.
+
+    ``%exp`` is in main's open region when the release is reached; emit used to
+    issue the release step at once, so ``%sin`` was freed before ``%exp`` ran,
+    and ``%exp`` could allocate ``%sin``'s block while ``%cos`` (aux) still read it.
+    """
+
+    def fn(x):
+        t = x.sin()
+        with L("aux"):
+            u = t.cos()
+        v = x.exp()
+        return u, v
+
+    program = _emit(fn)
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, x_1):
+    region_0 = capturepass_runtime_program_region_0(x_1)
+    getitem = region_0[0];  region_0 = None
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_1 = capturepass_runtime_program_region_1(getitem)
+    getitem_1 = region_1[0];  region_1 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    region_2 = capturepass_runtime_program_region_2(x_1);  x_1 = None
+    getitem_2 = region_2[0];  region_2 = None
+    release = capturepass_runtime_lanes_release(getitem);  getitem = release = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    return (getitem_1, getitem_2)""")
+    lines = _code_lines(program)
+    assert _position(lines, f"region_{_region_of(program, 'exp')} =") < _position(lines, "release =")
+
+
+def test_allocating_lane_runs_before_a_reader_that_frees():
+    """Regression: ``%sin`` (main) is last read by ``%cos`` (aux); ``%exp`` (main) comes before.
+
+    The outer program frees ``%sin`` right after the region of ``%cos``. emit used
+    to issue that region first and main's open region (``%exp``) only at the
+    join, so ``%exp`` allocated after the free and could reuse ``%sin``'s block
+    while ``%cos`` still read it. The verifier judged the free in program order,
+    where ``%exp`` is already issued.
+    """
+
+    def fn(x):
+        t = x.sin()
+        v = x.exp()
+        with L("aux"):
+            u = t.cos()
+        return u, v
+
+    program = _emit(fn)
+    assert_expected_inline(describe_program(program), """\
+# segment 0
+def forward(self, x_1):
+    region_0 = capturepass_runtime_program_region_0(x_1)
+    getitem = region_0[0];  region_0 = None
+    record = capturepass_runtime_lanes_record(0, 0);  record = None
+    wait = capturepass_runtime_lanes_wait(0, 1);  wait = None
+    region_1 = capturepass_runtime_program_region_1(x_1);  x_1 = None
+    getitem_1 = region_1[0];  region_1 = None
+    region_2 = capturepass_runtime_program_region_2(getitem);  getitem = None
+    getitem_2 = region_2[0];  region_2 = None
+    record_1 = capturepass_runtime_lanes_record(1, 1);  record_1 = None
+    wait_1 = capturepass_runtime_lanes_wait(1, 0);  wait_1 = None
+    return (getitem_1, getitem_2)""")
+    lines = _code_lines(program)
+    assert _position(lines, f"region_{_region_of(program, 'exp')} =") < _position(
+        lines, f"region_{_region_of(program, 'cos')} ="
+    )
