@@ -25,7 +25,9 @@ segment                partitioned every node but inputs, output and breaks is i
 
 Errors are :class:`~capturepass.errors.VerificationError`, name the node, the
 lanes and the event, say which pass created the node, and show about ten lines
-of the dump around it.
+of the dump around it. Events, leases and owners carry the dump's canonical ids
+(numbered in print order over the whole graph), in the message and the window
+alike, so that both read against ``capturepass show`` and the dump files.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ def _provenance(node: fx.Node) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def print_ids(gm: fx.GraphModule) -> printer._Canon:
+    """The canonical ids the dump of ``gm`` uses (events, leases, owners, segments)."""
+    gi = meta.graph_info(gm)
+    canon = printer._Canon()
+    canon("g", gi.owner)
+    settings = printer.PrintSettings(shapes=False)
+    for node in gm.graph.nodes:
+        printer.node_attrs(node, gi, canon, settings)
+    return canon
+
+
 def _context(gm: fx.GraphModule, node: fx.Node) -> str:
     nodes = list(gm.graph.nodes)
     try:
@@ -58,8 +71,9 @@ def _context(gm: fx.GraphModule, node: fx.Node) -> str:
     except ValueError:
         return ""
     gi = meta.graph_info(gm)
-    canon = printer._Canon()
-    canon("g", gi.owner)
+    # NOTE: ids numbered from the window's first line would differ from the message's and
+    # the dump's; number them over the whole graph first.
+    canon = print_ids(gm)
     settings = printer.PrintSettings(shapes=False)
     lo, hi = max(0, i - CONTEXT_LINES), min(len(nodes), i + CONTEXT_LINES)
     lines = []
@@ -85,6 +99,13 @@ class _Checker:
         self.count = [0] * self.nlanes
         self.seq: dict[fx.Node, tuple[int, int]] = {}
         self.events: dict[EventId, tuple[tuple[int, ...], LaneId, fx.Node]] = {}
+        self._ids: printer._Canon | None = None
+
+    def id(self, kind: str, key: object) -> str:
+        """The canonical (dump) name of an event (``e``), lease (``l``) or owner (``g``), for messages."""
+        if self._ids is None:
+            self._ids = print_ids(self.gm)
+        return self._ids(kind, key)
 
     def lane(self, node: fx.Node) -> LaneId:
         lane = meta.lane_of(node)
@@ -207,19 +228,21 @@ class _Checker:
         if entry is None:
             raise fail(
                 self.gm, "wait-before-record", node,
-                f"on {lane} waits for event {rec.event}, which no earlier node records",
+                f"on {lane} waits for event {self.id('e', rec.event)}, which no earlier node records",
             )
         clock, rlane, rnode = entry
         if rlane == lane:
             raise fail(
                 self.gm, "wait-before-record", node,
-                f"on {lane} waits for event {rec.event} recorded on the same lane by %{rnode.name}",
+                f"on {lane} waits for event {self.id('e', rec.event)} recorded on the same lane by "
+                f"%{rnode.name}",
             )
         rrec = meta.info(rnode)
         if rrec.owner != rec.owner:
             raise fail(
                 self.gm, "lease-owner", node,
-                f"waits for event {rec.event} recorded by %{rnode.name} of another owner ({rrec.owner} vs {rec.owner})",
+                f"waits for event {self.id('e', rec.event)} recorded by %{rnode.name} of another owner "
+                f"({self.id('g', rrec.owner)} vs {self.id('g', rec.owner)})",
             )
         mine = self.clock[lane.index]
         for i, v in enumerate(clock):
@@ -282,11 +305,12 @@ class _Checker:
             if rec.effect not in (Effect.RECORD, Effect.WAIT):
                 continue
             if rec.lease is None:
-                raise fail(self.gm, "lease-owner", node, f"uses event {rec.event} without a lease")
+                raise fail(self.gm, "lease-owner", node, f"uses event {self.id('e', rec.event)} without a lease")
             if rec.lease.owner != owner or rec.owner not in (None, owner):
                 raise fail(
                     self.gm, "lease-owner", node,
-                    f"uses lease {rec.lease} of owner {rec.lease.owner}, but the graph's owner is {owner}",
+                    f"uses lease {self.id('l', rec.lease)} of owner {self.id('g', rec.lease.owner)}, "
+                    f"but the graph's owner is {self.id('g', owner)}",
                 )
             if rec.lease.role != rec.role:
                 raise fail(
@@ -295,7 +319,7 @@ class _Checker:
                 )
             prev = lease_of.setdefault(rec.event, rec.lease)
             if prev != rec.lease:
-                raise fail(self.gm, "lease-owner", node, f"event {rec.event} has two leases")
+                raise fail(self.gm, "lease-owner", node, f"event {self.id('e', rec.event)} has two leases")
             span = live.setdefault(rec.event, [order[node], order[node]])
             span[0], span[1] = min(span[0], order[node]), max(span[1], order[node])
         by_lease: dict = {}
@@ -307,7 +331,8 @@ class _Checker:
                 if b0 <= a1:
                     raise fail(
                         self.gm, "lease-overlap", nodes[b0],
-                        f"records event {eb} into lease {lease} while event {ea} of the same lease is still "
+                        f"records event {self.id('e', eb)} into lease {self.id('l', lease)} while event "
+                        f"{self.id('e', ea)} of the same lease is still "
                         f"waited on (until %{nodes[a1].name})",
                     )
 
