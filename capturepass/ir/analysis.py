@@ -27,16 +27,35 @@ def aliases_input(node: fx.Node) -> fx.Node | None:
     """
     if node.op != "call_function":
         return None
-    target = node.target
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return None
-    if not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-        return None
-    for arg, formal in zip(node.args, schema.arguments):
-        if isinstance(arg, fx.Node) and formal.alias_info is not None:
+    args = node.args
+    for i in _alias_positions(node.target):
+        if i >= len(args):
+            break
+        arg = args[i]
+        if isinstance(arg, fx.Node):
             return arg
     return None
+
+
+# id(op) -> (op, positions): what aliases_input reads from an op's schema, once per op
+# overload. The op is kept so that its id is not reused while the entry exists.
+_ALIAS_POSITIONS: dict[int, tuple[object, tuple[int, ...]]] = {}
+
+
+def _alias_positions(target: object) -> tuple[int, ...]:
+    """Positions of the formal arguments a view return may alias (none unless it is a view)."""
+    entry = _ALIAS_POSITIONS.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    schema = getattr(target, "_schema", None)
+    positions: tuple[int, ...] = ()
+    if schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    ):
+        positions = tuple(i for i, formal in enumerate(schema.arguments) if formal.alias_info is not None)
+    if isinstance(target, torch._ops.OpOverload):  # other targets may be short-lived: not kept
+        _ALIAS_POSITIONS[id(target)] = (target, positions)
+    return positions
 
 
 def storage_root(node: fx.Node) -> fx.Node:
