@@ -230,6 +230,7 @@ class GraphInfo:
 
 
 _DEFAULT_INFO = NodeInfo()
+_NODE_FIELDS = frozenset(f.name for f in dataclasses.fields(NodeInfo))
 
 
 def info(node: fx.Node) -> NodeInfo:
@@ -253,7 +254,15 @@ def update(node: fx.Node, by: str, **changes: Any) -> NodeInfo:
     changed_by = old.changed_by
     if by and old.created_by != by and (not changed_by or changed_by[-1] != by):
         changed_by = changed_by + (by,)
-    new = dataclasses.replace(old, changed_by=changed_by, **changes)
+    if type(old) is not NodeInfo or not changes.keys() <= _NODE_FIELDS or "changed_by" in changes:
+        new = dataclasses.replace(old, changed_by=changed_by, **changes)  # raises the usual TypeError
+    else:
+        # dataclasses.replace without re-running __init__ (NodeInfo has no validation): hot path.
+        new = object.__new__(NodeInfo)
+        fields = new.__dict__
+        fields.update(old.__dict__)
+        fields.update(changes)
+        fields["changed_by"] = changed_by
     node.meta[META_KEY] = new
     return new
 
