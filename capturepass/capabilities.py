@@ -199,7 +199,7 @@ class CapabilityRegistry:
     def _default(
         self, node: fx.Node, name: str, target: torch._ops.OpOverload, graph_device: torch.device | None
     ) -> Capability:
-        tags = {str(t).rsplit(".", 1)[-1] for t in target.tags}
+        tags = _tag_names(target)
         if "cudagraph_unsafe" in tags:
             return Capability(capturable=False, reason=f"{name} is tagged cudagraph_unsafe")
         if "data_dependent_output" in tags:
@@ -227,6 +227,20 @@ class CapabilityRegistry:
                 name,
             )
         return Capability(overlap="serialize", reason=f"undeclared custom op {name}", source="default")
+
+
+# id(op) -> (op, its tag names); the op is kept so that its id is never reused meanwhile.
+_TAG_NAMES: dict[int, tuple[torch._ops.OpOverload, frozenset[str]]] = {}
+
+
+def _tag_names(target: torch._ops.OpOverload) -> frozenset[str]:
+    """The names of ``target``'s tags (``"cudagraph_unsafe"``, ...), computed once per op."""
+    entry = _TAG_NAMES.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    names = frozenset(str(t).rsplit(".", 1)[-1] for t in target.tags)
+    _TAG_NAMES[id(target)] = (target, names)
+    return names
 
 
 def _has_unbacked_size(node: fx.Node) -> bool:
