@@ -250,6 +250,9 @@ class _ReleasePlan:
         order = self.layout.order
         outputs = analysis.output_roots(graph)
         self._due: dict[int, list[fx.Node]] = {}
+        # root -> (allocating lane, its reads on other lanes with their lanes): computed once,
+        # since this pass never changes lanes or the compute users of a node.
+        self._cross: dict[fx.Node, tuple[int, list[tuple[fx.Node, int]]]] = {}
         for node in nodes:
             if meta.effect_of(node) is not Effect.COMPUTE or not analysis.is_tensor_node(node):
                 continue
@@ -261,18 +264,18 @@ class _ReleasePlan:
                 continue
             holders = [u for m in analysis.view_members(node) for u in m.users]
             self._due.setdefault(max(order[u] for u in holders), []).append(node)
+            cross = [(u, meta.lane_of(u).index) for u in reads if meta.lane_of(u) != alloc]
+            self._cross[node] = (alloc.index, cross)
         self._waiting: list[fx.Node] = []
 
     def _safe(self, w: _Walker, root: fx.Node, now: int) -> bool:
         if not self.layout.issues_after(root, now):
             return True
-        alloc = meta.lane_of(root).index
-        for u in analysis.reads_of(root):
-            li = meta.lane_of(u).index
-            if li == alloc:
-                continue
+        alloc, cross = self._cross[root]
+        clock = w.clock[alloc]
+        for u, li in cross:
             where = w.pos.get(u)
-            if where is None or w.clock[alloc][li] < where[1]:
+            if where is None or clock[li] < where[1]:
                 return False
         return True
 
@@ -292,6 +295,6 @@ class _ReleasePlan:
 
     def _place(self, w: _Walker, root: fx.Node, node: fx.Node, by: str) -> None:
         lane = meta.lane_of(root)
-        readers = ",".join(sorted({f"%{u.name}" for u in analysis.reads_of(root) if meta.lane_of(u) != lane}))
+        readers = ",".join(sorted({f"%{u.name}" for u, _ in self._cross[root][1]}))
         ops.insert_release(w.graph, node.next, [root], lane, by, f"read by {readers}")
         w.ctx.count(by, "releases")
