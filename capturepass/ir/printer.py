@@ -223,7 +223,8 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
             lines.append(f"# {brk.source} break: {brk.reason}")
     for line in gi.decisions:
         lines.append(f"# decision: {line}")
-    return "\n".join(lines) + "\n"
+    # Break reasons and decisions may quote reprs too: scrub the whole text, not only nodes.
+    return _POINTER.sub("0x?", "\n".join(lines) + "\n")
 
 
 def to_json(gm: fx.GraphModule) -> dict[str, Any]:
@@ -265,7 +266,9 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
         if rec.why is not None:
             entry["why"] = rec.why
         nodes.append(entry)
-    return {
+    # NOTE: reasons, decisions and why-texts may quote reprs (a launch plan's reason, say);
+    # scrub every string, as the text dump scrubs every line.
+    return _scrub({
         "graph": gi.name,
         "owner": canon("g", gi.owner),
         "lanes": list(gi.lanes),
@@ -274,7 +277,17 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
         "breaks": [{"node": b.node, "reason": b.reason, "source": b.source} for b in gi.breaks],
         "decisions": list(gi.decisions),
         "nodes": nodes,
-    }
+    })
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, str):
+        return _POINTER.sub("0x?", value)
+    if isinstance(value, dict):
+        return {k: _scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_scrub(v) for v in value]
+    return value
 
 
 def dumps_json(gm: fx.GraphModule) -> str:
