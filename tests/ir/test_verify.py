@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+import torch.fx as fx
 
 import capturepass
 from capturepass.errors import VerificationError
@@ -29,7 +30,7 @@ L = capturepass.lane
 MAX_LINES = 20
 
 
-def _valid(name: str) -> "fx.GraphModule":  # noqa: F821
+def _valid(name: str) -> fx.GraphModule:
     gm, _ = build(name, "partition", verify_each=False)
     verify(gm)
     return gm

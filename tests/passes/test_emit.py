@@ -13,7 +13,6 @@ import torch
 from expecttest import assert_expected_inline
 
 import capturepass
-from capturepass.ir import meta
 from capturepass.passes.observer import describe_program
 from capturepass.runtime.executor import Executor
 from tests.helpers import aten_graph
