@@ -60,6 +60,9 @@ class CallInfo:
         device: the device of the first tensor argument.
         sm_count: the device's multiprocessor count, or ``None`` off CUDA.
         args: the call's arguments, with tensors as fake tensors.
+        dynamic: some size is symbolic; ``shapes`` then holds the sizes the
+            graph was traced with, and an answer of ``"safe"`` is only trusted
+            for them, so capturepass serializes such a call.
     """
 
     op: str
@@ -68,6 +71,7 @@ class CallInfo:
     device: torch.device | None
     sm_count: int | None
     args: tuple = ()
+    dynamic: bool = False
 
     def key(self) -> tuple:
         return (self.op, self.shapes, self.dtypes, str(self.device), self.sm_count)
@@ -192,6 +196,13 @@ class CapabilityRegistry:
                 f"(node %{node.name}, shapes {call.shapes})"
             ) from exc
         cap = _to_capability(answer, name, decl)
+        if call.dynamic and cap.overlap == "safe":
+            cap = dataclasses.replace(
+                cap,
+                overlap="serialize",
+                reason=f"{cap.reason}; serialized: the launch plan was asked at the traced sizes {call.shapes}, "
+                "but the shape is dynamic (compile with static shapes, or declare the overlap directly)",
+            )
         with self._lock:
             self._cache[cache_key] = cap
         return cap
@@ -289,6 +300,7 @@ def _call_info(node: fx.Node, name: str) -> CallInfo:
         device=device,
         sm_count=sm_count,
         args=tuple(args),
+        dynamic=any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols for t in tensors for d in t.shape),
     )
 
 
@@ -310,6 +322,10 @@ def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:
         )
     if cap.overlap not in OVERLAP_CHOICES:
         raise CapabilityError(f"the launch-plan callable of {name} answered overlap={cap.overlap!r}")
+    if cap.resident_grid and not cap.barrier_free and cap.overlap == "safe":
+        # A grid barrier waits for every CTA; work on another lane holding multiprocessors
+        # can keep some from ever starting. Never overlap it, whatever the plan claimed.
+        cap = dataclasses.replace(cap, overlap="serialize", reason=f"{cap.reason}; grid barrier: serialized")
     return dataclasses.replace(cap, source="launch-plan", reason=cap.reason or "launch plan")
 
 

@@ -313,7 +313,8 @@ def test_launch_plan_called_once_per_shape_and_cached(declared):
     assert len(seen) == 3
 
 
-def test_launch_plan_sees_shape_hints_when_dynamic(declared):
+def test_launch_plan_sees_shape_hints_when_dynamic_and_is_serialized(declared):
+    """A plan asked at traced sizes cannot vouch for other sizes of a dynamic shape."""
     seen: list[CallInfo] = []
 
     def launch_plan(call: CallInfo) -> Capability:
@@ -324,8 +325,10 @@ def test_launch_plan_sees_shape_hints_when_dynamic(declared):
     declared.append(plan)
     nodes = _calls(_plan_graph("symbolic"), f"{NS}::plan")
     caps = [REGISTRY.query(n) for n in nodes]
-    assert {c.reason for c in caps} == {"launch plan"}
+    assert {c.overlap for c in caps} == {"serialize"}
+    assert all("the shape is dynamic" in c.reason for c in caps)
     assert sorted({c.shapes for c in seen}) == [((2, 8),), ((4, 8),)]
+    assert all(call.dynamic for call in seen)
     for call in seen:
         assert all(type(d) is int for shape in call.shapes for d in shape)
 

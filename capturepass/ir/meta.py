@@ -131,6 +131,13 @@ class Capability:
         resources: names of owner-bound resources the op needs.
         source: where the answer came from (``"default"``, ``"registry"``,
             ``"launch-plan"``).
+        resident_grid: the launch needs all its CTAs resident at once (a
+            persistent kernel); work on other lanes is then enqueued before it,
+            so that the launch cannot block that work's submission.
+        barrier_free: the resident launch has no grid-wide barrier; one with a
+            barrier is always serialized (other lanes could keep CTAs from
+            becoming resident, and the barrier would never open).
+        ctas: the launch's CTA count, when the launch plan says.
     """
 
     capturable: bool = True
@@ -138,6 +145,9 @@ class Capability:
     reason: str = ""
     resources: tuple[str, ...] = ()
     source: str = "default"
+    resident_grid: bool = False
+    barrier_free: bool = True
+    ctas: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

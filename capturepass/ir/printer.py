@@ -156,6 +156,9 @@ def node_attrs(node: fx.Node, gi: GraphInfo, canon: _Canon, settings: PrintSetti
             attrs.append("capturable=no")
         if cap.overlap != "safe":
             attrs.append(f"overlap={cap.overlap}")
+        if cap.resident_grid:
+            ctas = "?" if cap.ctas is None else str(cap.ctas)
+            attrs.append(f"grid={ctas}cta/{'barrier-free' if cap.barrier_free else 'barrier'}")
     if settings.cost and rec.cost is not None:
         c = rec.cost
         cost = f"cost={_fmt_num(c.flops)}fl/{_fmt_num(c.bytes)}B"

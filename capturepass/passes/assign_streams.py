@@ -142,6 +142,56 @@ class AssignStreams(Pass):
                 meta.update(node, self.name, lane=MAIN_LANE)
         ctx.count(self.name, "lanes", len(lane_names))
         ctx.count(self.name, "breaks", len(breaks))
+        self._gate(gm, ctx)
+
+    def _gate(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """Records each capability-gated decision; enqueues other lanes' work before resident launches.
+
+        A serialized op (``overlap="serialize"``, or a grid barrier) gets its barrier in
+        ``insert_syncs``. A barrier-free resident-grid launch may run beside other lanes,
+        but work that does not depend on it is moved before it in program order: once the
+        launch holds the multiprocessors, work submitted after it could wait for it to end.
+        """
+        gated = [
+            n for n in gm.graph.nodes
+            if meta.effect_of(n) is meta.Effect.COMPUTE and meta.info(n).capability is not None
+            and (meta.info(n).capability.overlap != "safe" or meta.info(n).capability.resident_grid)
+        ]
+        for launch in gated:
+            cap = meta.info(launch).capability
+            if cap.overlap != "safe":
+                meta.add_decision(gm, f"%{launch.name}: {cap.reason}: serialized, no other lane runs beside it")
+                continue
+            later: list[fx.Node] = []
+            node = launch.next
+            while node.op != "output" and meta.info(node).brk is None:
+                if meta.effect_of(node) is meta.Effect.COMPUTE:
+                    later.append(node)
+                node = node.next
+            after = set(later)
+            descendants: set[fx.Node] = set()
+            stack = [launch]
+            while stack:
+                for user in stack.pop().users:
+                    if user in after and user not in descendants:
+                        descendants.add(user)
+                        stack.append(user)
+            lane = meta.lane_of(launch)
+            need = {n for n in later if n not in descendants and meta.lane_of(n) != lane}
+            stack = list(need)
+            while stack:  # what they read must move with them
+                for a in stack.pop().all_input_nodes:
+                    if a in after and a not in need:
+                        need.add(a)
+                        stack.append(a)
+            moved = [n for n in later if n in need]
+            for n in moved:
+                launch.prepend(n)
+            names = ", ".join(f"%{n.name}" for n in moved[:6]) + (", ..." if len(moved) > 6 else "")
+            what = f"enqueued {len(moved)} node(s) of other lanes before it ({names})" if moved else (
+                "nothing on other lanes to enqueue before it")
+            meta.add_decision(gm, f"%{launch.name}: {cap.reason}: may overlap; {what}")
+            ctx.count(self.name, "enqueued_first", len(moved))
 
     def _schedule(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId], candidates: list[LaneId]) -> None:
         """Earliest-finish list scheduling of the unhinted kernels over ``candidates``."""

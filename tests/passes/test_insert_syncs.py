@@ -236,6 +236,7 @@ owner g0:
   %wait_default_3 : () = capturepass.wait(3, 0)  {lane=s0, wait=e3, role=join, by=insert_syncs, why=%sin->%add}
   %add : f32[4,4] = aten.add.Tensor(%opaque, %sin)  {lane=s0}
   return %add  {lane=s0}
+# decision: %opaque: undeclared custom op cptest_passes::opaque: serialized, no other lane runs beside it
 """)
     assert _waits(gm) == [
         ("s1", "fork k0"),
