@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|bench|sanitize|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|bench|resident|sanitize|all [OUTDIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -14,16 +14,23 @@ export PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_runtime.py 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
   rc=${PIPESTATUS[0]}
   python3 examples/moe_shared_expert.py --device cuda 2>&1 | tail -12
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
+  # The example end to end, then a subset of the GPU tests (two owners, breakable capture, deferred release).
   for tool in racecheck memcheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 examples/moe_shared_expert.py --device cuda --small \
       > "$out/sanitizer-$tool.log" 2>&1
-    echo "compute-sanitizer $tool: exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -2)"
+    echo "compute-sanitizer $tool (example): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-$tool.log" | tail -1)"
+    compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_runtime.py \
+      -k "target_and_draft or breakable_capture or deferred_release or attention" > "$out/sanitizer-tests-$tool.log" 2>&1
+    echo "compute-sanitizer $tool (tests): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-tests-$tool.log" | tail -1); $(grep -E 'passed|failed' "$out/sanitizer-tests-$tool.log" | tail -1)"
   done
+fi
+if [ "$what" = resident ] || [ "$what" = all ]; then
+  python3 bench/resident_grid.py --out "$out" 2>&1 | grep -v DEBUG | tail -12
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
