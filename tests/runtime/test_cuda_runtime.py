@@ -199,7 +199,9 @@ class _Binding:
 def _scaled(x: torch.Tensor) -> torch.Tensor:
     key = (x.numel(), str(x.device))
     b = _BINDINGS.get(key)
-    if b is None:
+    if b is None or torch.cuda.is_current_stream_capturing():
+        # Bound at capture time, as kernels whose pointers are baked into a graph are:
+        # the scratch comes from the capturing graph's pool.
         b = _BINDINGS[key] = _Binding(x.numel(), x.device)
     if _RETAIN["on"]:
         capturepass.retain(b)
