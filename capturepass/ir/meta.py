@@ -46,9 +46,8 @@ SYNC_EFFECTS = frozenset({Effect.RECORD, Effect.WAIT})
 class EventRole(str, enum.Enum):
     """Why an event exists; the event pool keeps one free list per role."""
 
-    FORK = "fork"  # recorded on the capture lane, waited on by an auxiliary lane
-    JOIN = "join"  # recorded on an auxiliary lane, waited on by the capture lane
-    CROSS = "cross"  # between two auxiliary lanes
+    FORK = "fork"  # recorded on the capture lane (main), waited on by an auxiliary lane
+    JOIN = "join"  # recorded on an auxiliary lane, waited on by main or another auxiliary lane
 
 
 @dataclasses.dataclass(frozen=True, order=True)

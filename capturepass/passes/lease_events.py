@@ -71,7 +71,7 @@ class LeaseEvents(Pass):
             if rec.effect in (Effect.RECORD, Effect.WAIT):
                 if rec.event not in lease_of:
                     raise VerificationError(
-                        "wait-without-record",
+                        "wait-before-record",
                         node.name,
                         f"%{node.name} waits for {rec.event} on {rec.lane}, but no node records it "
                         f"(created by {rec.created_by})",
