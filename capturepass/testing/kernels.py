@@ -139,9 +139,11 @@ class NormalizedMoE(torch.nn.Module):
         self.wr = g(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Written routed-first, as MoE layers usually are: capturepass moves the shared
+        # expert's launches before a barrier-free resident launch on its own.
+        routed = torch.ops.capturepass_examples.global_normalize(torch.nn.functional.linear(x, self.wr).relu())
         shared = torch.nn.functional.linear(
             torch.nn.functional.silu(torch.nn.functional.linear(x, self.wg)) * torch.nn.functional.linear(x, self.wu),
             self.wd,
         )
-        routed = torch.ops.capturepass_examples.global_normalize(torch.nn.functional.linear(x, self.wr).relu())
         return shared + routed
