@@ -206,6 +206,9 @@ class LaneLayout:
         in one segment and freed in a later one races the allocating lane's later work
         in the later segment; only the next fork orders that lane after the reads.
         """
-        key = (self.segment_at(index), meta.lane_of(root).index)
-        positions = self._by_lane.get(key, ())
+        return self.lane_issues_after(meta.lane_of(root).index, index)
+
+    def lane_issues_after(self, lane: int, index: int) -> bool:
+        """Whether lane number ``lane`` issues another node after ``index``, in the segment of ``index``."""
+        positions = self._by_lane.get((self.segment_at(index), lane), ())
         return bool(positions) and positions[-1] > index

@@ -266,11 +266,17 @@ class _ReleasePlan:
             self._due.setdefault(max(order[u] for u in holders), []).append(node)
             cross = [(u, meta.lane_of(u).index) for u in reads if meta.lane_of(u) != alloc]
             self._cross[node] = (alloc.index, cross)
-        self._waiting: list[fx.Node] = []
+        # Deferred roots, per allocating lane, tagged with the order in which they were deferred.
+        # Every root of a lane's list was found unsafe when that lane's clock row (without its
+        # own entry) was _checked[lane]; while the row is unchanged and the lane still issues
+        # work in the segment, they stay unsafe (a read issued since then is later than
+        # anything the row covers), so they are not looked at again.
+        self._waiting: dict[int, list[tuple[int, fx.Node]]] = {}
+        self._checked: dict[int, tuple[int, ...]] = {}
+        self._deferred = 0
 
-    def _safe(self, w: _Walker, root: fx.Node, now: int) -> bool:
-        if not self.layout.issues_after(root, now):
-            return True
+    def _reads_ordered(self, w: _Walker, root: fx.Node) -> bool:
+        """Whether the allocating lane of ``root`` runs after every read of it on other lanes."""
         alloc, cross = self._cross[root]
         clock = w.clock[alloc]
         for u, li in cross:
@@ -279,19 +285,42 @@ class _ReleasePlan:
                 return False
         return True
 
+    def _safe(self, w: _Walker, root: fx.Node, now: int) -> bool:
+        if not self.layout.issues_after(root, now):
+            return True
+        return self._reads_ordered(w, root)
+
+    @staticmethod
+    def _row(w: _Walker, lane: int) -> tuple[int, ...]:
+        row = w.clock[lane]
+        return tuple(row[:lane]) + tuple(row[lane + 1:])
+
     def after(self, w: _Walker, node: fx.Node, by: str) -> None:
         """Called after ``node`` was issued: defers releases that became due, places safe ones."""
         now = self.layout.order[node]
-        for root in self._due.pop(now, []):
+        safe: list[tuple[int, fx.Node]] = []
+        for lane, group in self._waiting.items():
+            if not group:
+                continue
+            row = self._row(w, lane)
+            if not self.layout.lane_issues_after(lane, now):
+                safe.extend(group)
+                self._waiting[lane] = []
+            elif row != self._checked[lane]:
+                still = []
+                for entry in group:
+                    (safe if self._reads_ordered(w, entry[1]) else still).append(entry)
+                self._waiting[lane] = still
+            self._checked[lane] = row
+        for root in self._due.pop(now, ()):
             if not self._safe(w, root, now):
-                self._waiting.append(root)
-        still = []
-        for root in self._waiting:
-            if self._safe(w, root, now):
-                self._place(w, root, node, by)
-            else:
-                still.append(root)
-        self._waiting = still
+                lane = self._cross[root][0]
+                self._waiting.setdefault(lane, []).append((self._deferred, root))
+                self._checked[lane] = self._row(w, lane)
+                self._deferred += 1
+        safe.sort(key=lambda entry: entry[0])  # in the order they were deferred
+        for _, root in safe:
+            self._place(w, root, node, by)
 
     def _place(self, w: _Walker, root: fx.Node, node: fx.Node, by: str) -> None:
         lane = meta.lane_of(root)
