@@ -19,7 +19,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from capturepass.ir.meta import Cost
 
@@ -65,6 +65,66 @@ def _io_tensors(node: fx.Node) -> list[torch.Tensor]:
     return out
 
 
+# torch wraps most FLOP formulas in ``shape_wrapper``: such a formula sees the shapes of the
+# tensor arguments and the other arguments as they are, nothing else. For those, the count on
+# static shapes is kept per (formula, argument shapes and values): graphs repeat a few call
+# signatures many times, and converting arguments to shapes costs more than the formula.
+_SHAPE_ONLY_CODE = shape_wrapper(lambda: None).__code__
+_FLOP_CACHE: dict[tuple, int] = {}
+_FLOP_CACHE_MAX = 4096
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+def _static_key(x: Any) -> Any:
+    """A hashable stand-in for what a shape-wrapped formula receives for ``x``."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("val")
+    if isinstance(x, torch.Tensor):
+        shape = tuple(x.shape)
+        if not all(type(d) is int for d in shape):
+            raise _Uncacheable
+        return ("tensor", shape)
+    if x is None or type(x) in (int, bool, str):
+        return (type(x), x)
+    if type(x) is float:
+        return (float, repr(x))  # keeps -0.0 and 0.0 apart
+    if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(x), x)
+    if isinstance(x, (list, tuple)):
+        return (type(x), tuple(_static_key(v) for v in x))
+    raise _Uncacheable
+
+
+def _flops(formula: Any, node: fx.Node) -> Any:
+    """``formula`` applied to ``node``'s arguments and output (fake values)."""
+    out_val = node.meta.get("val")
+    key = None
+    if getattr(formula, "__code__", None) is _SHAPE_ONLY_CODE:
+        try:
+            key = (
+                formula,
+                _static_key(node.args),
+                tuple((k, _static_key(v)) for k, v in node.kwargs.items()),
+                _static_key(out_val),
+            )
+        except Exception:  # _Uncacheable, or an odd value: compute it the usual way
+            key = None
+        if key is not None:
+            hit = _FLOP_CACHE.get(key)
+            if hit is not None:
+                return hit
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    flops = formula(*args, **kwargs, out_val=out_val)
+    if key is not None and type(flops) is int:
+        if len(_FLOP_CACHE) >= _FLOP_CACHE_MAX:
+            _FLOP_CACHE.clear()
+        _FLOP_CACHE[key] = flops
+    return flops
+
+
 def estimate(node: fx.Node, alias: bool) -> Cost:
     """The cost of one node.
 
@@ -86,8 +146,7 @@ def estimate(node: fx.Node, alias: bool) -> Cost:
     if formula is None:
         return Cost(flops=0.0, bytes=nbytes, symbolic=bytes_sym and f"bytes={bytes_sym}", exact=True)
     try:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+        flops = _flops(formula, node)
         nflops, flops_sym = _numeric(flops)
     except Exception:
         return Cost(flops=0.0, bytes=nbytes, exact=False)
