@@ -7,7 +7,8 @@ that made it necessary, and the decisions the passes logged. ``--json`` prints
 the same summary as one JSON object whose keys are ``lanes``, ``records``,
 ``waits``, ``leases``, ``retained``, ``segments``, ``breaks`` (totals over the
 graphs; ``lanes`` is the most any graph uses) and ``graphs`` (one such object
-per graph).
+per graph). ``--html OUT`` also writes the schedule as a self-contained HTML
+timeline, ``--trace OUT`` as a Chrome trace (see :mod:`capturepass.viewer`).
 """
 
 from __future__ import annotations
@@ -62,14 +63,24 @@ def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def summarize(root: str) -> dict[str, Any]:
-    """The summary of every graph under ``root``, with totals."""
+def load_graphs(root: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, graph.json document)`` of every graph under ``root``, in path order.
+
+    Raises:
+        FileNotFoundError: ``root`` holds no ``graph.json``.
+    """
     graphs = []
     for d in _graph_dirs(root):
         with open(os.path.join(d, "graph.json")) as f:
-            graphs.append(summarize_graph(json.load(f), os.path.relpath(d, root) if d != root else os.path.basename(d)))
+            graphs.append((os.path.relpath(d, root) if d != root else os.path.basename(d), json.load(f)))
     if not graphs:
         raise FileNotFoundError(f"no capturepass dump (graph.json) under {root!r}")
+    return graphs
+
+
+def summarize(root: str) -> dict[str, Any]:
+    """The summary of every graph under ``root``, with totals."""
+    graphs = [summarize_graph(g, name) for name, g in load_graphs(root)]
     total: dict[str, Any] = {
         "lanes": max(g["lanes"] for g in graphs),
         "breaks": [b for g in graphs for b in g["breaks"]],
@@ -120,9 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     show = sub.add_parser("show", help="summarize a dump directory")
     show.add_argument("dir", help="a dump directory (the dump_dir option, or one graph's folder in it)")
     show.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    show.add_argument("--html", metavar="OUT", help="also write the schedule as a self-contained HTML timeline")
+    show.add_argument("--trace", metavar="OUT", help="also write the schedule as a Chrome trace (Perfetto opens it)")
     args = parser.parse_args(argv)
     try:
         summary = summarize(args.dir)
+        if args.html or args.trace:
+            from capturepass import viewer
+
+            if args.html:
+                viewer.write_html(args.dir, args.html)
+            if args.trace:
+                viewer.write_trace(args.dir, args.trace)
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
         print(f"capturepass show: {exc}", file=sys.stderr)
         return 2
