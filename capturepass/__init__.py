@@ -30,6 +30,9 @@ from capturepass.hints import lane
 from capturepass.ir.meta import Capability
 from capturepass.options import Options
 from capturepass.runtime.resources import retain, workspace
+from capturepass import logs as _logs
+
+_logs.register()
 
 __version__ = "0.1.0"
 

@@ -5,6 +5,9 @@ it:
 
 - times it (logged at DEBUG on the ``capturepass`` logger, and kept in
   ``timings``);
+- logs at INFO each decision the pass added to the graph record
+  (``meta.add_decision``), the lane assignment once lanes exist, and each new
+  break, so that ``TORCH_LOGS=capturepass`` shows one line per decision;
 - records the IR properties the pass ensures in the graph record, and with
   ``verify=True`` runs the verifier on every established property, so that a
   broken invariant is reported at the pass that broke it;
@@ -24,7 +27,7 @@ import torch.fx as fx
 
 from capturepass.ir import meta, printer
 from capturepass.ir import verify as ir_verify
-from capturepass.passes.base import Pass, PassContext
+from capturepass.passes.base import LANES, Pass, PassContext
 from capturepass.passes.pipeline import PIPELINE
 
 log = logging.getLogger("capturepass")
@@ -39,6 +42,30 @@ def describe_program(program) -> str:
         return program.bind(owner, owner.lanes("eager")).code().strip()
     finally:
         owner.close()
+
+
+def _lane_summary(gm: fx.GraphModule) -> str:
+    gi = meta.graph_info(gm)
+    counts = [0] * len(gi.lanes)
+    for node in gm.graph.nodes:
+        lane = meta.info(node).lane
+        if meta.effect_of(node) is meta.Effect.COMPUTE and lane is not None and lane.index < len(counts):
+            counts[lane.index] += 1
+    return ", ".join(f"s{i}={name} ({n} node{'s' if n != 1 else ''})" for i, (name, n) in enumerate(zip(gi.lanes, counts)))
+
+
+def _log_decisions(p: Pass, before: meta.GraphInfo, gm: fx.GraphModule) -> None:
+    """INFO lines for what pass ``p`` decided: new decisions, the lanes it assigned, new breaks."""
+    after = meta.graph_info(gm)
+    pass_name = p.name
+    for line in after.decisions[len(before.decisions):]:
+        log.info("capturepass: %s %s: %s", after.name, pass_name, line)
+    if LANES in p.ensures:
+        log.info("capturepass: %s %s: lanes %s", after.name, pass_name, _lane_summary(gm))
+    for brk in after.breaks:
+        if brk not in before.breaks:
+            where = f" at %{brk.node}" if brk.node else ""
+            log.info("capturepass: %s %s: %s break%s: %s", after.name, pass_name, brk.source, where, brk.reason)
 
 
 def _index(p: Pass) -> int:
@@ -67,11 +94,14 @@ class Observer:
         """Runs ``passes`` on ``gm``; returns ``(file name, dump text)`` of each pass."""
         dumps: list[tuple[str, str]] = []
         for p in passes:
+            before = meta.graph_info(gm)
             start = time.perf_counter()
             p.run(gm, ctx)
             elapsed = time.perf_counter() - start
             self.timings[p.name] = self.timings.get(p.name, 0.0) + elapsed
             log.debug("capturepass: pass %s took %.3f ms on %s", p.name, elapsed * 1e3, meta.graph_info(gm).name)
+            if log.isEnabledFor(logging.INFO):
+                _log_decisions(p, before, gm)
             if p.stage == "aten":
                 gi = meta.graph_info(gm)
                 meta.update_graph(gm, properties=gi.properties | frozenset(p.ensures))
