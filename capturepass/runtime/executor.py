@@ -113,6 +113,7 @@ class _Capture:
         torch.cuda.synchronize(device)
         _clear_cublas_workspaces()
         owner.pool = torch.cuda.graph_pool_handle()
+        owner.capture_stream = stream
         bound = program.bind(owner, owner.lanes("capture:0"))
         env = bound.initial_env(args)
         for i, (node, arg) in enumerate(zip(program.inputs, args)):

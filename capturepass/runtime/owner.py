@@ -47,7 +47,10 @@ class GraphOwner:
     Attributes:
         name: a process-unique name, ``"g<N>:<graph>"``.
         retained: per segment, the objects its capture keeps alive.
-        graphs: piece index -> captured CUDA graph.
+        graphs: segment index -> captured CUDA graph.
+        pool: the private memory pool of its graphs.
+        capture_stream: the stream its segments were captured on (an engine that
+            captures more graphs into ``pool`` should use it too).
     """
 
     def __init__(self, graph_name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
@@ -65,6 +68,7 @@ class GraphOwner:
         self.retained: dict[int, list[Any]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
+        self.capture_stream: torch.cuda.Stream | None = None
         self.static: dict[str, Any] = {}
         self.capturing: int | None = None
         self._resources: dict[ResourceBinding, int] = {}
@@ -156,6 +160,7 @@ class GraphOwner:
             self._resources.clear()
             self.workspaces.clear()
             self.pool = None
+            self.capture_stream = None
             self.streams = []
             if had_graphs:
                 # cuBLAS caches a workspace per (handle, stream); the one our capture

@@ -217,12 +217,12 @@ def _(x):
 capturepass.register_capability("cptest_gpu::scaled", overlap="safe")
 
 
-def _second_graph_clobbered(pool, n: int) -> bool:
-    """Captures a second graph into ``pool`` whose output may reuse a freed block; returns
-    whether replaying the first graph afterwards corrupted it."""
+def _second_graph_clobbered(pool, n: int, stream=None):
+    """Captures a second graph into ``pool`` (on ``stream``) whose output may reuse a freed
+    block; returns that output and the graph."""
     src = torch.full((n,), 7.0, device="cuda")
     g2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g2, pool=pool):
+    with torch.cuda.graph(g2, pool=pool, stream=stream):
         y2 = src * 1.0
     g2.replay()
     torch.cuda.synchronize()
@@ -277,7 +277,8 @@ def test_h1_through_capturepass(retain):
         assert (owner.num_retained > 0) == retain
         _BINDINGS.clear()  # the op's cache evicts the binding
         gc.collect()
-        y2, g2 = _second_graph_clobbered(owner.pool, n)
+        # The engine captures its next graph into the same pool on the same stream.
+        y2, g2 = _second_graph_clobbered(owner.pool, n, owner.capture_stream)
         eager_victim = torch.full((n,), 7.0, device="cuda")
         victims = [y2, eager_victim]
         x2 = torch.randn(n, device="cuda")
