@@ -13,7 +13,9 @@ Public API:
 - :func:`lane`: a lane hint, as a context manager or decorator;
 - :func:`register_capability` / :func:`capability`: what an op may do;
 - :func:`retain` / :func:`workspace`: for custom ops whose storage a capture bakes in;
-- :class:`Options`, :class:`CapturePassError` and its subclasses.
+- :class:`Options`, :class:`CapturePassError` and its subclasses;
+- for vLLM (docs/vllm.md): :func:`backend` (``"capturepass.backend"``) and
+  :data:`post_grad_pass` (``"capturepass.post_grad_pass"``).
 """
 
 from capturepass.capabilities import CallInfo, capability, register_capability
@@ -30,9 +32,22 @@ from capturepass.hints import lane
 from capturepass.ir.meta import Capability
 from capturepass.options import Options
 from capturepass.runtime.resources import retain, workspace
+from capturepass.vllm_plugin import post_grad_pass
+
 from capturepass import logs as _logs
 
 _logs.register()
+
+
+def backend(gm, example_inputs, options=None, mode=None):
+    """The backend under a qualified name, for vLLM's ``compilation_config={"backend": "capturepass.backend"}``.
+
+    See :func:`capturepass.vllm_plugin.backend`.
+    """
+    from capturepass.vllm_plugin import backend as vllm_backend
+
+    return vllm_backend(gm, example_inputs, options, mode)
+
 
 __version__ = "0.1.0"
 
@@ -47,8 +62,10 @@ __all__ = [
     "Options",
     "PipelineError",
     "VerificationError",
+    "backend",
     "capability",
     "lane",
+    "post_grad_pass",
     "register_capability",
     "retain",
     "workspace",

@@ -22,6 +22,30 @@ CUDAGRAPH_MODES = ("monolithic", "breakable", "none")
 
 DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
 VERIFY_ENV = "CAPTUREPASS_VERIFY"
+OPTIONS_ENV = "CAPTUREPASS_OPTIONS"  # a JSON object of options, under those given in code
+
+
+def env_options() -> dict[str, Any]:
+    """The options given by ``CAPTUREPASS_OPTIONS`` (a JSON object), or ``{}``.
+
+    This is how options reach capturepass where the caller passes none, as in an
+    engine that calls the backend itself (vLLM): keys given in code win.
+
+    Raises:
+        OptionError: the variable is not a JSON object.
+    """
+    import json
+
+    text = os.environ.get(OPTIONS_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise OptionError(f"{OPTIONS_ENV} must hold a JSON object of options: {e}") from None
+    if not isinstance(value, dict):
+        raise OptionError(f"{OPTIONS_ENV} must hold a JSON object of options, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +83,13 @@ class Options:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
-        """Builds options from a user mapping, filling defaults from the environment.
+        """Builds options from a user mapping, filling defaults from the environment
+        (``CAPTUREPASS_OPTIONS``, then ``CAPTUREPASS_DUMP_DIR`` and ``CAPTUREPASS_VERIFY``).
 
         Raises:
             OptionError: an unknown key, or a value of the wrong type or range.
         """
-        options = dict(options or {})
+        options = {**env_options(), **dict(options or {})}
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:

@@ -1,0 +1,176 @@
+"""vLLM integration: the general plugin, the backend route and the pass route.
+
+Nothing here imports vLLM at import time, and nothing touches a device: this
+module is imported by ``import capturepass`` (for ``capturepass.backend`` and
+``capturepass.post_grad_pass``) and by vLLM's plugin loader in every vLLM
+process.
+
+Routes (docs/vllm.md):
+
+- backend: ``compilation_config={"mode": "DYNAMO_TRACE_ONCE", "backend":
+  "capturepass"}`` (the name registered by :func:`register`, vLLM's
+  ``vllm.general_plugins`` entry point) or ``"capturepass.backend"`` (a
+  qualified name vLLM imports, no plugin needed). Both compile with
+  :func:`backend`, which returns a
+  :class:`~capturepass.vllm_compiled.CapturePassFunction`: a
+  ``SerializableCallable`` that vLLM's AOT compile saves and loads.
+- pass: ``compilation_config={"inductor_passes": {"post_grad_custom_post_pass":
+  "capturepass.post_grad_pass"}}`` in vLLM's own mode (``VLLM_COMPILE``):
+  :class:`PostGradPass` runs the annotate, verify and dump part of the pipeline
+  on a copy of each piece Inductor compiles, and leaves the piece unchanged.
+
+Options: vLLM passes none to a backend, so they come from the environment,
+``CAPTUREPASS_OPTIONS`` (a JSON object), ``CAPTUREPASS_DUMP_DIR`` and
+``CAPTUREPASS_VERIFY``; worker processes inherit it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+log = logging.getLogger("capturepass")
+
+_lock = threading.Lock()
+_piece_ids = itertools.count()
+_registered_pass_class = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the ``capturepass`` backend.
+
+    Idempotent, and touches no device (vLLM runs it in every process before the
+    model is built). In a vLLM process the name ``capturepass`` compiles with
+    :func:`backend`, whose result vLLM's AOT compile can save.
+    """
+    global _registered_pass_class
+    from torch._dynamo.backends import registry
+
+    with _lock:
+        if registry._COMPILER_FNS.get("capturepass") is not backend:
+            # The torch_dynamo_backends entry point may have announced the name
+            # (or registered the plain backend); the vLLM-aware one replaces it.
+            registry._COMPILER_FNS.pop("capturepass", None)
+            registry.register_backend(compiler_fn=backend, name="capturepass")
+        if not _registered_pass_class:
+            _registered_pass_class = _register_inductor_pass()
+
+
+def _register_inductor_pass() -> bool:
+    """Makes :class:`PostGradPass` a virtual subclass of vLLM's ``InductorPass``, so that
+    vLLM keeps the pass (and its ``uuid``) instead of wrapping it in a pass whose uuid
+    hashes only this class's source."""
+    try:
+        from vllm.compilation.passes.inductor_pass import InductorPass
+    except Exception:  # vLLM absent, or moved the class: the wrapper still runs the pass
+        return False
+    InductorPass.register(PostGradPass)
+    return True
+
+
+def backend(gm: Any, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None) -> Any:
+    """The capturepass backend for vLLM (``"capturepass"`` with the plugin, or ``"capturepass.backend"``).
+
+    Compiles like ``torch.compile(backend="capturepass")`` and returns a
+    :class:`~capturepass.vllm_compiled.CapturePassFunction`, which vLLM's AOT
+    compile serializes (the Dynamo graph and the options) and loads on a warm
+    restart (``finalize_loading`` compiles the loaded graph again).
+    """
+    from capturepass.vllm_compiled import CapturePassFunction
+
+    return CapturePassFunction.compile(gm, example_inputs, options, mode)
+
+
+def _source_digest(*objs: Any) -> str:
+    digest = hashlib.sha256()
+    for obj in objs:
+        digest.update(inspect.getsource(obj).encode())
+    return digest.hexdigest()
+
+
+class PostGradPass:
+    """Inductor's ``CustomGraphPass`` protocol (``__call__(graph)``, ``uuid()``) for vLLM's pass route.
+
+    On each post-grad graph it runs ``read_hints`` through ``verify`` on a copy,
+    with the options from the environment, and writes the dumps into
+    ``<dump_dir>/post_grad_<pid>_<n>`` when a dump directory is set. The graph
+    Inductor compiles is left as it was: the pass reports what capturepass
+    would do (lanes, events, segments) and checks it, while vLLM and Inductor
+    keep compiling and capturing the piece.
+    """
+
+    def __call__(self, graph: Any) -> None:
+        import torch
+        import torch.fx as fx
+
+        from capturepass.capabilities import REGISTRY
+        from capturepass.ir import meta
+        from capturepass.ir.meta import GraphInfo, OwnerId
+        from capturepass.options import Options
+        from capturepass.passes.base import PassContext
+        from capturepass.passes.observer import Observer
+
+        opts = Options.from_mapping(None)
+        copy = fx.Graph()
+        value_map: dict[fx.Node, fx.Node] = {}
+        out = copy.graph_copy(graph, value_map)
+        copy.output(out)
+        root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
+        gm = fx.GraphModule(root, copy)
+        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        on_cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in inputs)
+        piece = next(_piece_ids)
+        meta.set_graph_info(
+            gm,
+            GraphInfo(
+                name="post_grad",
+                owner=OwnerId(1_000_000 + piece),
+                cudagraphs=opts.resolved_cudagraphs(on_cuda),
+                on_cuda=on_cuda,
+            ),
+        )
+        dump_dir = None
+        if opts.dump_dir is not None:
+            dump_dir = os.path.join(os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}")
+        ctx = PassContext(options=opts, registry=REGISTRY, example_inputs=inputs)
+        observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
+        observer.write(observer.run(self.passes(), gm, ctx), gm)
+        gi = meta.graph_info(gm)
+        log.info(
+            "capturepass: post-grad piece %d: %d lane(s), %d segment(s) (graph left to Inductor)",
+            piece, len(gi.lanes), len(gi.segments),
+        )
+
+    @staticmethod
+    def passes() -> list[Any]:
+        """The ATen-stage passes this pass runs: every one up to ``verify`` (no ``emit``)."""
+        from capturepass.capabilities import REGISTRY
+        from capturepass.passes.pipeline import default_pipeline
+
+        return [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten" and p.name != "emit"]
+
+    def uuid(self) -> str:
+        """A digest of the passes' sources, the capability registry, the options and this class."""
+        from capturepass.options import Options
+        from capturepass.passes.pipeline import pipeline_uuid
+
+        digest = hashlib.sha256()
+        digest.update(pipeline_uuid(self.passes()).encode())
+        digest.update(Options.from_mapping(None).key().encode())
+        digest.update(_source_digest(PostGradPass).encode())
+        return digest.hexdigest()
+
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        """vLLM's ``InductorPass`` hook: the pass applies to every compile range."""
+        return True
+
+    def __repr__(self) -> str:
+        return "capturepass.post_grad_pass"
+
+
+post_grad_pass = PostGradPass()
