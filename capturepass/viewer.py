@@ -132,7 +132,7 @@ h3{font-size:13px;margin:12px 0 4px} .muted{color:#666} code{font:12px ui-monosp
 svg.timeline{display:block;border:1px solid #ddd;background:#fafafa;margin:8px 0}
 .lane-label{font:12px ui-monospace,monospace;fill:#222} .axis{font:10px sans-serif;fill:#777}
 .lane-bg{fill:#fff;stroke:#e4e4e4} .segment{fill:#cfe3f7;opacity:.45} .segment-label{font:11px sans-serif;fill:#3b6ea5}
-.break{fill:url(#hatch);stroke:#c0392b;stroke-width:1} .break-label{font:11px sans-serif;fill:#c0392b}
+.break{stroke:#c0392b;stroke-width:1} .break-label{font:11px sans-serif;fill:#c0392b}
 .kernel{stroke:#fff;stroke-width:.5} .kernel.serialize{stroke:#222;stroke-width:1.5;stroke-dasharray:3 2}
 .kernel.view{opacity:.35} .kernel-text{font:10px ui-monospace,monospace;fill:#fff;pointer-events:none}
 .record{fill:#222} .wait{fill:#fff;stroke:#222;stroke-width:1.5} .release{stroke:#888;stroke-width:1.5}
@@ -232,7 +232,7 @@ def _svg(s: Schedule, gi: int) -> str:
     out = [
         f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" data-graph="{_e(s.name)}">',
-        '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        f'<defs><pattern id="hatch{gi}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
         '<rect width="6" height="6" fill="#fbe3e0"/><line x1="0" y1="0" x2="0" y2="6" stroke="#e8a9a1" stroke-width="3"/>'
         '</pattern>'
         f'<marker id="arrow{gi}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto">'
@@ -254,7 +254,7 @@ def _svg(s: Schedule, gi: int) -> str:
     for it in s.items:
         if it.node["effect"] == "compute" and "break" in it.node:
             w = max(it.dur * scale, 4.0)
-            out.append(f'<g class="break-band"><rect class="break" x="{x(it.start):.1f}" y="{_TOP - 16}" width="{w:.1f}" '
+            out.append(f'<g class="break-band"><rect class="break" fill="url(#hatch{gi})" x="{x(it.start):.1f}" y="{_TOP - 16}" width="{w:.1f}" '
                        f'height="{bottom - _TOP + 16}"><title>break %{_e(it.node["name"])}: {_e(it.node["break"])}</title></rect>'
                        f'<text class="break-label" x="{x(it.start) + 3:.1f}" y="{bottom + 14}">break %{_e(it.node["name"])}</text></g>')
     # Lane rows and their nodes.
