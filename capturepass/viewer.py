@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 from typing import Any
 
 from capturepass.ir.cost import node_time
@@ -421,7 +422,9 @@ def render_trace(root: str) -> dict[str, Any]:
                 continue
             args = {k: n[k] for k in ("op", "type", "segment", "event", "role", "lease", "why", "break") if k in n}
             if "cost" in n:
-                args["cost"] = n["cost"]
+                # NaN (a size without a hint) is not JSON: trace viewers reject the file.
+                args["cost"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in n["cost"].items()}
             cat = "break" if "break" in n else n["effect"]
             events.append({"ph": "X", "pid": pid, "tid": it.lane, "ts": round(it.start, 4),
                            "dur": round(max(it.dur, SYNC_US), 4), "name": f"{_short_op(n['op'])} %{n['name']}",
@@ -444,5 +447,5 @@ def write_html(root: str, path: str) -> None:
 def write_trace(root: str, path: str) -> None:
     """Writes :func:`render_trace` of ``root`` to ``path``."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(render_trace(root), f, indent=None, sort_keys=True)
+        json.dump(render_trace(root), f, indent=None, sort_keys=True, allow_nan=False)
         f.write("\n")

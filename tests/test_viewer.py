@@ -249,3 +249,25 @@ def test_the_error_marker_catches_a_broken_script(dump_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 'id="viewer-error"' in proc.stdout and re.search(r"<html[^>]*data-error=", proc.stdout)
     assert "undefinedFunction" in proc.stdout.split('id="viewer-error"', 1)[1]
+
+
+def test_unknown_costs_stay_valid_json(tmp_path):
+    """A cost of NaN (a symbolic size without a hint) is drawn as no time and written as null."""
+    graph = {
+        "graph": "inference", "owner": "g0", "lanes": ["main"], "cudagraphs": "none", "segments": ["k0"],
+        "breaks": [], "decisions": [],
+        "nodes": [
+            {"name": "x", "op": "input", "effect": "input", "type": "f32[s0]", "args": [], "lane": 0},
+            {"name": "mm", "op": "aten.mm.default", "effect": "compute", "type": "f32[s0,s0]", "args": ["x"],
+             "lane": 0, "segment": "k0", "cost": {"flops": float("nan"), "bytes": 64.0, "symbolic": "flops=s0**3"}},
+            {"name": "output", "op": "output", "effect": "output", "type": "()", "args": ["mm"], "lane": 0},
+        ],
+    }
+    (tmp_path / "graph.json").write_text(json.dumps(graph))
+    (item,) = viewer.simulate(graph, "g").items
+    assert item.dur > 0  # the bytes still count (and the launch floor)
+    out = tmp_path / "trace.json"
+    viewer.write_trace(str(tmp_path), str(out))
+    (mm,) = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert mm["args"]["cost"]["flops"] is None and mm["args"]["cost"]["bytes"] == 64.0
+    assert "NaN" not in out.read_text()
