@@ -266,58 +266,63 @@ class _ReleasePlan:
             self._due.setdefault(max(order[u] for u in holders), []).append(node)
             cross = [(u, meta.lane_of(u).index) for u in reads if meta.lane_of(u) != alloc]
             self._cross[node] = (alloc.index, cross)
-        # Deferred roots, per allocating lane, tagged with the order in which they were deferred.
-        # Every root of a lane's list was found unsafe when that lane's clock row (without its
-        # own entry) was _checked[lane]; while the row is unchanged and the lane still issues
-        # work in the segment, they stay unsafe (a read issued since then is later than
-        # anything the row covers), so they are not looked at again.
-        self._waiting: dict[int, list[tuple[int, fx.Node]]] = {}
-        self._checked: dict[int, tuple[int, ...]] = {}
+        # Deferred roots, tagged with the order in which they were deferred, kept by
+        # (allocating lane A, lane B of the first read of the root that A does not yet run
+        # after). Every root under (A, B) was last found unsafe when A's clock entry for B
+        # was _checked[(A, B)]; while that entry is unchanged and A still issues work in the
+        # segment, the root stays unsafe (a read issued since then on B is later than
+        # anything A knows of B), so it is not looked at again.
+        self._waiting: dict[tuple[int, int], list[tuple[int, fx.Node]]] = {}
+        self._checked: dict[tuple[int, int], int] = {}
         self._deferred = 0
 
-    def _reads_ordered(self, w: _Walker, root: fx.Node) -> bool:
-        """Whether the allocating lane of ``root`` runs after every read of it on other lanes."""
+    def _blocker(self, w: _Walker, root: fx.Node) -> int | None:
+        """The lane of the first read of ``root`` its allocating lane does not yet run after, if any."""
         alloc, cross = self._cross[root]
         clock = w.clock[alloc]
         for u, li in cross:
             where = w.pos.get(u)
             if where is None or clock[li] < where[1]:
-                return False
-        return True
+                return li
+        return None
 
-    def _safe(self, w: _Walker, root: fx.Node, now: int) -> bool:
-        if not self.layout.issues_after(root, now):
-            return True
-        return self._reads_ordered(w, root)
-
-    @staticmethod
-    def _row(w: _Walker, lane: int) -> tuple[int, ...]:
-        row = w.clock[lane]
-        return tuple(row[:lane]) + tuple(row[lane + 1:])
+    def _defer(self, w: _Walker, entry: tuple[int, fx.Node], blocker: int) -> None:
+        key = (self._cross[entry[1]][0], blocker)
+        self._waiting.setdefault(key, []).append(entry)
+        self._checked[key] = w.clock[key[0]][blocker]
 
     def after(self, w: _Walker, node: fx.Node, by: str) -> None:
         """Called after ``node`` was issued: defers releases that became due, places safe ones."""
         now = self.layout.order[node]
         safe: list[tuple[int, fx.Node]] = []
-        for lane, group in self._waiting.items():
+        moved: list[tuple[tuple[int, fx.Node], int]] = []
+        for key, group in self._waiting.items():
             if not group:
                 continue
-            row = self._row(w, lane)
-            if not self.layout.lane_issues_after(lane, now):
+            alloc, lane = key
+            if not self.layout.lane_issues_after(alloc, now):
                 safe.extend(group)
-                self._waiting[lane] = []
-            elif row != self._checked[lane]:
+                self._waiting[key] = []
+            elif w.clock[alloc][lane] != self._checked[key]:
                 still = []
                 for entry in group:
-                    (safe if self._reads_ordered(w, entry[1]) else still).append(entry)
-                self._waiting[lane] = still
-            self._checked[lane] = row
+                    blocker = self._blocker(w, entry[1])
+                    if blocker is None:
+                        safe.append(entry)
+                    elif blocker == lane:
+                        still.append(entry)
+                    else:
+                        moved.append((entry, blocker))
+                self._waiting[key] = still
+                self._checked[key] = w.clock[alloc][lane]
+        for entry, blocker in moved:
+            self._defer(w, entry, blocker)
         for root in self._due.pop(now, ()):
-            if not self._safe(w, root, now):
-                lane = self._cross[root][0]
-                self._waiting.setdefault(lane, []).append((self._deferred, root))
-                self._checked[lane] = self._row(w, lane)
-                self._deferred += 1
+            if self.layout.issues_after(root, now):
+                blocker = self._blocker(w, root)
+                if blocker is not None:
+                    self._defer(w, (self._deferred, root), blocker)
+                    self._deferred += 1
         safe.sort(key=lambda entry: entry[0])  # in the order they were deferred
         for _, root in safe:
             self._place(w, root, node, by)
