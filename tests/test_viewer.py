@@ -170,7 +170,8 @@ def _browser(tmp_path, url: str, *extra: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
     cmd = [
         exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
         "--enable-logging=stderr", "--v=0", "--window-size=1400,900", *extra, url,
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
