@@ -6,17 +6,28 @@ Part 1 builds synthetic functional ATen graphs of about the requested node
 counts directly as ``fx.Graph``s (no tracing), with fake-tensor values in
 ``node.meta["val"]``, and runs the ATen-stage passes up to and including
 ``verify`` (``emit`` is left out: it generates code) with ``policy="auto"``.
-Each graph is a stack of layers; a layer forks the running activation into
-parallel branches, each a chain of ``aten.t`` (a view of a weight),
-``aten.mm``, ``aten.add`` and ``aten.relu``; a branch half-way reads a view of
-its neighbour's value (a cross-lane read of a view, which exercises the
-deferred-release logic), and the branches are joined by a sum. A fraction of
-the layers put their first branch on a hinted lane, so hinted and automatic
-lanes coexist. With ``--breaks-every N`` a host synchronisation
-(``aten._local_scalar_dense``) every N layers cuts the graph into segments.
+Two shapes:
 
-It prints, per size, the median over ``--repeat`` runs of the total time,
-the time per node and the time of each pass, and the ratio t(largest)/t(next).
+- ``layers`` (the reference): a stack of layers; a layer forks the running
+  activation into parallel branches, each a chain of ``aten.t`` (a view of a
+  weight), ``aten.mm``, ``aten.add`` and ``aten.relu``; half-way, a branch
+  reads a view of its neighbour's value (a cross-lane read of a view, which
+  exercises the deferred-release logic), and the branches are joined by a
+  sum. A fraction of the layers put their first branch on a hinted lane, so
+  hinted and automatic lanes coexist. With ``--breaks-every N`` a host
+  synchronisation (``aten._local_scalar_dense``) every N layers cuts the graph
+  into segments.
+- ``lanes``: two hinted lanes that live as long as the graph: a producer lane
+  (``t``/``mm``/``relu``) whose every value a consumer lane reads, and the main
+  lane reading the consumer now and then. The producer never waits for the
+  consumer, so every value it allocates needs a deferred release, pending until
+  the segment ends: the shape that makes per-node scans of pending work
+  quadratic.
+
+Each graph is built once per size (fake-tensor propagation is the slow part);
+every run gets a fresh copy of it. The script prints, per shape and size, the
+median over ``--repeat`` runs of the total time, the time per node and the
+time of each pass, and the ratio t(largest)/t(next largest).
 
 Part 2 compiles ``capturepass.testing.models.MoEBlock()`` (small, CPU) with
 ``backend="capturepass"`` and with ``backend="inductor"``, and compares the
@@ -34,7 +45,6 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -96,15 +106,7 @@ class _Builder:
         return node
 
 
-def build_graph(
-    n_nodes: int,
-    hint_fraction: float = 0.1,
-    breaks_every: int = 0,
-    seed: int = 0,
-) -> fx.GraphModule:
-    """A synthetic ATen graph of about ``n_nodes`` nodes (see the module docstring)."""
-    rng = random.Random(seed)
-    b = _Builder()
+def _layers(b: _Builder, n_nodes: int, rng: random.Random, hint_fraction: float, breaks_every: int) -> tuple:
     x = b.placeholder("x", (TOKENS, WIDTH))
     weights = [b.placeholder(f"w{i}", (WIDTH, WIDTH)) for i in range(N_WEIGHTS)]
     biases = [b.placeholder(f"b{i}", (WIDTH,)) for i in range(N_WEIGHTS)]
@@ -140,18 +142,67 @@ def build_graph(
         layer += 1
         if breaks_every and layer % breaks_every == 0:
             b.host_sync(x)
-    b.graph.output((x,))
-    gm = fx.GraphModule(torch.nn.Module(), b.graph)
-    meta.set_graph_info(
-        gm,
-        GraphInfo(
-            name="inference",
-            owner=OwnerId(0),
-            cudagraphs="breakable" if breaks_every else "none",
-            static_inputs=frozenset(range(1, 1 + 2 * N_WEIGHTS)),
-        ),
+    return (x,), frozenset(range(1, 1 + 2 * N_WEIGHTS))
+
+
+def _lanes(b: _Builder, n_nodes: int, rng: random.Random, hint_fraction: float, breaks_every: int) -> tuple:
+    x = b.placeholder("x", (TOKENS, WIDTH))
+    w = b.placeholder("w", (WIDTH, WIDTH))
+    p = c = m = x
+    step = 0
+    while b.count < n_nodes:
+        b.hint = "producer"
+        p = b.call(aten.relu.default, b.call(aten.mm.default, p, b.call(aten.t.default, w)))
+        b.hint = "consumer"
+        c = b.call(aten.add.Tensor, c, p)
+        b.hint = None
+        step += 1
+        if step % 8 == 0:
+            m = b.call(aten.add.Tensor, m, c)
+        if breaks_every and step % (8 * breaks_every) == 0:
+            b.host_sync(m)
+    b.hint = None
+    return (p, c, m), frozenset({1})
+
+
+SHAPES = {"layers": _layers, "lanes": _lanes}
+
+
+def build_template(
+    shape: str, n_nodes: int, hint_fraction: float = 0.1, breaks_every: int = 0, seed: int = 0
+) -> tuple[fx.Graph, GraphInfo]:
+    """A synthetic ATen graph of about ``n_nodes`` nodes (see the module docstring), and its record."""
+    b = _Builder()
+    outputs, static = SHAPES[shape](b, n_nodes, random.Random(seed), hint_fraction, breaks_every)
+    b.graph.output(outputs)
+    gi = GraphInfo(
+        name="inference",
+        owner=OwnerId(0),
+        cudagraphs="breakable" if breaks_every else "none",
+        static_inputs=static,
     )
+    return b.graph, gi
+
+
+def fresh_copy(template: fx.Graph, gi: GraphInfo) -> fx.GraphModule:
+    """A new graph module with the template's nodes; fake values are shared, hint tags copied."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in template.nodes:
+        new = graph.node_copy(node, env.__getitem__)
+        new.meta = {"val": node.meta["val"]} if "val" in node.meta else {}
+        custom = node.meta.get("custom")
+        if custom is not None:
+            new.meta["custom"] = {k: dict(v) if isinstance(v, dict) else v for k, v in custom.items()}
+        env[node] = new
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    meta.set_graph_info(gm, gi)
     return gm
+
+
+def build_graph(n_nodes: int, shape: str = "layers", **kwargs) -> fx.GraphModule:
+    """A fresh synthetic graph module (see :func:`build_template`)."""
+    return fresh_copy(*build_template(shape, n_nodes, **kwargs))
 
 
 def aten_passes(upto: str = "verify") -> list:
@@ -160,46 +211,49 @@ def aten_passes(upto: str = "verify") -> list:
     return passes[: names.index(upto) + 1]
 
 
-def run_pipeline(gm: fx.GraphModule) -> tuple[float, dict[str, float]]:
-    """Runs the ATen passes through ``verify``; returns (total seconds, seconds per pass)."""
+def run_pipeline(gm: fx.GraphModule) -> tuple[float, float, dict[str, float]]:
+    """Runs the ATen passes through ``verify``; returns (seconds, CPU seconds, seconds per pass)."""
     ctx = PassContext(options=Options.from_mapping({"policy": "auto", "inner": "eager"}), registry=REGISTRY)
     observer = Observer(verify_each=False)
     passes = aten_passes()
     gc.collect()
+    cpu = time.process_time()
     start = time.perf_counter()
     observer.run(passes, gm, ctx)
     total = time.perf_counter() - start
-    return total, dict(observer.timings)
+    return total, time.process_time() - cpu, dict(observer.timings)
 
 
-def scaling(sizes: Sequence[int], repeat: int, hint_fraction: float, breaks_every: int) -> list[dict]:
+def scaling(shape: str, sizes: Sequence[int], repeat: int, hint_fraction: float, breaks_every: int) -> list[dict]:
     rows = []
     for size in sizes:
+        template = build_template(shape, size, hint_fraction=hint_fraction, breaks_every=breaks_every)
         totals: list[float] = []
+        cpus: list[float] = []
         per_pass: dict[str, list[float]] = {}
         n_before = n_after = 0
         for _ in range(repeat):
-            gm = build_graph(size, hint_fraction=hint_fraction, breaks_every=breaks_every)
+            gm = fresh_copy(*template)
             n_before = len(gm.graph.nodes)
-            total, timings = run_pipeline(gm)
+            total, cpu, timings = run_pipeline(gm)
             n_after = len(gm.graph.nodes)
             totals.append(total)
+            cpus.append(cpu)
             for name, t in timings.items():
                 per_pass.setdefault(name, []).append(t)
             del gm
-        gi_lanes = None
+        del template
         rows.append(
             {
-                "size": size,
                 "nodes": n_before,
                 "nodes_after": n_after,
                 "total": statistics.median(totals),
+                "cpu": statistics.median(cpus),
                 "passes": {k: statistics.median(v) for k, v in per_pass.items()},
-                "lanes": gi_lanes,
             }
         )
-        print(f"  built and ran {n_before} nodes ({n_after} after the passes): "
-              f"{statistics.median(totals):.3f} s median of {repeat}", file=sys.stderr, flush=True)
+        print(f"  {shape}: {n_before} nodes ({n_after} after the passes): "
+              f"{statistics.median(totals):.3f} s, median of {repeat}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -218,17 +272,17 @@ _SHORT = {
 
 def print_scaling(rows: list[dict]) -> None:
     names = list(rows[0]["passes"])
-    head = f"| {'nodes':>7} | {'+syncs':>6} | {'total s':>8} | {'us/node':>7} | " + " | ".join(
-        f"{_SHORT.get(n, n):>7}" for n in names
-    ) + " |"
-    print(head)
-    print("|" + "|".join("-" * (len(c) + 2 - (2 if i == 0 else 0)) for i, c in enumerate(head.split("|")[1:-1])) + "|")
+    head = ["nodes", "+syncs", "total s", "us/node", "cpu s"] + [_SHORT.get(n, n) for n in names]
+    widths = [max(7, len(h)) for h in head]
+    print("| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     for r in rows:
-        cells = [f"{r['nodes']:>7}", f"{r['nodes_after'] - r['nodes']:>6}", f"{r['total']:>8.3f}",
-                 f"{1e6 * r['total'] / r['nodes']:>7.1f}"]
-        cells += [f"{r['passes'][n]:>7.3f}" for n in names]
-        print("| " + " | ".join(cells) + " |")
-    print("(per-pass columns in seconds; +syncs: nodes the passes inserted)")
+        cells = [str(r["nodes"]), str(r["nodes_after"] - r["nodes"]), f"{r['total']:.3f}",
+                 f"{1e6 * r['total'] / r['nodes']:.1f}", f"{r['cpu']:.3f}"]
+        cells += [f"{r['passes'][n]:.3f}" for n in names]
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |")
+    print("(total: wall clock; cpu s: process CPU time of the same runs; per-pass columns in seconds;\n"
+          " +syncs: nodes the passes inserted)")
     if len(rows) >= 2:
         a, b = rows[-2], rows[-1]
         ratio = b["total"] / a["total"]
@@ -305,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sizes", default="1000,10000,100000",
                         help="comma-separated node counts (default: 1000,10000,100000)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per size; the median is reported")
+    parser.add_argument("--shapes", default="layers,lanes",
+                        help="comma-separated graph shapes: layers, lanes (default: both)")
     parser.add_argument("--hint-fraction", type=float, default=0.1,
                         help="fraction of layers whose first branch carries a lane hint")
     parser.add_argument("--breaks-every", type=int, default=0,
@@ -313,12 +369,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-moe", action="store_true", help="only the synthetic scaling part")
     parser.add_argument("--skip-scaling", action="store_true", help="only the MoE part")
     args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)
     sizes = [int(s) for s in args.sizes.split(",") if s]
 
     print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPU(s)")
     if not args.skip_scaling:
-        print(f"\nATen passes through verify, policy=auto, median of {args.repeat} run(s):")
-        print_scaling(scaling(sizes, args.repeat, args.hint_fraction, args.breaks_every))
+        for shape in [s for s in args.shapes.split(",") if s]:
+            if shape not in SHAPES:
+                parser.error(f"unknown shape {shape!r}; shapes are {', '.join(SHAPES)}")
+            print(f"\n{shape}: ATen passes through verify, policy=auto, median of {args.repeat} run(s):")
+            print_scaling(scaling(shape, sizes, args.repeat, args.hint_fraction, args.breaks_every))
     if not args.skip_moe:
         print()
         print_moe(moe_ratio(args.repeat, args.tokens), args.tokens)
