@@ -33,25 +33,23 @@ BEGIN = "<!-- fuzz_sync:begin -->"
 END = "<!-- fuzz_sync:end -->"
 
 
-def _worker(args: tuple[int, int, int, int]) -> dict:
-    worker, graphs, seeds, mutants = args
+def _worker(args: tuple) -> str:
+    """Fuzzes ``graphs`` graphs, appending one JSON line per graph to its own log; returns the log's path."""
+    worker, graphs, seeds, mutants, seed_base, log_dir = args
     import torch
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
+    from capturepass.ir import meta
     from capturepass.testing.mutate import judge
     from capturepass.testing.simulate import explore
-    from capturepass.ir import meta
     from tests.passes.test_properties import _compile, _inputs, cases
 
     torch.set_num_threads(1)
-    stats: dict = {
-        "graphs": 0, "interleavings": 0, "mismatch_graphs": 0, "race_graphs": 0, "deadlock_graphs": 0,
-        "compile_errors": 0, "reused_blocks": 0, "lanes": collections.Counter(), "segments": collections.Counter(),
-        "failures": [], "mutants": [],
-    }
+    path = os.path.join(log_dir, f"fuzz-w{seed_base + worker}.jsonl")
+    log = open(path, "w")
     mutated = 0
 
-    @seed(1000 + worker)
+    @seed(seed_base + worker)
     @settings(
         max_examples=graphs, deadline=None, database=None, phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
@@ -59,32 +57,34 @@ def _worker(args: tuple[int, int, int, int]) -> dict:
     @given(case=cases())
     def one(case):
         nonlocal mutated
-        stats["graphs"] += 1
+        row: dict = {"case": repr(case)}
         try:
             gm, _ = _compile(case, upto="verify")
         except Exception as exc:  # a pipeline or verifier error on a valid program is a finding
-            stats["compile_errors"] += 1
-            stats["failures"].append(f"compile: {type(exc).__name__}: {str(exc)[:300]} :: {case!r}")
+            row["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log.write(json.dumps(row) + "\n")
+            log.flush()
             return
         inputs = _inputs(case, salt=7)
         report = explore(gm, inputs, range(seeds), replay=True)
         gi = meta.graph_info(gm)
-        stats["interleavings"] += report.runs
-        stats["reused_blocks"] += report.reused
-        stats["lanes"][len(gi.lanes)] += 1
-        stats["segments"][len(gi.segments)] += 1
-        stats["mismatch_graphs"] += bool(report.mismatches)
-        stats["race_graphs"] += bool(report.races)
-        stats["deadlock_graphs"] += bool(report.deadlocks)
+        row.update(
+            runs=report.runs, reused=report.reused, lanes=len(gi.lanes), segments=len(gi.segments),
+            mismatch=bool(report.mismatches), race=bool(report.races), deadlock=bool(report.deadlocks),
+        )
         if not report.ok:
-            stats["failures"].append(f"{report.describe()} :: {case!r}")
+            row["failure"] = report.describe()
         if mutated < mutants and len(gi.lanes) > 1:
             mutated += 1
-            for o in judge(gm, inputs, range(seeds)):
-                stats["mutants"].append((o.mutant.kind, o.verifier, o.observed, o.races, str(o.mutant), repr(case)))
+            row["mutants"] = [
+                (o.mutant.kind, o.verifier, o.observed, o.races, str(o.mutant)) for o in judge(gm, inputs, range(seeds))
+            ]
+        log.write(json.dumps(row) + "\n")
+        log.flush()
 
     one()
-    return stats
+    log.close()
+    return path
 
 
 def _case_mutants(seeds: int) -> list[tuple]:
@@ -101,7 +101,7 @@ def _case_mutants(seeds: int) -> list[tuple]:
 
 
 def _mutation_table(rows: list[tuple]) -> str:
-    from capturepass.testing.mutate import KINDS, Mutant, Outcome, Score
+    from capturepass.testing.mutate import Mutant, Outcome, Score
 
     s = Score([Outcome(Mutant(k, name), v, obs, r) for k, v, obs, r, name, _ in rows])
     return s.table()
@@ -113,39 +113,65 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--mutants", type=int, default=300, help="random graphs (with aux lanes) to mutate")
+    ap.add_argument("--seed-base", type=int, default=1000, help="worker i draws with hypothesis seed base + i")
     ap.add_argument("--write", action="store_true", help="update RELIABILITY.md")
+    ap.add_argument(
+        "--summarize", action="store_true",
+        help="only summarize the per-worker logs a run (possibly stopped early) left beside --out",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fuzz-sync.md"))
     a = ap.parse_args()
     t0 = time.time()
+    log_dir = os.path.dirname(a.out)
+    os.makedirs(log_dir, exist_ok=True)
     per = [a.graphs // a.workers + (1 if i < a.graphs % a.workers else 0) for i in range(a.workers)]
     mper = [a.mutants // a.workers + (1 if i < a.mutants % a.workers else 0) for i in range(a.workers)]
-    jobs = [(i, per[i], a.seeds, mper[i]) for i in range(a.workers)]
-    if a.workers == 1:
-        results = [_worker(jobs[0])]
+    jobs = [(i, per[i], a.seeds, mper[i], a.seed_base, log_dir) for i in range(a.workers)]
+    if a.summarize:
+        paths = [os.path.join(log_dir, f"fuzz-w{a.seed_base + i}.jsonl") for i in range(a.workers)]
+    elif a.workers == 1:
+        paths = [_worker(jobs[0])]
     else:
         with mp.get_context("spawn").Pool(a.workers) as pool:
-            results = pool.map(_worker, jobs)
+            paths = pool.map(_worker, jobs)
     total: dict = collections.Counter()
     lanes: collections.Counter = collections.Counter()
     segments: collections.Counter = collections.Counter()
     failures: list[str] = []
     mrows: list[tuple] = []
-    for r in results:
-        for k in ("graphs", "interleavings", "mismatch_graphs", "race_graphs", "deadlock_graphs", "compile_errors", "reused_blocks"):
-            total[k] += r[k]
-        lanes.update(r["lanes"])
-        segments.update(r["segments"])
-        failures += r["failures"]
-        mrows += r["mutants"]
+    for path in paths:
+        for line in open(path):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a stopped run
+                continue
+            total["graphs"] += 1
+            if "compile_error" in row:
+                total["compile_errors"] += 1
+                failures.append(f"compile: {row['compile_error']} :: {row['case']}")
+                continue
+            total["interleavings"] += row["runs"]
+            total["reused_blocks"] += row["reused"]
+            total["mismatch_graphs"] += row["mismatch"]
+            total["race_graphs"] += row["race"]
+            total["deadlock_graphs"] += row["deadlock"]
+            lanes[row["lanes"]] += 1
+            segments[row["segments"]] += 1
+            if "failure" in row:
+                failures.append(f"{row['failure']} :: {row['case']}")
+            for kind, verifier, observed, races, name in row.get("mutants", ()):
+                mrows.append((kind, verifier, observed, races, name, row["case"]))
     crows = _case_mutants(a.seeds)
     elapsed = time.time() - t0
     cmd = (
         f"python bench/fuzz_sync.py --graphs {a.graphs} --seeds {a.seeds} --workers {a.workers} "
-        f"--mutants {a.mutants}" + (" --write" if a.write else "")
+        f"--mutants {a.mutants} --seed-base {a.seed_base}"
     )
+    done = "" if total["graphs"] >= a.graphs else f"; stopped early: {total['graphs']} of {a.graphs} graphs done"
     lines = [
-        f"Command: `{cmd}` ({elapsed / 60:.1f} min on {a.workers} worker(s), {platform.machine()}, "
-        f"torch CPU; hypothesis seeds 1000..{999 + a.workers}).",
+        f"Command: `{cmd}` ({'summarized' if a.summarize else f'{elapsed / 60:.1f} min'} on {a.workers} "
+        f"worker(s), {platform.machine()}, torch CPU; hypothesis seeds "
+        f"{a.seed_base}..{a.seed_base + a.workers - 1}{done}).",
         "",
         "| figure | value |",
         "|---|---|",

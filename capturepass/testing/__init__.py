@@ -4,4 +4,10 @@
 shared expert, decode attention beside a sparse-attention indexer) at any size,
 written as plain PyTorch with no stream code, for examples, tests and
 benchmarks.
+
+``simulate`` runs a compiled graph's lanes in seeded adversarial interleavings
+with an allocator that reuses and poisons freed blocks, and checks
+happens-before; ``mutate`` removes one inserted wait, record, release,
+retention or lease scope at a time and scores the verifier and the simulator
+(see RELIABILITY.md).
 """

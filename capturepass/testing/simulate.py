@@ -42,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import operator
 import random
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -473,6 +472,8 @@ class _Sim:
         self.begun: dict[int, int] = {}
         self.ended: set[int] = set()
         self.aux_last: dict[tuple[int, int], tuple[str, int]] = {}
+        self.clock_at_done: dict[fx.Node, list[int]] = {}
+        self._next_input = 0
 
     # -- bookkeeping ---
     def _tick(self, p: int) -> list[int]:
@@ -635,8 +636,6 @@ class _Sim:
         if self.plan.kind[head] == "wait":
             rec = self.bound.get(head)
             return rec is None or rec in self.done
-        if self.plan.kind[head] == "mutate":
-            return True
         return True
 
     def lane_step(self, lane: int) -> None:
@@ -716,8 +715,6 @@ class _Sim:
         self.executed.append(acc)
 
     def run(self) -> SimResult:
-        self._next_input = 0
-        self.clock_at_done: dict[fx.Node, list[int]] = {}
         n = self.plan.nlanes
         sched = _Scheduler(self.seed, n, 2 * len(self.plan.nodes))
         while True:
