@@ -282,7 +282,10 @@ def _svg(s: Schedule, gi: int) -> str:
                 out.append(f'<rect class="{cls}" data-node="{_e(n["name"])}" x="{x(it.start):.2f}" y="{cy - _BOX_H / 2:.1f}" '
                            f'width="{w:.2f}" height="{_BOX_H}" fill="{fill}">{title}</rect>')
                 label = _short_op(n["op"])
-                if w > 7 * len(label) + 4:
+                fits = int((w - 4) // 6.2)
+                if len(label) > fits >= 4:
+                    label = label[: fits - 1] + "…"
+                if fits >= len(label):
                     out.append(f'<text class="kernel-text" x="{x(it.start) + 3:.1f}" y="{cy + 4:.1f}">{_e(label)}</text>')
             elif n["effect"] == "record":
                 out.append(f'<circle class="record" data-node="{_e(n["name"])}" cx="{x(it.start):.2f}" cy="{cy - _BOX_H / 2 - 3:.1f}" '
