@@ -76,7 +76,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     big = args.device == "cuda"
-    dtype = torch.bfloat16 if big else torch.float32
+    # float32 everywhere: in bf16, Inductor's fused kernels round differently from eager's and the
+    # stack of layers drifts (with inner="eager" the bf16 replay equals eager bit for bit), while
+    # this example checks its result tightly. TF32 stays off, as by default.
+    dtype = torch.float32
     target = Decoder(*((2048, 5632, 4) if big else (64, 128, 3)), device=args.device, dtype=dtype)
     draft = Decoder(*((2048, 1024, 1) if big else (64, 32, 1)), device=args.device, dtype=dtype)
     dump = args.dump or tempfile.mkdtemp(prefix="capturepass-")
@@ -84,7 +87,7 @@ def main() -> None:
     c_target = torch.compile(target, backend="capturepass", options=opts("target"))
     c_draft = torch.compile(draft, backend="capturepass", options=opts("draft"))
     x = torch.randn(args.tokens, target.head.shape[0], device=args.device, dtype=dtype)
-    tol = dict(atol=5e-2, rtol=5e-2) if big else dict(atol=1e-4, rtol=1e-4)
+    tol = dict(atol=2e-3, rtol=2e-3) if big else dict(atol=1e-4, rtol=1e-4)
     with torch.no_grad():
         for _ in range(2):  # draft then verify, twice: the scratch is reused, never shared
             guess = c_draft(x)
