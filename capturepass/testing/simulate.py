@@ -23,6 +23,11 @@ with poison (NaN, a sentinel for integers, flipped booleans). Each allocation it
 poisoned (uninitialised memory). So a read that runs before its producer, or after its block was
 handed on, sees poison, and the result differs from serial execution: that is the oracle.
 
+Given an emitted :class:`~capturepass.runtime.program.Program`, the host issues the nodes in
+the program's own order instead (its steps in turn, each region's nodes when the region is
+called), and values that cross pieces stay alive until the call returns, as in the program's
+environment: this checks emit's ordering of regions, waits and releases too.
+
 Capture model (``replay=True``, captured graphs only). A captured segment bakes in the addresses
 of the static inputs and constants it reads; after the capture the caller may drop them. Those a
 segment does not retain (``capturepass.retain``) are freed and reused before the replay, which is
@@ -154,6 +159,41 @@ def graph_module(obj: Any) -> fx.GraphModule:
         if gm is not None:
             return gm
     raise SimulationError(f"cannot find the annotated graph of {obj!r}")
+
+
+def _program_plan(program: Any) -> "_Plan":
+    """The host order of an emitted Program: its steps in order, each region's nodes in turn.
+
+    Values that cross pieces stay in the program's environment until the call returns, so
+    the host frees them only then; everything else is freed after its last use in this order.
+    """
+    gm = graph_module(program)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order = [n for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")]
+    held: set[fx.Node] = set()
+    for piece in program.pieces:
+        held.update(piece.live_out)
+        for step in piece.steps:
+            if step.kind == "region":
+                for rn in step.payload.graph.graph.nodes:
+                    if rn.op in ("call_function", "call_method", "call_module"):
+                        node = by_name.get(rn.name)
+                        if node is None:
+                            raise SimulationError(f"region {step.payload.index}: no node %{rn.name} in the graph")
+                        order.append(node)
+            else:
+                order.append(step.payload)
+    order.extend(n for n in gm.graph.nodes if n.op == "output")
+    missing = [n.name for n in gm.graph.nodes if n not in set(order)]
+    if missing:
+        raise SimulationError(f"the program does not issue %{', %'.join(missing[:5])}")
+    return _Plan(gm, order, frozenset(held))
+
+
+def _plan_of(obj: Any) -> "_Plan":
+    if hasattr(obj, "pieces") and not isinstance(obj, fx.GraphModule):
+        return _program_plan(obj)
+    return _Plan(graph_module(obj))
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
@@ -305,9 +345,9 @@ def same(a: Any, b: Any) -> str | None:
 class _Plan:
     """What the host does at each program point, computed once per graph."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, host_order: list[fx.Node] | None = None, held: frozenset = frozenset()) -> None:
         self.gm = gm
-        self.nodes = list(gm.graph.nodes)
+        self.nodes = list(gm.graph.nodes) if host_order is None else host_order
         self.order = {n: i for i, n in enumerate(self.nodes)}
         self.kind = {n: _kind(n) for n in self.nodes}
         self.nlanes = max([len(meta.graph_info(gm).lanes)] + [meta.lane_of(n).index + 1 for n in self.nodes])
@@ -321,7 +361,10 @@ class _Plan:
                 continue
             if self.kind[node] == "host" and not (analysis.is_getitem(node) and self.kind.get(node.args[0]) == "alloc"):
                 continue
-            holders = [u for m in analysis.view_members(node) for u in m.users]
+            members = analysis.view_members(node)
+            if any(m in held for m in members):
+                continue  # kept by the caller's environment until the call returns
+            holders = [u for m in members for u in m.users]
             last = max((self.order[u] for u in holders), default=self.order[node])
             self.frees.setdefault(last, []).append(node)
         self.unretained = self._unretained(gm)
@@ -778,7 +821,7 @@ def simulate(
     Raises:
         SimulationError: the lanes deadlock (a wait on a record that can never run).
     """
-    plan = _plan or _Plan(graph_module(gm_or_program))
+    plan = _plan or _plan_of(gm_or_program)
     sim = _Sim(plan, inputs, seed, poison, replay)
     sim.ref = _ref if _ref is not None else _reference(plan.gm, [_clone(x) for x in inputs])
     return sim.run()
@@ -788,7 +831,7 @@ def explore(
     gm_or_program: Any, inputs: Sequence[Any], seeds: Iterable[int] = range(20), *, replay: bool = False
 ) -> Report:
     """Simulates every seed and compares each result with serial execution."""
-    plan = _Plan(graph_module(gm_or_program))
+    plan = _plan_of(gm_or_program)
     expected, expected_inputs = serial(plan.gm, inputs)
     ref = _reference(plan.gm, [_clone(x) for x in inputs])
     report = Report()
@@ -796,7 +839,7 @@ def explore(
     for seed in seeds:
         report.runs += 1
         try:
-            res = simulate(plan.gm, inputs, seed, replay=replay, _plan=plan, _ref=ref)
+            res = simulate(gm_or_program, inputs, seed, replay=replay, _plan=plan, _ref=ref)
         except SimulationError as exc:
             report.deadlocks.append((seed, str(exc)))
             continue

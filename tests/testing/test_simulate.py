@@ -63,6 +63,34 @@ def test_the_emitted_program_is_simulated_through_its_graph():
     assert any(step.startswith("s1:%mm") for step in res.trace)
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_emitted_program_equals_serial_execution_in_its_own_host_order(name):
+    gm, ctx = build(name, "emit")
+    report = explore(ctx.artifacts["program"], CASES[name].inputs(seed=3), SEEDS, replay=True)
+    assert report.ok, report.describe()
+
+
+def test_a_release_step_issued_before_its_lane_catches_up_is_caught_in_program_order():
+    """The emitted program frees in its own order (a region is issued when its lane closes it).
+    Moving the release of %sin to right after the region that computes it (before %exp, the
+    next allocation on main, and before aux reads it) is the kind of mistake emit must not make."""
+    gm, ctx = build("deferred_release", "emit")
+    program = ctx.artifacts["program"]
+    inputs = CASES["deferred_release"].inputs(seed=1)
+    assert explore(program, inputs, SEEDS).ok
+    steps = program.pieces[0].steps
+    release = next(s for s in steps if s.kind == "release")
+    steps.remove(release)
+    at = next(
+        i for i, s in enumerate(steps)
+        if s.kind == "region" and any(n.name == "sin" for n in s.payload.graph.graph.nodes if n.op == "call_function")
+    )
+    steps.insert(at + 1, release)
+    report = explore(program, inputs, SEEDS)
+    assert report.mismatches, report.describe()
+    assert [(r.first, r.second, r.storage) for r in report.races] == [("cos", "exp", "sin")]
+
+
 def test_a_missing_wait_gives_a_wrong_result_and_names_the_racing_pair():
     gm, _ = build("fork_join", "verify")
     bad = _without(gm, _named(gm, Effect.WAIT, "%mm->%add"))
@@ -134,3 +162,11 @@ def test_poison_is_visible_in_every_dtype():
         before = t.clone()
         _poison(t)
         assert not torch.equal(t, before), dtype
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases())
+def test_random_emitted_programs_equal_serial_execution(case):
+    _, ctx = _compile(case, upto="emit")
+    report = explore(ctx.artifacts["program"], _inputs(case, salt=4), range(6), replay=True)
+    assert report.ok, report.describe()
