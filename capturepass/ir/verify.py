@@ -211,12 +211,14 @@ class _Checker:
     # -- rules ----------------------------------------------------------------------------
     def check_reads(self, node: fx.Node, lane: LaneId) -> None:
         li = lane.index
+        clock = self.clock[li]
         for p in node.all_input_nodes:
             where = self.seq.get(p)
-            if where is None or not analysis.carries_tensor(p):
+            if where is None:
                 continue
             a, s = where
-            if a != li and self.clock[li][a] < s:
+            # Same-lane and ordered reads first: host scalars (no tensor) need no order either.
+            if a != li and clock[a] < s and analysis.carries_tensor(p):
                 raise fail(
                     self.gm, "unordered-read", node,
                     f"on {lane} reads %{p.name} produced on s{a}, but no wait orders it after %{p.name}",
@@ -406,10 +408,9 @@ def _free_points(nodes: list[fx.Node], graph: fx.Graph, order: dict[fx.Node, int
             continue
         if analysis.aliases_input(node) is not None or node in outputs:
             continue
-        members = analysis.view_members(node)
-        if any(meta.effect_of(u) is Effect.RELEASE for m in members for u in m.users):
+        holders = [u for m in analysis.view_members(node) for u in m.users]
+        if any(meta.effect_of(u) is Effect.RELEASE for u in holders):
             continue  # checked where the release is
-        holders = [u for m in members for u in m.users]
         if not holders:
             continue
         last = max(holders, key=order.__getitem__)

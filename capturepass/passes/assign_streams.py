@@ -200,10 +200,17 @@ class AssignStreams(Pass):
         ready: dict[LaneId, float] = {}
         finish: dict[fx.Node, float] = {}
         where: dict[fx.Node, LaneId] = {}
+        free: dict[fx.Node, bool] = {}  # _is_free per node: asked again for each of its users
+
+        def is_free(n: fx.Node) -> bool:
+            answer = free.get(n)
+            if answer is None:
+                answer = free[n] = _is_free(n)
+            return answer
 
         def source(n: fx.Node) -> fx.Node | None:
             # Look through views and tuple selection to the kernel that produced the data.
-            while n.op == "call_function" and _is_free(n):
+            while n.op == "call_function" and is_free(n):
                 ins = n.all_input_nodes
                 if not ins:
                     return None
@@ -211,7 +218,7 @@ class AssignStreams(Pass):
             return n if n in finish else None
 
         for node in nodes:
-            if _is_free(node):
+            if is_free(node):
                 continue
             t = cost.node_time(meta.info(node).cost)
             preds = [p for p in (source(a) for a in node.all_input_nodes) if p is not None]

@@ -223,12 +223,13 @@ class InsertSyncs(Pass):
     @staticmethod
     def _need_of(w: _Walker, node: fx.Node, lane: LaneId) -> dict[int, tuple[int, str]]:
         need: dict[int, tuple[int, str]] = {}
+        li = lane.index
         for p in node.all_input_nodes:
             where = w.pos.get(p)
-            if where is None or not analysis.carries_tensor(p):
+            if where is None:
                 continue
             a, s = where
-            if a != lane.index:
+            if a != li and analysis.carries_tensor(p):  # a host scalar needs no event
                 _need(need, a, s, f"%{p.name}->%{node.name}")
         return need
 
