@@ -227,7 +227,7 @@ class CapabilityRegistry:
             return Capability(capturable=False, reason=f"CPU op {name} in a CUDA graph")
         ns = name.split("::", 1)[0]
         if ns in _SAFE_NAMESPACES:
-            return Capability(reason="aten op")
+            return _ATEN_OP
         if name not in self._warned:
             self._warned.add(name)
             log.info(
@@ -239,6 +239,9 @@ class CapabilityRegistry:
             )
         return Capability(overlap="serialize", reason=f"undeclared custom op {name}", source="default")
 
+
+# The default answer for most nodes: one shared record (records are frozen).
+_ATEN_OP = Capability(reason="aten op")
 
 # id(op) -> (op, its tag names); the op is kept so that its id is never reused meanwhile.
 _TAG_NAMES: dict[int, tuple[torch._ops.OpOverload, frozenset[str]]] = {}
