@@ -188,11 +188,19 @@ _BINDINGS: dict = {}
 _RETAIN = {"on": True}
 
 
+# The scratch is larger than any tensor the graphs allocate (2 MiB: the caching allocator's
+# large pool), so that only the scratch block itself can satisfy a victim of its size: what a
+# victim shares with the graph is then the scratch, not one of the graph's freed intermediates
+# (a pool shared with an unrelated graph hands those out too, by the pool's own contract).
+_SCRATCH_FACTOR = 8
+
+
 class _Binding:
     """Owns scratch storage whose address a captured kernel bakes in."""
 
     def __init__(self, n: int, device) -> None:
-        self.scratch = torch.empty(n, device=device)
+        self.scratch = torch.empty(n * _SCRATCH_FACTOR, device=device)
+        self.used = self.scratch[:n]
 
 
 @torch.library.custom_op("cptest_gpu::scaled", mutates_args=())
@@ -205,8 +213,8 @@ def _scaled(x: torch.Tensor) -> torch.Tensor:
         b = _BINDINGS[key] = _Binding(x.numel(), x.device)
     if _RETAIN["on"]:
         capturepass.retain(b)
-    torch.mul(x.reshape(-1), 3.0, out=b.scratch)
-    return b.scratch.view_as(x) + 1.0
+    torch.mul(x.reshape(-1), 3.0, out=b.used)
+    return b.used.view_as(x) + 1.0
 
 
 @_scaled.register_fake
@@ -242,13 +250,13 @@ def test_h1_plain_pytorch_reproduces_clobbering():
     with torch.cuda.graph(g1, pool=pool):
         b = _Binding(n, "cuda")
         holder.append(b)
-        torch.mul(x, 3.0, out=b.scratch)
-        y1 = b.scratch + 1.0
+        torch.mul(x, 3.0, out=b.used)
+        y1 = b.used + 1.0
     scratch_ptr = holder[0].scratch.data_ptr()
     holder.clear()
     del b
     gc.collect()
-    y2, g2 = _second_graph_clobbered(pool, n)
+    y2, g2 = _second_graph_clobbered(pool, n * _SCRATCH_FACTOR)
     assert y2.data_ptr() == scratch_ptr, "the pool did not hand the freed scratch block to g2"
     assert torch.all(y2 == 7.0)
     g1.replay()
@@ -278,8 +286,8 @@ def test_h1_through_capturepass(retain):
         _BINDINGS.clear()  # the op's cache evicts the binding
         gc.collect()
         # The engine captures its next graph into the same pool on the same stream.
-        y2, g2 = _second_graph_clobbered(owner.pool, n, owner.capture_stream)
-        eager_victim = torch.full((n,), 7.0, device="cuda")
+        y2, g2 = _second_graph_clobbered(owner.pool, n * _SCRATCH_FACTOR, owner.capture_stream)
+        eager_victim = torch.full((n * _SCRATCH_FACTOR,), 7.0, device="cuda")
         victims = [y2, eager_victim]
         x2 = torch.randn(n, device="cuda")
         torch.testing.assert_close(compiled(x2), (x2 * 3.0 + 1.0) * 2.0)
