@@ -35,3 +35,21 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_annotations():
+    """Restores torch.fx.traceback's annotation state after each test.
+
+    When Dynamo hits a graph break inside ``torch.fx.traceback.annotate`` (which
+    ``capturepass.lane`` is), torch leaves the annotation in its process-global
+    ``current_meta``, and every graph traced afterwards in the process inherits the
+    hint (see README, Limitations). One test exercises exactly that; the others must
+    not inherit it.
+    """
+    import torch.fx.traceback as fx_traceback
+
+    saved = dict(fx_traceback.current_meta)
+    yield
+    fx_traceback.current_meta.clear()
+    fx_traceback.current_meta.update(saved)
