@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -30,21 +29,8 @@ from capturepass.backends.dynamo import last_compiled  # noqa: E402
 from capturepass.ir import meta  # noqa: E402
 from capturepass.testing import kernels  # noqa: E402
 
-
-def timed(fn, iters=200, reps=7):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / iters)
-    return statistics.median(out)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overlap import timed  # noqa: E402  (the same CUDA-event timing as the overlap benchmark)
 
 
 @torch.no_grad()

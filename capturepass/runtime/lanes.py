@@ -13,6 +13,7 @@ handles in the IR (lanes, leases) resolve here to that owner's objects only:
 
 from __future__ import annotations
 
+import abc
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,8 +30,8 @@ def _call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
     return fn(*args)
 
 
-class Lanes:
-    """Base of lane runtimes: lease handles and counters."""
+class Lanes(abc.ABC):
+    """Base of lane runtimes: lease handles and counters; subclasses say how lanes run."""
 
     def __init__(self) -> None:
         self.counters: Counter = Counter()
@@ -50,21 +51,21 @@ class Lanes:
         """How many events this runtime holds."""
         return len(self._handles)
 
+    @abc.abstractmethod
     def region_runner(self, lane: int) -> Runner:
         """A function ``run(fn, args)`` that runs a region on ``lane``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def new_event(self, role: str) -> int:
         """Allocates an event of ``role`` and returns its handle."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def record(self, event: int, lane: int) -> None:
         """Records ``event`` on ``lane``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wait(self, event: int, lane: int) -> None:
         """Makes ``lane`` wait for ``event``."""
-        raise NotImplementedError
 
     def release(self, *values: Any) -> None:
         """The point where ``values`` may be freed: the caller drops them right after."""
