@@ -313,15 +313,21 @@ def moe_ratio(repeat: int, tokens: int) -> dict:
         model(x)
         eager = time.perf_counter() - start
 
+    def first_call(compiled) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            compiled(x)
+            return time.perf_counter() - start - eager
+
     pipeline: list[float] = []
+    whole: list[float] = []
     nodes = 0
     for _ in range(repeat):
         torch._dynamo.reset()
-        before = len(last_compiled())
+        seen = {id(g) for g in last_compiled()}
         compiled = torch.compile(model, backend="capturepass", options={"policy": "auto", "inner": "eager"})
-        with torch.no_grad():
-            compiled(x)
-        graphs = last_compiled()[before:] if len(last_compiled()) > before else last_compiled()[-1:]
+        whole.append(first_call(compiled))
+        graphs = [g for g in last_compiled() if id(g) not in seen]
         pipeline.append(sum(t for g in graphs for name, t in g.timings.items() if name != "emit"))
         nodes = sum(len(g.graph.graph.nodes) for g in graphs)
 
@@ -331,27 +337,23 @@ def moe_ratio(repeat: int, tokens: int) -> dict:
         with _fresh_cache_dir():
             for bucket in (cold, warm):
                 torch._dynamo.reset()
-                compiled = torch.compile(model, backend="inductor")
-                with torch.no_grad():
-                    start = time.perf_counter()
-                    compiled(x)
-                    bucket.append(time.perf_counter() - start - eager)
+                bucket.append(first_call(torch.compile(model, backend="inductor")))
     torch._dynamo.reset()
-    return {
-        "nodes": nodes,
-        "pipeline": statistics.median(pipeline),
-        "inductor_cold": statistics.median(cold),
-        "inductor_warm": statistics.median(warm),
-    }
+    return {"nodes": nodes, "pipeline": pipeline, "whole": whole, "inductor_cold": cold, "inductor_warm": warm}
 
 
 def print_moe(r: dict, tokens: int) -> None:
-    print(f"MoEBlock() on CPU, {tokens} tokens, ATen graph of {r['nodes']} nodes after the passes:")
-    print(f"  capturepass passes (all but emit): {1e3 * r['pipeline']:8.2f} ms")
-    print(f"  inductor compile, cold cache:      {1e3 * r['inductor_cold']:8.2f} ms  "
-          f"-> ratio {100 * r['pipeline'] / r['inductor_cold']:.2f}%")
-    print(f"  inductor compile, warm cache:      {1e3 * r['inductor_warm']:8.2f} ms  "
-          f"-> ratio {100 * r['pipeline'] / r['inductor_warm']:.2f}%")
+    def ms(xs: list[float]) -> str:
+        return f"{1e3 * statistics.median(xs):9.2f} ms  ({1e3 * min(xs):.2f} .. {1e3 * max(xs):.2f})"
+
+    passes = statistics.median(r["pipeline"])
+    print(f"MoEBlock() on CPU, {tokens} tokens, ATen graph of {r['nodes']} nodes after the passes "
+          f"(median of {len(r['pipeline'])}, min .. max):")
+    print(f"  capturepass passes (all but emit):        {ms(r['pipeline'])}")
+    print(f"  capturepass compile, inner=eager (whole): {ms(r['whole'])}")
+    for key, what in (("inductor_cold", "cold caches"), ("inductor_warm", "warm caches")):
+        print(f"  inductor compile, {what}:           {ms(r[key])}  "
+              f"-> passes / inductor = {100 * passes / statistics.median(r[key]):.2f}%")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
