@@ -81,3 +81,22 @@ def nodes_named(gm: fx.GraphModule, prefix: str) -> list[fx.Node]:
 def sync_nodes(gm: fx.GraphModule, effect: meta.Effect) -> list[fx.Node]:
     """Nodes with the given effect, in program order."""
     return [n for n in gm.graph.nodes if meta.effect_of(n) is effect]
+
+
+def unneeded_waits(gm: fx.GraphModule) -> list[str]:
+    """The waits of ``gm`` whose removal leaves a graph the verifier accepts (should be none)."""
+    import copy
+
+    from capturepass.errors import VerificationError
+    from capturepass.ir.verify import verify
+
+    unneeded = []
+    for wait in sync_nodes(gm, meta.Effect.WAIT):
+        trial = copy.deepcopy(gm)
+        trial.graph.erase_node(next(n for n in trial.graph.nodes if n.name == wait.name))
+        try:
+            verify(trial)
+        except VerificationError:
+            continue
+        unneeded.append(wait.name)
+    return unneeded

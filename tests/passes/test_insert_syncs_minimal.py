@@ -11,7 +11,6 @@ single inserted wait makes the verifier fail.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -19,11 +18,10 @@ import torch
 import torch.fx as fx
 
 import capturepass
-from capturepass.errors import VerificationError
 from capturepass.ir import meta
 from capturepass.ir.meta import Effect
 from capturepass.ir.verify import verify
-from tests.helpers import aten_graph, run_passes, sync_nodes
+from tests.helpers import aten_graph, run_passes, sync_nodes, unneeded_waits
 
 N = 4
 
@@ -44,20 +42,6 @@ def _synced(fn: Callable, *inputs: torch.Tensor) -> tuple[fx.GraphModule, dict]:
 
 def _lane_indices(gm: fx.GraphModule, effect: Effect) -> list[int]:
     return [meta.lane_of(n).index for n in sync_nodes(gm, effect)]
-
-
-def unneeded_waits(gm: fx.GraphModule) -> list[str]:
-    """The waits of ``gm`` whose removal leaves a graph the verifier accepts."""
-    unneeded = []
-    for wait in sync_nodes(gm, Effect.WAIT):
-        trial = copy.deepcopy(gm)
-        trial.graph.erase_node(next(n for n in trial.graph.nodes if n.name == wait.name))
-        try:
-            verify(trial)
-        except VerificationError:
-            continue
-        unneeded.append(wait.name)
-    return unneeded
 
 
 # -- the hand-built graphs ----------------------------------------------------------------------

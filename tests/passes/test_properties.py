@@ -16,7 +16,6 @@ compiler. The oracles:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 
@@ -26,12 +25,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import capturepass
-from capturepass.errors import VerificationError
 from capturepass.ir import analysis, meta
 from capturepass.ir.meta import MAIN_LANE, Effect
 from capturepass.ir.verify import verify
 from capturepass.runtime.executor import Executor
-from tests.helpers import aten_graph, run_passes, sync_nodes
+from tests.helpers import aten_graph, run_passes, sync_nodes, unneeded_waits
 
 N = 4
 LANE_POOL = (None, "a", "b", "c")
@@ -247,20 +245,6 @@ def test_pipeline_is_verified_correct_and_bounded(case):
     event(f"waits: {'0' if waits == 0 else '1-3' if waits <= 3 else '4+'}")
 
 
-def _unneeded_waits(gm: fx.GraphModule) -> list[str]:
-    """The waits of ``gm`` whose removal leaves a graph the verifier accepts."""
-    unneeded = []
-    for wait in sync_nodes(gm, Effect.WAIT):
-        trial = copy.deepcopy(gm)
-        trial.graph.erase_node(next(n for n in trial.graph.nodes if n.name == wait.name))
-        try:
-            verify(trial)
-        except VerificationError:
-            continue
-        unneeded.append(wait.name)
-    return unneeded
-
-
 @settings(max_examples=100)
 @given(case=cases(policies=("auto", "hints"), min_aux_lanes=1))
 def test_every_inserted_wait_is_needed(case):
@@ -268,7 +252,7 @@ def test_every_inserted_wait_is_needed(case):
     verify(gm)
     waits = len(sync_nodes(gm, Effect.WAIT))
     event(f"waits: {'0' if waits == 0 else '1-3' if waits <= 3 else '4+'}")
-    assert _unneeded_waits(gm) == []
+    assert unneeded_waits(gm) == []
 
 
 # -- regressions found by the properties above ----------------------------------------------------
