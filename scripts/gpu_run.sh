@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
   rc=${PIPESTATUS[0]}
   python3 examples/moe_shared_expert.py --device cuda 2>&1 | tail -12
 fi
