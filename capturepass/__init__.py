@@ -12,7 +12,11 @@ Public API:
 
 - :func:`lane`: a lane hint, as a context manager or decorator;
 - :func:`register_capability` / :func:`capability`: what an op may do;
-- :func:`retain` / :func:`workspace`: for custom ops whose storage a capture bakes in;
+- :func:`retain` / :func:`workspace` / :func:`suspend_retention` / :func:`weak_ref`: for
+  custom ops whose storage a capture bakes in;
+- :func:`resource_pool` / :class:`Workspaces` / :func:`profiling_capture`: engine
+  resources that follow graph ownership (docs/resources.md);
+- :func:`trace`: a measured run of compiled graphs on a GPU, lane by lane, as a Chrome trace;
 - :class:`Options`, :class:`CapturePassError` and its subclasses;
 - for vLLM (docs/vllm.md): :func:`backend` (``"capturepass.backend"``) and
   :data:`post_grad_pass` (``"capturepass.post_grad_pass"``).
@@ -26,12 +30,17 @@ from capturepass.errors import (
     HintError,
     OptionError,
     PipelineError,
+    ResourceError,
     VerificationError,
 )
 from capturepass.hints import lane
 from capturepass.ir.meta import Capability
+from capturepass.measure import trace
 from capturepass.options import Options
-from capturepass.runtime.resources import retain, workspace
+from capturepass.runtime.pools import ChannelKey, ResourcePool, register_pool, resource_pool, unregister_pool
+from capturepass.runtime.profiling import profiling_capture
+from capturepass.runtime.resources import retain, suspend_retention, weak_ref, workspace
+from capturepass.runtime.workspaces import Workspaces
 from capturepass.vllm_plugin import post_grad_pass
 
 from capturepass import logs as _logs
@@ -56,17 +65,22 @@ __all__ = [
     "Capability",
     "CapabilityError",
     "CapturePassError",
+    "ChannelKey",
     "EmitError",
     "HintError",
     "OptionError",
     "Options",
     "PipelineError",
+    "ResourceError",
+    "ResourcePool",
     "VerificationError",
+    "Workspaces",
     "backend",
     "capability",
     "lane",
     "post_grad_pass",
     "register_capability",
     "retain",
+    "trace",
     "workspace",
 ]

@@ -44,3 +44,8 @@ class VerificationError(CapturePassError):
 
 class EmitError(CapturePassError):
     """A region could not be compiled or stitched by the inner compiler."""
+
+
+class ResourceError(CapturePassError):
+    """An owner-bound resource (a pool channel, a workspace, a profiling capture) was misused:
+    the message names the resource, the owner and the lane or slot at fault."""

@@ -69,6 +69,9 @@ class Options:
             uncaptured (logged once).
         static_outputs: return replayed outputs without copying them out of the
             graph's pool (they are overwritten by the next call).
+        check_replay: before every replay, check that the input addresses and
+            the storage of every retained object are those the capture baked in
+            (a debug aid; raises ``ResourceError`` naming what moved).
     """
 
     policy: str = "auto"
@@ -80,6 +83,7 @@ class Options:
     capture_sizes: tuple[int, ...] = ()
     max_captures: int = 16
     static_outputs: bool = False
+    check_replay: bool = False
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -131,6 +135,8 @@ class Options:
             raise OptionError(f"option 'max_captures' must be a positive int, got {self.max_captures!r}")
         if not isinstance(self.static_outputs, bool):
             raise OptionError(f"option 'static_outputs' must be True or False, got {self.static_outputs!r}")
+        if not isinstance(self.check_replay, bool):
+            raise OptionError(f"option 'check_replay' must be True or False, got {self.check_replay!r}")
         if not isinstance(self.verify, bool):
             raise OptionError(f"option 'verify' must be True or False, got {self.verify!r}")
 
@@ -145,6 +151,7 @@ class Options:
         fields = dataclasses.asdict(self)
         fields.pop("dump_dir")
         fields.pop("verify")
+        fields.pop("check_replay")  # a runtime check: the generated code is the same
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 

@@ -60,9 +60,9 @@ class Decoder(nn.Module):
 def _ranges(graph) -> list[tuple[str, int, int]]:
     out = []
     for owner in graph.executor.owners:
-        for (lane, name), buf in owner.workspaces.items():
+        for (lane, microbatch, name), buf in owner.workspaces.buffers().items():
             start = buf.data_ptr()
-            out.append((f"{owner.name} s{lane} {name}", start, start + buf.numel() * buf.element_size()))
+            out.append((f"{owner.name} {lane} {name}", start, start + buf.numel() * buf.element_size()))
     return out
 
 

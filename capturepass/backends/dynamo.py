@@ -173,6 +173,7 @@ def _aten_compiler(
             max_captures=opts.max_captures,
             static_outputs=opts.static_outputs,
             capture_sizes=opts.capture_sizes if kind != "backward" else (),
+            check_replay=opts.check_replay,
         )
         # Weakly: this record must not keep captured graphs and their pools alive.
         _last_compiled[-1]._executor = weakref.ref(executor)

@@ -18,6 +18,18 @@ Modes, per graph:
   own capture, forking from and joining to the capturing stream, with events of
   a scope reserved for outer captures.
 
+While an owner captures, its workspaces and every engine workspace manager
+made with ``lock_on_capture=True`` are locked (a request that would grow one
+raises), and every registered resource pool is entered for the capturing
+owner. Inside :func:`capturepass.profiling_capture` new captures go to
+throwaway owners that the block releases at its end.
+
+With ``check_replay=True`` every replay first checks that the addresses the
+graphs baked in are still there: static inputs at the address they were
+captured with, and every retained tensor on the storage it had at capture.
+A difference raises :class:`~capturepass.errors.ResourceError` naming the
+input or the retained object (instead of replaying into freed memory).
+
 Outputs of a replay live in the owner's pool and would be overwritten by the
 next replay, so they are copied out unless ``static_outputs=True`` (for callers
 that consume them before the next call, as engines do).
@@ -25,6 +37,7 @@ that consume them before the next call, as engines do).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -33,9 +46,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from capturepass.errors import CapturePassError
-from capturepass.runtime import context
+from capturepass.errors import CapturePassError, ResourceError
+from capturepass.runtime import context, pools, profiling
 from capturepass.runtime.owner import GraphOwner
+from capturepass.runtime.workspaces import locked_for_capture
 from capturepass.runtime.program import Program
 
 log = logging.getLogger("capturepass")
@@ -101,6 +115,7 @@ class _Capture:
         self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, buffer)
         self.seg_out: dict[int, list[torch.Tensor]] = {}
         self.uncaptured: set[int] = set()
+        self.snapshot: _Snapshot | None = None
 
     def capture(self, args: Sequence[Any]) -> None:
         program, owner = self.program, self.owner
@@ -127,7 +142,9 @@ class _Capture:
             self.inputs[i] = buf
             env[node] = buf
         breaks_out: set[fx.Node] = set()
-        with context.running(owner):
+        reason = f"capture of {owner.name}"
+        with context.running(owner), owner.workspaces.locked(reason), locked_for_capture(reason), \
+                pools.entered_for_capture(owner.name, stream):
             for p, piece in enumerate(program.pieces):
                 if piece.kind == "break" or not piece.has_kernels:
                     # Breaks run eagerly; a segment without a kernel (only views and host
@@ -153,9 +170,12 @@ class _Capture:
                     owner.capturing = None
                 self.seg_out[p] = [env[n] for n in piece.live_out]
         torch.cuda.synchronize(device)
+        self.snapshot = _Snapshot.of(self)
 
-    def replay(self, args: Sequence[Any]) -> Any:
+    def replay(self, args: Sequence[Any], check: bool = False) -> Any:
         program = self.program
+        if check and self.snapshot is not None:
+            self.snapshot.check(self, args)
         for i, ptr in self.static_ptrs.items():
             if args[i].data_ptr() != ptr:
                 return None  # a static input moved: the graphs read a stale address
@@ -196,6 +216,64 @@ class _Capture:
         )
 
 
+def _storage_of(obj: Any) -> tuple[int, int] | None:
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        st = obj.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    return None
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """What a capture baked in: input addresses and the storage of every retained tensor."""
+
+    static_ptrs: dict[int, int]
+    buffer_ptrs: dict[int, int]
+    retained: dict[int, list[tuple[int, str, tuple[int, int] | None]]]
+
+    @classmethod
+    def of(cls, cap: "_Capture") -> "_Snapshot":
+        retained = {
+            seg: [(id(o), type(o).__name__, _storage_of(o)) for o in objs]
+            for seg, objs in cap.owner.retained.items()
+        }
+        return cls(dict(cap.static_ptrs), {i: b.data_ptr() for i, b in cap.inputs.items()}, retained)
+
+    def check(self, cap: "_Capture", args: Sequence[Any]) -> None:
+        owner = cap.owner
+        names = [n.name for n in cap.program.inputs]
+        for i, ptr in self.static_ptrs.items():
+            if args[i].data_ptr() != ptr:
+                raise ResourceError(
+                    f"check_replay: static input {i} (%{names[i]}) of {owner.name} moved from {ptr:#x} to "
+                    f"{args[i].data_ptr():#x} since capture; the graphs would read the old address"
+                )
+        for i, ptr in self.buffer_ptrs.items():
+            if cap.inputs[i].data_ptr() != ptr:
+                raise ResourceError(
+                    f"check_replay: the static buffer of input {i} (%{names[i]}) of {owner.name} moved since capture"
+                )
+        for seg, entries in self.retained.items():
+            objs = owner.retained.get(seg, [])
+            if len(objs) != len(entries):
+                raise ResourceError(
+                    f"check_replay: segment {seg} of {owner.name} retained {len(entries)} object(s) at capture, "
+                    f"{len(objs)} now"
+                )
+            for k, (obj, (oid, tname, storage)) in enumerate(zip(objs, entries)):
+                if id(obj) != oid:
+                    raise ResourceError(
+                        f"check_replay: retained object {k} ({tname}) of segment {seg} of {owner.name} "
+                        "was replaced since capture"
+                    )
+                if _storage_of(obj) != storage:
+                    raise ResourceError(
+                        f"check_replay: retained {tname} {k} of segment {seg} of {owner.name} changed storage "
+                        f"since capture ({storage} -> {_storage_of(obj)}: resized or set_ to other memory); "
+                        "the graph still uses the old address"
+                    )
+
+
 class Executor:
     """The compiled callable of one ATen graph (boxed: takes a list of arguments).
 
@@ -203,6 +281,8 @@ class Executor:
         program: the emitted program.
         max_captures: capture shapes kept before falling back to uncaptured runs.
         static_outputs: return replay outputs without copying them.
+        capture_sizes: batch sizes to capture on the first call.
+        check_replay: check at every replay that baked-in addresses are unchanged.
     """
 
     def __init__(
@@ -211,8 +291,10 @@ class Executor:
         max_captures: int = 16,
         static_outputs: bool = False,
         capture_sizes: Sequence[int] = (),
+        check_replay: bool = False,
     ) -> None:
         self.program = program
+        self.check_replay = check_replay
         self.capture_sizes = tuple(capture_sizes)
         info = program.info
         self.captured = info.captured and info.on_cuda
@@ -222,6 +304,8 @@ class Executor:
         self._eager_owner: GraphOwner | None = None
         self._eager: Any = None
         self._outer: Any = None
+        self._profile_owner: GraphOwner | None = None
+        self._profile_program: Any = None
         self._warned_bound = False
         self._lock = threading.Lock()
         self.closed = False
@@ -263,7 +347,7 @@ class Executor:
         key = _shape_key(args)
         cap = self._captures.get(key)
         if cap is not None:
-            out = cap.replay(args)
+            out = cap.replay(args, self.check_replay)
             if out is not None:
                 return out
             log.info("capturepass: a static input of %s moved; capturing again", cap.owner.name)
@@ -287,13 +371,20 @@ class Executor:
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
             cap = _Capture(self.program, owner, self.static_outputs)
+            prof = profiling.active()
             try:
                 cap.capture(args)
             except Exception:
                 owner.close()
                 raise
             self._captures[key] = cap
+            if prof is not None:
+                prof.adopt(owner, lambda: self._forget(key, cap))
         return cap
+
+    def _forget(self, key: tuple, cap: "_Capture") -> None:
+        if self._captures.get(key) is cap:
+            del self._captures[key]
 
     def _precapture(self, args: Sequence[Any]) -> None:
         """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input)."""
@@ -311,9 +402,27 @@ class Executor:
                 self.capture(sized, key)
 
     def _run_eager(self, args: Sequence[Any]) -> Any:
+        prof = profiling.active()
+        if prof is not None and self.program.info.captured and not self.captured:
+            return self._run_profiled_on_host(args, prof)
         program = self._eager_program(args)
         with context.running(self._eager_owner):
             return program(*args)
+
+    def _run_profiled_on_host(self, args: Sequence[Any], prof: "profiling.ProfilingCapture") -> Any:
+        # A host graph's first run stands for its capture: inside a profiling capture it
+        # runs on a throwaway owner, which the block releases with what it retained.
+        if self._profile_owner is None or self._profile_owner.closed:
+            info = self.program.info
+            owner = GraphOwner(info.name, len(info.lanes), None, captured=True)
+            self._profile_owner = owner
+            self._profile_program = self.program.bind(owner, owner.lanes("eager"))
+            prof.adopt(owner, self._forget_profile_owner)
+        with context.running(self._profile_owner):
+            return self._profile_program(*args)
+
+    def _forget_profile_owner(self) -> None:
+        self._profile_owner = self._profile_program = None
 
     def _run_in_outer_capture(self, args: Sequence[Any]) -> Any:
         # An engine is capturing around us: emit streams and events into its capture,
@@ -324,8 +433,10 @@ class Executor:
         if self._outer is None:
             self._outer = self.program.bind(owner, owner.lanes("outer"))
         owner.capturing = -1
+        reason = f"outer capture around {owner.name}"
         try:
-            with context.running(owner):
+            with context.running(owner), owner.workspaces.locked(reason), locked_for_capture(reason), \
+                    pools.entered_for_capture(owner.name, torch.cuda.current_stream()):
                 return self._outer(*args)
         finally:
             owner.capturing = None

@@ -3,9 +3,10 @@
 An owner holds its lanes' streams, its event leases (one lane runtime per event
 scope: eager, each capture), its CUDA graphs and their private memory pool, the
 static buffers its graphs read and write, the storage owners its captures
-retain, and the owner-bound resources (workspaces) bound to it. ``close()`` (or
-garbage collection) synchronizes its streams and releases all of it; a lease,
-a workspace or a retained object is never valid for another owner.
+retain, and the owner-bound resources bound to it: its workspaces and its
+channels in every registered resource pool. ``close()`` (or garbage
+collection) synchronizes its streams and releases all of it; a lease, a
+workspace, a channel or a retained object is never valid for another owner.
 
 On a machine without CUDA nothing is captured, but the bookkeeping runs as on a
 GPU: when the graph's mode is a capturing one, a segment's first run stands for
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 
 from capturepass.ir.meta import ResourceBinding
+from capturepass.runtime import pools
 from capturepass.runtime.events import POOL
 from capturepass.runtime.lanes import CudaLanes, HostLanes, Lanes
+from capturepass.runtime.workspaces import Workspaces
 
 log = logging.getLogger("capturepass")
 
@@ -51,6 +54,8 @@ class GraphOwner:
         pool: the private memory pool of its graphs.
         capture_stream: the stream its segments were captured on (an engine that
             captures more graphs into ``pool`` should use it too).
+        workspaces: its scratch storage, a slot per lane (locked while capturing).
+        profiling: it belongs to a profiling capture and is released at its end.
     """
 
     def __init__(self, graph_name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
@@ -72,7 +77,10 @@ class GraphOwner:
         self.static: dict[str, Any] = {}
         self.capturing: int | None = None
         self._resources: dict[ResourceBinding, int] = {}
-        self.workspaces: dict[tuple[int, str], torch.Tensor] = {}
+        self.workspaces = Workspaces(
+            self.name, max(num_lanes, 1), device=self.device if self.device is not None else device or "cpu"
+        )
+        self.profiling = False
         self.closed = False
 
     # -- lanes and events ---------------------------------------------------------------------
@@ -142,7 +150,8 @@ class GraphOwner:
             torch.cuda.current_stream(self.device).synchronize()
 
     def close(self) -> None:
-        """Synchronizes, then releases graphs, pool, static buffers, leases, retained objects and workspaces."""
+        """Synchronizes, then releases graphs, pool, static buffers, leases, retained objects,
+        workspaces and channels."""
         if self.closed:
             return
         self.closed = True
@@ -158,7 +167,8 @@ class GraphOwner:
             self.static.clear()
             self.retained.clear()
             self._resources.clear()
-            self.workspaces.clear()
+            self.workspaces.release()
+            pools.release_owner(self.name)
             self.pool = None
             self.capture_stream = None
             self.streams = []

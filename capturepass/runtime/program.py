@@ -9,6 +9,15 @@ one graph owner's lanes (its streams and its event leases), so the integer
 handles in the IR resolve to that owner's objects only. FX's generated code
 drops every value right after its last use, which is where ``insert_syncs``
 put a ``release`` when the default free would have raced another lane.
+
+A break of a captured owner (a non-capturable op run eagerly between
+segments) gets its tensor arguments as weak references
+(:func:`capturepass.runtime.resources.weak_ref`): the arguments are graph
+activations in the owner's pool or the caller's inputs, and an op that keeps
+one (a cache, a deferred check) must not pin it past the call. What the break
+returns is copied by the runtime into the next segment's static input buffers
+(the caller-provided outputs); an output that aliases an argument is turned
+back into a strong view before anything else sees it.
 """
 
 from __future__ import annotations
@@ -230,9 +239,10 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes") -> fx.Graph
     for step in piece.steps:
         if step.kind == "region":
             spec: RegionSpec = step.payload
-            call = graph.call_function(
-                RegionCall(spec, lanes.region_runner(spec.lane)), tuple(env[n] for n in spec.inputs)
-            )
+            runner = lanes.region_runner(spec.lane)
+            if spec.eager and owner.captured:
+                runner = _weak_args(runner, lanes)
+            call = graph.call_function(RegionCall(spec, runner), tuple(env[n] for n in spec.inputs))
             for k, out in enumerate(spec.outputs):
                 env[out] = graph.call_function(operator.getitem, (call, k))
             continue
@@ -249,6 +259,42 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes") -> fx.Graph
             graph.call_function(owner.retain, (seg, handles) + tuple(env[a] for a in node.all_input_nodes))
     graph.output(tuple(env[n] for n in piece.live_out))
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassPiece")
+
+
+def _weak_args(run: "Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]", lanes: "Lanes") -> Any:
+    """Wraps a break's runner: tensor arguments go in as weak references (see the module doc)."""
+    from capturepass.runtime.resources import weak_ref
+
+    if getattr(torch._C, "_construct_storage_from_data_pointer", None) is None:
+        return run  # this torch cannot make non-owning storage: arguments stay strong
+
+    def call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+        strong: dict[int, torch.Tensor] = {}
+        weak_args = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.requires_grad and a.numel():
+                w = weak_ref(a)
+                strong[w.untyped_storage()._cdata] = a
+                weak_args.append(w)
+            else:
+                weak_args.append(a)
+        lanes.counters["weak_args"] += len(strong)
+        outs = run(fn, tuple(weak_args))
+        del weak_args
+        return type(outs)(_strengthen(o, strong) for o in outs) if strong else outs
+
+    return call
+
+
+def _strengthen(value: Any, strong: dict[int, torch.Tensor]) -> Any:
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return value
+    orig = strong.get(value.untyped_storage()._cdata)
+    if orig is None:
+        return value
+    out = torch.empty(0, dtype=value.dtype, device=value.device)
+    out.set_(orig.untyped_storage(), value.storage_offset(), value.size(), value.stride())
+    return out
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:

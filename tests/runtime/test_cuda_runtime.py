@@ -412,8 +412,8 @@ def test_target_and_draft_owners_are_disjoint():
     ids_a = {i for o, _, _, i in POOL.leases() if o == a.name}
     ids_b = {i for o, _, _, i in POOL.leases() if o == b.name}
     assert not ids_a & ids_b
-    ws_a = {t.data_ptr() for t in a.workspaces.values()}
-    ws_b = {t.data_ptr() for t in b.workspaces.values()}
+    ws_a = {t.data_ptr() for t in a.workspaces.buffers().values()}
+    ws_b = {t.data_ptr() for t in b.workspaces.buffers().values()}
     assert ws_a and ws_b and not ws_a & ws_b
 
 
