@@ -8,7 +8,10 @@ the same summary as one JSON object whose keys are ``lanes``, ``records``,
 ``waits``, ``leases``, ``retained``, ``segments``, ``breaks`` (totals over the
 graphs; ``lanes`` is the most any graph uses) and ``graphs`` (one such object
 per graph). ``--html OUT`` also writes the schedule as a self-contained HTML
-timeline, ``--trace OUT`` as a Chrome trace (see :mod:`capturepass.viewer`).
+timeline, ``--trace OUT`` as a Chrome trace (see :mod:`capturepass.viewer`): with
+measured times for each graph whose folder holds a ``measured.json`` of the same
+``graph.json`` (written by :func:`capturepass.trace` on a GPU), with the cost
+model's estimates otherwise; the last line printed says which.
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def load_graphs(root: str) -> list[tuple[str, dict[str, Any]]]:
-    """``(name, graph.json document)`` of every graph under ``root``, in path order.
+def load_graph_dirs(root: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``(name, folder, graph.json document)`` of every graph under ``root``, in path order.
 
     Raises:
         FileNotFoundError: ``root`` holds no ``graph.json``.
@@ -72,10 +75,20 @@ def load_graphs(root: str) -> list[tuple[str, dict[str, Any]]]:
     graphs = []
     for d in _graph_dirs(root):
         with open(os.path.join(d, "graph.json")) as f:
-            graphs.append((os.path.relpath(d, root) if d != root else os.path.basename(d), json.load(f)))
+            graphs.append((os.path.relpath(d, root) if d != root else os.path.basename(os.path.normpath(d)), d,
+                           json.load(f)))
     if not graphs:
         raise FileNotFoundError(f"no capturepass dump (graph.json) under {root!r}")
     return graphs
+
+
+def load_graphs(root: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, graph.json document)`` of every graph under ``root``, in path order.
+
+    Raises:
+        FileNotFoundError: ``root`` holds no ``graph.json``.
+    """
+    return [(name, graph) for name, _, graph in load_graph_dirs(root)]
 
 
 def summarize(root: str) -> dict[str, Any]:
@@ -132,8 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("dir", help="a dump directory (the dump_dir option, or one graph's folder in it)")
     show.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     show.add_argument("--html", metavar="OUT", help="also write the schedule as a self-contained HTML timeline")
-    show.add_argument("--trace", metavar="OUT", help="also write the schedule as a Chrome trace (Perfetto opens it)")
+    show.add_argument(
+        "--trace", metavar="OUT",
+        help="also write the schedule as a Chrome trace (Perfetto opens it): measured times where DIR holds a "
+             "measured run (capturepass.trace), cost-model estimates otherwise",
+    )
     args = parser.parse_args(argv)
+    note = None
     try:
         summary = summarize(args.dir)
         if args.html or args.trace:
@@ -142,12 +160,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.html:
                 viewer.write_html(args.dir, args.html)
             if args.trace:
-                viewer.write_trace(args.dir, args.trace)
+                note = f"trace {args.trace}: " + viewer.trace_note(viewer.write_trace(args.dir, args.trace))
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
         print(f"capturepass show: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
+        if note:
+            print(note, file=sys.stderr)
     else:
         print(format_summary(summary))
+        if note:
+            print(note)
     return 0

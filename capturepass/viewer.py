@@ -18,6 +18,18 @@ shaded bands, and lists the waits with the dependency that made each necessary
 The trace is the Chrome trace-event format (Perfetto and ``chrome://tracing``
 open it): one process per graph, one thread per lane, a complete event per
 node and a flow event per record→wait edge.
+
+Measured times: on a GPU, :func:`capturepass.trace` (``capturepass.measure``)
+records real runs of the compiled graphs with ``torch.profiler`` and writes a
+``measured.json`` next to each dumped graph's ``graph.json``. For such a graph
+``--trace`` writes the measured run instead of the estimates: one row per lane
+(the kernels each lane's stream ran, or, for CUDA graph replays, the kernels
+matched to their lane), each kernel at its measured start and duration, and a
+``measured span`` row with each run's span. ``otherData.times`` and
+``otherData.graphs`` in the trace, and the last line ``capturepass show``
+prints, say which graphs are measured and which estimated (a ``measured.json``
+of another compile of the graph is ignored, and the line says so). The HTML
+page always draws the estimates.
 """
 
 from __future__ import annotations
@@ -405,15 +417,34 @@ def render_html(root: str) -> str:
 # -- Chrome trace -------------------------------------------------------------------------------
 
 
-def render_trace(root: str) -> dict[str, Any]:
-    """The Chrome trace-event document of every graph under a dump directory."""
-    from capturepass.cli import load_graphs
+def render_trace(root: str, measured: bool = True) -> dict[str, Any]:
+    """The Chrome trace-event document of every graph under a dump directory.
+
+    A graph whose folder holds a ``measured.json`` of its ``graph.json`` (see
+    :func:`capturepass.trace`) is drawn with its measured kernel times (``measured=False``
+    ignores them); every other graph with the cost model's estimates. ``otherData`` says
+    which: ``times`` is ``"measured"``, ``"estimated (nominal device)"`` or ``"mixed"``, and
+    ``graphs`` maps each graph to ``"measured (...)"`` or ``"estimated"`` (with the reason a
+    measurement present was not used).
+    """
+    from capturepass import measure
+    from capturepass.cli import load_graph_dirs
 
     events: list[dict[str, Any]] = []
     flow = 0
-    for gi, (name, graph) in enumerate(load_graphs(root)):
-        s = simulate(graph, name)
+    which: dict[str, str] = {}
+    sessions: list[dict[str, Any]] = []
+    for gi, (name, folder, graph) in enumerate(load_graph_dirs(root)):
         pid = gi + 1
+        m, why_not = measure.load_measurement(folder) if measured else (None, None)
+        if m is not None:
+            m = dict(m, graph=name)
+            events.extend(measure.measurement_events(m, pid))
+            which[name] = f"measured ({m['mode']}, {m['runs']} run(s) on {m.get('device', '?')})"
+            sessions.append(m)
+            continue
+        which[name] = "estimated" + (f" ({why_not})" if why_not else "")
+        s = simulate(graph, name)
         events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"capturepass {name}"}})
         events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
         for li, lname in enumerate(s.lanes):
@@ -437,8 +468,31 @@ def render_trace(root: str) -> dict[str, Any]:
             common = {"pid": pid, "name": e.event, "cat": "event", "id": flow}
             events.append({**common, "ph": "s", "tid": e.record.lane, "ts": round(e.record.start, 4)})
             events.append({**common, "ph": "f", "bp": "e", "tid": e.wait.lane, "ts": round(e.wait.start, 4)})
-    return {"traceEvents": events, "displayTimeUnit": "ns",
-            "otherData": {"source": "capturepass", "times": "estimated (nominal device)"}}
+    n_measured = len(sessions)
+    times = ("measured" if n_measured == len(which) else
+             "estimated (nominal device)" if n_measured == 0 else "mixed")
+    other: dict[str, Any] = {"source": "capturepass", "times": times, "graphs": which}
+    if sessions:
+        for key in ("device", "torch", "cuda"):
+            if key in sessions[0]:
+                other[key] = sessions[0][key]
+    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}
+
+
+def trace_note(doc: dict[str, Any]) -> str:
+    """One line saying which graphs of a :func:`render_trace` document are measured, which estimated."""
+    graphs = doc.get("otherData", {}).get("graphs", {})
+    measured = [f"{g} {w[len('measured '):]}" for g, w in graphs.items() if w.startswith("measured")]
+    estimated = [g + w[len("estimated"):] for g, w in graphs.items() if not w.startswith("measured")]
+    parts = []
+    if measured:
+        parts.append("measured times for " + ", ".join(measured))
+    if estimated:
+        parts.append("cost-model estimates (nominal device) for " + ", ".join(estimated))
+    line = "; ".join(parts)
+    if not measured:
+        line += " (no measured run in the dump: record one on a GPU with capturepass.trace(compiled, *args))"
+    return line
 
 
 def write_html(root: str, path: str) -> None:
@@ -447,8 +501,10 @@ def write_html(root: str, path: str) -> None:
         f.write(render_html(root))
 
 
-def write_trace(root: str, path: str) -> None:
-    """Writes :func:`render_trace` of ``root`` to ``path``."""
+def write_trace(root: str, path: str, measured: bool = True) -> dict[str, Any]:
+    """Writes :func:`render_trace` of ``root`` to ``path`` (strict JSON); returns the document."""
+    doc = render_trace(root, measured)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(render_trace(root), f, indent=None, sort_keys=True, allow_nan=False)
+        json.dump(doc, f, indent=None, sort_keys=True, allow_nan=False)
         f.write("\n")
+    return doc

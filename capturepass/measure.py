@@ -1,0 +1,1024 @@
+"""Measured runs: the kernels of capturepass's graphs on a GPU, timed by the profiler, lane by lane.
+
+``capturepass.trace(fn, *args)`` calls ``fn`` (a ``torch.compile(..., backend="capturepass")``
+callable, or any function that calls some) under :mod:`torch.profiler` with CUDA activity
+(CUPTI), and returns a :class:`MeasuredTrace`: a Chrome trace with one process per compiled
+graph, one row per lane (named as in the dump: ``s0 main``, ``s1 aux0``, ...), each kernel at
+its measured start and duration, and a row with each run's measured span; plus a per-lane
+summary (kernels, busy time, overlap between lanes). With ``dump=True`` (the default) each
+graph compiled with a ``dump_dir`` also gets a ``measured.json`` next to its ``graph.json``;
+``capturepass show DIR --trace out.json`` then writes the measured times instead of the
+cost-model estimates (and says which it wrote).
+
+How kernels find their lane and node:
+
+- every call of a compiled graph, and every region call of an uncaptured run, is wrapped in a
+  ``record_function`` range while the trace is recorded (``capturepass.trace/graph:N``,
+  ``capturepass.trace/region:I``); a kernel belongs to the ranges that enclose its launch (the
+  CUDA runtime or driver call with the kernel's correlation id);
+- after the runs, a one-element fill is launched on every lane's stream, each inside its own
+  range: the profiler's stream id of that fill names the lane of every kernel on that stream.
+  Lane 0 is the caller's current stream; lane ``i`` is the owner's ``streams[i - 1]``;
+- kernels a CUDA graph replay ran (their correlation id is a ``cudaGraphLaunch``'s) run on
+  streams the graph executor picks, not on the lanes' streams. Their lanes come from one
+  uncaptured run of the same program recorded in the same session: on each lane the kernels
+  keep program order, so the replay's kernels, in start order, are an interleaving of the
+  uncaptured run's per-lane kernel sequences; :func:`match_lanes` finds that interleaving
+  (preferring one where no two kernels of a lane overlap in time). When it finds none (a
+  replay that ran other kernels than the uncaptured run), those kernels stay on rows of their
+  own ("lane not matched") and the trace says so; ``uncaptured=True`` measures the uncaptured
+  program instead (the lanes' own streams, as with ``cudagraphs="none"``);
+- a kernel launched inside a region gets the region's graph nodes; with ``inner="eager"`` an
+  ATen kernel gets the one node of its op (the k-th ``aten::mm`` of the region is its k-th
+  ``aten.mm`` node); an Inductor kernel keeps its name and lists the region's nodes.
+
+On a machine without CUDA :func:`trace` raises :class:`TraceError`: lanes run in program order
+on the host, so a host-time "measurement" would show no overlap that a GPU would have; the
+cost-model schedule (``capturepass show DIR --trace``) is the honest picture there.
+
+The parts that do not need a GPU are plain functions over plain records
+(:func:`records_from_chrome_trace`, :func:`build_measurements`, :func:`match_lanes`,
+:func:`measurement_events`, :func:`summarize_measurement`), so that they are tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from capturepass.errors import CapturePassError
+
+PREFIX = "capturepass.trace/"
+MEASURED_FILE = "measured.json"
+FORMAT = "capturepass-measured/1"
+# Profiler timestamps are microseconds with nanosecond digits; two kernels of one lane
+# closer than this are not counted as overlapping.
+_EPS_US = 0.002
+
+_DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_RANGE_CATS = ("cpu_op", "user_annotation")
+_GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+class TraceError(CapturePassError):
+    """A measured trace cannot be recorded (no CUDA, no capturepass graph ran, no kernels seen)."""
+
+
+# -- plain records ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """One GPU activity (a kernel, a memcpy or a memset) as the profiler recorded it.
+
+    Attributes:
+        name: the kernel's (demangled) name, or ``Memcpy ...`` / ``Memset ...``.
+        stream: the profiler's (CUPTI's) stream id.
+        start: start in microseconds, on the profiler's clock.
+        dur: duration in microseconds.
+        launch: when its launch call ran on the host (same clock), if known.
+        via_graph: launched by a CUDA graph replay (its launch is a ``cudaGraphLaunch``).
+        device: the CUDA device index.
+        kind: ``"kernel"``, ``"memcpy"`` or ``"memset"``.
+    """
+
+    name: str
+    stream: int
+    start: float
+    dur: float
+    launch: float | None = None
+    via_graph: bool = False
+    device: int = 0
+    kind: str = "kernel"
+
+    @property
+    def end(self) -> float:
+        return self.start + self.dur
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRange:
+    """A host range of the profiled thread: a ``record_function`` range or an operator."""
+
+    name: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo:
+    """One compiled region: its lane, whether it is a break, and its graph nodes (names and ops)."""
+
+    index: int
+    lane: int
+    eager: bool
+    nodes: tuple[str, ...]
+    ops: tuple[str, ...]
+
+
+@dataclasses.dataclass
+class GraphSpec:
+    """What the measurement needs to know about one compiled graph.
+
+    Attributes:
+        key: its number in the trace session (``capturepass.trace/graph:<key>``).
+        name: its name (the dump folder's, e.g. ``000_inference``, when it was dumped).
+        kind: ``inference``, ``forward`` or ``backward``.
+        lanes: lane names, by index.
+        regions: its regions, by index.
+        replayed: whether the measured runs replay CUDA graphs.
+        dump_dir: its dump folder, if any.
+        graph_sha256: the digest of its ``graph.json``, if dumped.
+    """
+
+    key: int
+    name: str
+    kind: str
+    lanes: list[str]
+    regions: dict[int, RegionInfo]
+    replayed: bool
+    dump_dir: str | None = None
+    graph_sha256: str | None = None
+
+
+def records_from_chrome_trace(doc: dict[str, Any]) -> tuple[list[Activity], list[HostRange]]:
+    """The GPU activities and host ranges of a Chrome trace that ``torch.profiler`` exported.
+
+    Each activity's launch time is the runtime or driver call with its correlation id; failing
+    that, the host operator its ``External id`` names. Host ranges are those of the thread that
+    ran the ``capturepass.trace/session`` range when there is one (else every thread's).
+    """
+    events = [e for e in doc.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
+    launches: dict[int, tuple[float, str]] = {}
+    external: dict[int, float] = {}
+    session_tid = None
+    for e in events:
+        cat, args = e.get("cat"), e.get("args") or {}
+        if cat in _LAUNCH_CATS and "correlation" in args:
+            launches[int(args["correlation"])] = (float(e["ts"]), str(e.get("name", "")))
+        elif cat in _RANGE_CATS:
+            if "External id" in args:
+                external.setdefault(int(args["External id"]), float(e["ts"]))
+            if e.get("name") == PREFIX + "session":
+                session_tid = e.get("tid")
+    activities: list[Activity] = []
+    ranges: list[HostRange] = []
+    for e in events:
+        cat, args = e.get("cat"), e.get("args") or {}
+        if cat in _DEVICE_CATS:
+            launch, via_graph = None, False
+            hit = launches.get(int(args.get("correlation", -1)))
+            if hit is not None:
+                launch = hit[0]
+                via_graph = hit[1].startswith(_GRAPH_LAUNCH)
+            elif "External id" in args:
+                launch = external.get(int(args["External id"]))
+            activities.append(Activity(
+                name=str(e.get("name", "")), stream=int(args.get("stream", e.get("tid", -1))),
+                start=float(e["ts"]), dur=float(e.get("dur", 0.0)), launch=launch, via_graph=via_graph,
+                device=int(args.get("device", e.get("pid", 0)) or 0), kind=_DEVICE_CATS[cat],
+            ))
+        elif cat in _RANGE_CATS and (session_tid is None or e.get("tid") == session_tid):
+            ts = float(e["ts"])
+            ranges.append(HostRange(str(e.get("name", "")), ts, ts + float(e.get("dur", 0.0))))
+    return activities, ranges
+
+
+# -- attribution --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Tags:
+    phase: tuple | None = None  # ("run", r) | ("reference",) | ("marker", device, graph, lane)
+    graph: int | None = None
+    region: int | None = None
+    ops: list[HostRange] = dataclasses.field(default_factory=list)  # host operators around the launch, outer first
+
+    @property
+    def op(self) -> str | None:
+        return self.ops[-1].name if self.ops else None
+
+
+def _tag(activities: Sequence[Activity], ranges: Sequence[HostRange]) -> list[_Tags]:
+    """For each activity, the capturepass ranges and the innermost operator enclosing its launch."""
+    order = sorted(range(len(ranges)), key=lambda i: (ranges[i].start, -ranges[i].end))
+    acts = sorted((a.launch, i) for i, a in enumerate(activities) if a.launch is not None)
+    tags = [_Tags() for _ in activities]
+    stack: list[HostRange] = []
+    k = 0
+    for t, i in acts:
+        while k < len(order) and ranges[order[k]].start <= t:
+            r = ranges[order[k]]
+            while stack and stack[-1].end < r.start:
+                stack.pop()
+            stack.append(r)
+            k += 1
+        enclosing = [r for r in stack if r.start <= t <= r.end]
+        tag = tags[i]
+        for r in enclosing:  # outermost first: inner ranges overwrite
+            name = r.name
+            if not name.startswith(PREFIX):
+                tag.ops.append(r)
+                continue
+            tag.ops = []  # only the operators inside the innermost capturepass range count
+            what = name[len(PREFIX):]
+            try:
+                if what.startswith("run:"):
+                    tag.phase = ("run", int(what[4:]))
+                elif what == "reference":
+                    tag.phase = ("reference",)
+                elif what.startswith("marker:"):
+                    dev, graph, lane = what[7:].split(":")
+                    tag.phase = ("marker", int(dev), None if graph == "*" else int(graph), int(lane))
+                elif what.startswith("graph:"):
+                    tag.graph = int(what[6:])
+                    tag.region = None
+                elif what.startswith("region:"):
+                    tag.region = int(what[7:])
+            except ValueError:
+                continue  # a range of another capturepass version: ignore it
+    return tags
+
+
+def match_lanes(
+    items: Sequence[tuple[str, float, float]], reference: dict[int, Sequence[str]], max_states: int = 4096
+) -> list[int] | None:
+    """Lanes for the kernels of a CUDA graph replay, from an uncaptured run's per-lane sequences.
+
+    Args:
+        items: the replay's kernels as ``(name, start, end)``.
+        reference: per lane, the names of the kernels the uncaptured run ran on it, in order.
+        max_states: the most partial assignments kept per step.
+
+    Returns:
+        the lane of each item (in the order given), or ``None`` when the items, in start order,
+        are no interleaving of the reference sequences. Among interleavings it prefers the one
+        with the least time during which two kernels of one lane overlap (a lane runs its
+        kernels one after another).
+    """
+    lanes = sorted(reference)
+    seqs = [list(reference[lane]) for lane in lanes]
+    if len(items) != sum(len(s) for s in seqs):
+        return None
+    if not items:
+        return []
+    order = sorted(range(len(items)), key=lambda i: (items[i][1], items[i][2]))
+    n_lanes = len(lanes)
+    start = tuple([0] * n_lanes)
+    layer: dict[tuple[int, ...], tuple[float, tuple[float, ...]]] = {start: (0.0, tuple([-math.inf] * n_lanes))}
+    back: list[dict[tuple[int, ...], tuple[tuple[int, ...], int]]] = []
+    for i in order:
+        name, s, e = items[i]
+        nxt: dict[tuple[int, ...], tuple[float, tuple[float, ...]]] = {}
+        step: dict[tuple[int, ...], tuple[tuple[int, ...], int]] = {}
+        for pos, (cost, ends) in layer.items():
+            for j in range(n_lanes):
+                p = pos[j]
+                if p >= len(seqs[j]) or seqs[j][p] != name:
+                    continue
+                c = cost + max(0.0, ends[j] - s - _EPS_US)
+                npos = pos[:j] + (p + 1,) + pos[j + 1:]
+                if npos not in nxt or c < nxt[npos][0]:
+                    nxt[npos] = (c, ends[:j] + (max(ends[j], e),) + ends[j + 1:])
+                    step[npos] = (pos, j)
+        if not nxt:
+            return None
+        if len(nxt) > max_states:
+            keep = sorted(nxt, key=lambda k: nxt[k][0])[:max_states]
+            nxt = {k: nxt[k] for k in keep}
+        back.append(step)
+        layer = nxt
+    state = tuple(len(s) for s in seqs)
+    if state not in layer:
+        return None
+    out: list[int] = [0] * len(items)
+    for k in range(len(order) - 1, -1, -1):
+        prev, j = back[k][state]
+        out[order[k]] = lanes[j]
+        state = prev
+    return out
+
+
+def _nodes_for(region: RegionInfo | None, ops: Sequence[HostRange], seen: dict) -> list[str]:
+    """The graph nodes a kernel computes, launched in ``region`` inside host operators ``ops`` (outer first).
+
+    The innermost ATen operator that is one of the region's ops names the node: the kernels
+    launched by the k-th call of ``aten::mm`` in the region belong to its k-th ``aten.mm``
+    node. Otherwise (an Inductor kernel, say) every node of the region. ``seen`` keeps the
+    calls met so far (one dict per run).
+    """
+    if region is None:
+        return []
+    for op in reversed(ops):
+        if not op.name.startswith("aten::"):
+            continue
+        want = "aten." + op.name[len("aten::"):]
+        matches = [n for n, o in zip(region.nodes, region.ops) if o == want or o.startswith(want + ".")]
+        if matches:
+            calls = seen.setdefault((region.index, op.name), [])
+            if op.start not in calls:
+                calls.append(op.start)
+            k = calls.index(op.start)
+            return [matches[min(k, len(matches) - 1)]]
+    return list(region.nodes)
+
+
+def _kernel(a: Activity, lane: int | None, run: int, region: int | None, nodes: list[str], op: str | None,
+            origin: float) -> dict[str, Any]:
+    return {
+        "name": a.name, "kind": a.kind, "lane": lane, "stream": a.stream, "run": run,
+        "start": round(a.start - origin, 3), "dur": round(a.dur, 3), "region": region, "nodes": nodes,
+        "op": op, "graph_kernel": a.via_graph,
+    }
+
+
+def build_measurements(
+    activities: Sequence[Activity],
+    ranges: Sequence[HostRange],
+    graphs: Sequence[GraphSpec],
+    info: dict[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Turns one trace session's records into one measurement per graph.
+
+    Args:
+        activities / ranges: the session's records (:func:`records_from_chrome_trace`).
+        graphs: the compiled graphs the session ran.
+        info: what to record about the session (device, torch version, ...).
+
+    Returns:
+        ``(measurements, session)``: a :data:`FORMAT` document per graph (see
+        :func:`measurement_events` and :func:`summarize_measurement`), and the session's
+        summary (runs, the activities outside any capturepass graph, notes).
+    """
+    info = dict(info or {})
+    tags = _tag(activities, ranges)
+    # Streams -> lanes, from the markers.
+    main_stream: dict[int, int] = {}
+    lane_streams: dict[int, dict[tuple[int, int], int]] = defaultdict(dict)
+    for a, t in zip(activities, tags):
+        if t.phase and t.phase[0] == "marker":
+            _, dev, graph, lane = t.phase
+            if graph is None:
+                main_stream[dev] = a.stream
+            else:
+                lane_streams[graph][(dev, a.stream)] = lane
+
+    def stream_lane(graph: int, a: Activity) -> int | None:
+        lane = lane_streams[graph].get((a.device, a.stream))
+        if lane is not None:
+            return lane
+        return 0 if main_stream.get(a.device) == a.stream else None
+
+    by_key = {g.key: g for g in graphs}
+    measured = [(a, t) for a, t in zip(activities, tags) if t.phase and t.phase[0] == "run"]
+    runs = sorted({t.phase[1] for _, t in measured})
+    origin = min((a.start for a, _ in measured), default=0.0)
+    notes: list[str] = []
+
+    # The uncaptured run: per graph and lane, the kernels that a replay runs from its graphs.
+    reference: dict[int, dict[int, list[tuple[str, int | None, list[str], str | None]]]] = {}
+    ref_seen: dict[int, dict] = defaultdict(dict)
+    ref_bad: set[int] = set()
+    for a, t in sorted(((a, t) for a, t in zip(activities, tags) if t.phase == ("reference",) and t.graph is not None),
+                       key=lambda at: at[0].start):
+        g = by_key.get(t.graph)
+        if g is None:
+            continue
+        region = g.regions.get(t.region) if t.region is not None else None
+        if region is not None and region.eager:
+            continue  # a break runs eagerly in a replay too: not a graph kernel
+        lane = stream_lane(g.key, a)
+        if lane is None:
+            ref_bad.add(g.key)
+            continue
+        nodes = _nodes_for(region, t.ops, ref_seen[g.key])
+        reference.setdefault(g.key, {}).setdefault(lane, []).append((a.name, t.region, nodes, t.op))
+
+    measurements = []
+    outside: list[dict[str, Any]] = []
+    for g in graphs:
+        kernels: list[dict[str, Any]] = []
+        unmatched_runs = 0
+        for r in runs:
+            mine = sorted(((a, t) for a, t in measured if t.phase[1] == r and t.graph == g.key),
+                          key=lambda at: at[0].start)
+            seen: dict = {}
+            replayed = [(a, t) for a, t in mine if a.via_graph]
+            for a, t in mine:
+                if a.via_graph:
+                    continue
+                region = g.regions.get(t.region) if t.region is not None else None
+                kernels.append(_kernel(a, stream_lane(g.key, a), r, t.region, _nodes_for(region, t.ops, seen), t.op,
+                                       origin))
+            if not replayed:
+                continue
+            ref = reference.get(g.key, {})
+            lanes = None
+            if ref and g.key not in ref_bad:
+                lanes = match_lanes([(a.name, a.start, a.end) for a, _ in replayed],
+                                    {lane: [k[0] for k in seq] for lane, seq in ref.items()})
+            if lanes is None:
+                unmatched_runs += 1
+                for a, t in replayed:
+                    kernels.append(_kernel(a, None, r, None, [], t.op, origin))
+                continue
+            # Walk the replay in start order (as match_lanes did) to hand out each lane's entries.
+            pos: Counter = Counter()
+            order = sorted(range(len(replayed)), key=lambda i: (replayed[i][0].start, replayed[i][0].end))
+            for i in order:
+                a, t = replayed[i]
+                lane = lanes[i]
+                _, region, nodes, op = ref[lane][pos[lane]]
+                pos[lane] += 1
+                kernels.append(_kernel(a, lane, r, region, nodes, op, origin))
+        kernels.sort(key=lambda k: (k["run"], k["start"], k["lane"] if k["lane"] is not None else 1 << 30))
+        spans = []
+        for r in runs:
+            ks = [k for k in kernels if k["run"] == r]
+            if ks:
+                spans.append({"run": r, "start": min(k["start"] for k in ks),
+                              "end": round(max(k["start"] + k["dur"] for k in ks), 3)})
+        if g.replayed:
+            lanes_from = "kernel order, matched against an uncaptured run of the same program"
+            if unmatched_runs:
+                lanes_from += (f"; in {unmatched_runs} of {len(runs)} run(s) the replay's kernels did not match it, "
+                               "their lanes are unknown")
+                notes.append(f"graph {g.name}: the kernels of {unmatched_runs} replay(s) could not be matched to lanes "
+                             "(trace(..., uncaptured=True) measures the program on the lanes' own streams)")
+            elif g.key in ref_bad or g.key not in reference:
+                lanes_from = "unknown (no usable uncaptured run)"
+        else:
+            lanes_from = "the stream each kernel ran on"
+        if g.replayed and not any(k["graph_kernel"] for k in kernels):
+            notes.append(f"graph {g.name}: the profiler recorded no kernel of a CUDA graph replay")
+        m = {
+            "format": FORMAT,
+            "graph": g.name,
+            "kind": g.kind,
+            "graph_sha256": g.graph_sha256,
+            "lanes": list(g.lanes),
+            "mode": "replay" if g.replayed else "uncaptured",
+            "lanes_from": lanes_from,
+            "runs": len(runs),
+            "spans": spans,
+            "kernels": kernels,
+            "regions": [dataclasses.asdict(rg) for _, rg in sorted(g.regions.items())],
+            **{k: v for k, v in info.items() if k not in ("format", "graph", "kernels")},
+        }
+        m["summary"] = summarize_measurement(m)
+        measurements.append(m)
+    for a, t in measured:
+        if t.graph is None:
+            outside.append(_kernel(a, None, t.phase[1], None, [], t.op, origin))
+    unattributed = sum(1 for a, t in zip(activities, tags) if t.phase is None)
+    if unattributed:
+        notes.append(f"{unattributed} GPU activit{'y' if unattributed == 1 else 'ies'} of the session had no launch "
+                     "inside a measured run (no launch record, or launched by another thread): left out")
+    session = {
+        "runs": len(runs),
+        "outside": sorted(outside, key=lambda k: (k["run"], k["start"])),
+        "unattributed": unattributed,
+        "notes": notes,
+        **info,
+    }
+    return measurements, session
+
+
+# -- summary ------------------------------------------------------------------------------------
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _two_or_more(unions: list[list[tuple[float, float]]]) -> float:
+    points = sorted([(s, 1) for u in unions for s, _ in u] + [(e, -1) for u in unions for _, e in u],
+                    key=lambda p: (p[0], p[1]))
+    total, depth, last = 0.0, 0, 0.0
+    for t, d in points:
+        if depth >= 2:
+            total += t - last
+        depth += d
+        last = t
+    return total
+
+
+def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
+    """Per run (averaged over runs): each lane's kernels and busy time, the overlap between lanes, the span.
+
+    Busy time is the union of a lane's kernel intervals; ``overlap_us`` is the time at least two
+    lanes are busy, ``pairs`` the time each two lanes are both busy. Kernels without a lane are
+    counted under ``unmatched``.
+    """
+    runs = max(1, int(m.get("runs") or 0))
+    lanes = list(m.get("lanes") or [])
+    per_lane: dict[int, dict[str, float]] = {i: {"kernels": 0.0, "busy_us": 0.0} for i in range(len(lanes))}
+    unmatched = {"kernels": 0.0, "busy_us": 0.0}
+    overlap = 0.0
+    pairs: dict[str, float] = {}
+    by_run: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for k in m.get("kernels", []):
+        by_run[k["run"]].append(k)
+    for ks in by_run.values():
+        unions = []
+        for i in range(len(lanes)):
+            mine = [(k["start"], k["start"] + k["dur"]) for k in ks if k["lane"] == i]
+            u = _union(mine)
+            unions.append(u)
+            per_lane[i]["kernels"] += len(mine)
+            per_lane[i]["busy_us"] += _length(u)
+        rest = [(k["start"], k["start"] + k["dur"]) for k in ks if k["lane"] is None or k["lane"] >= len(lanes)]
+        unmatched["kernels"] += len(rest)
+        unmatched["busy_us"] += _length(_union(rest))
+        overlap += _two_or_more(unions)
+        for i in range(len(lanes)):
+            for j in range(i + 1, len(lanes)):
+                key = f"s{i}&s{j}"
+                pairs[key] = pairs.get(key, 0.0) + _intersect(unions[i], unions[j])
+    spans = [s["end"] - s["start"] for s in m.get("spans", [])]
+
+    def avg(x: float) -> float:
+        return round(x / runs, 3)
+
+    return {
+        "runs": int(m.get("runs") or 0),
+        "span_us": round(sum(spans) / len(spans), 3) if spans else 0.0,
+        "lanes": {f"s{i}": {"name": lanes[i], "kernels": avg(v["kernels"]), "busy_us": avg(v["busy_us"])}
+                  for i, v in per_lane.items()},
+        "unmatched": {"kernels": avg(unmatched["kernels"]), "busy_us": avg(unmatched["busy_us"])},
+        "overlap_us": avg(overlap),
+        "pairs": {k: avg(v) for k, v in pairs.items()},
+    }
+
+
+def _count(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
+
+
+def format_measurement(m: dict[str, Any]) -> str:
+    """The human-readable summary of one measurement."""
+    s = m.get("summary") or summarize_measurement(m)
+    lines = [f"graph {m['graph']} ({m.get('kind', '?')}, {m['mode']}, {s['runs']} run(s); lanes from "
+             f"{m['lanes_from']}): span {s['span_us']:.1f} us per run"]
+    for key, v in s["lanes"].items():
+        lines.append(f"  {key} {v['name']}: {_count(v['kernels'])} kernel(s), busy {v['busy_us']:.1f} us")
+    if s["unmatched"]["kernels"]:
+        lines.append(f"  lane not matched: {_count(s['unmatched']['kernels'])} kernel(s), "
+                     f"busy {s['unmatched']['busy_us']:.1f} us")
+    pairs = ", ".join(f"{k} {v:.1f} us" for k, v in s["pairs"].items())
+    lines.append(f"  overlap: two or more lanes busy {s['overlap_us']:.1f} us" + (f" ({pairs})" if pairs else ""))
+    return "\n".join(lines)
+
+
+# -- Chrome trace -------------------------------------------------------------------------------
+
+SPAN_TID = 1000
+_UNMATCHED_TID = 2000
+
+
+def _short(name: str, limit: int = 60) -> str:
+    base = name.split("(")[0].strip() or name
+    if base.startswith("void "):
+        base = base[5:]
+    return base if len(base) <= limit else base[: limit - 1] + "…"
+
+
+def _finite(x: Any) -> Any:
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def measurement_events(m: dict[str, Any], pid: int) -> list[dict[str, Any]]:
+    """The Chrome trace events of one measurement: its process, a row per lane, a span row."""
+    lanes = list(m["lanes"])
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"capturepass {m['graph']} (measured)"}},
+        {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}},
+        {"ph": "M", "pid": pid, "name": "process_labels",
+         "args": {"labels": f"{m['mode']}, {m['runs']} run(s), lanes from {m['lanes_from']}"}},
+    ]
+    for li, lname in enumerate(lanes):
+        events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_name", "args": {"name": f"s{li} {lname}"}})
+        events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_sort_index", "args": {"sort_index": li}})
+    extra: dict[tuple[int, bool], int] = {}
+    for k in m["kernels"]:
+        lane = k["lane"]
+        if lane is None or lane >= len(lanes):
+            key = (k["stream"], bool(k.get("graph_kernel")))
+            if key not in extra:
+                tid = _UNMATCHED_TID + len(extra)
+                extra[key] = tid
+                what = "CUDA graph kernels, lane not matched" if key[1] else "not a lane of this graph"
+                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name",
+                               "args": {"name": f"stream {key[0]} ({what})"}})
+                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
+                               "args": {"sort_index": tid}})
+            tid = extra[key]
+        else:
+            tid = lane
+        nodes = k.get("nodes") or []
+        label = _short(k["name"])
+        if len(nodes) == 1:
+            label = f"%{nodes[0]} · {label}"
+        elif nodes:
+            label = f"region {k['region']} ({len(nodes)} nodes) · {label}"
+        args = {"kernel": k["name"], "stream": k["stream"], "run": k["run"], "kind": k.get("kind", "kernel"),
+                "graph_kernel": bool(k.get("graph_kernel"))}
+        for key in ("region", "nodes", "op"):
+            if k.get(key) not in (None, []):
+                args[key] = k[key]
+        events.append({"ph": "X", "pid": pid, "tid": tid, "ts": k["start"], "dur": k["dur"], "name": label,
+                       "cat": "kernel", "args": args})
+    events.append({"ph": "M", "pid": pid, "tid": SPAN_TID, "name": "thread_name", "args": {"name": "measured span"}})
+    events.append({"ph": "M", "pid": pid, "tid": SPAN_TID, "name": "thread_sort_index", "args": {"sort_index": SPAN_TID}})
+    for sp in m.get("spans", []):
+        ks = [k for k in m["kernels"] if k["run"] == sp["run"]]
+        per_lane = {f"s{i}": sum(1 for k in ks if k["lane"] == i) for i in range(len(lanes))}
+        events.append({"ph": "X", "pid": pid, "tid": SPAN_TID, "ts": sp["start"],
+                       "dur": round(sp["end"] - sp["start"], 3), "name": f"run {sp['run']}", "cat": "span",
+                       "args": {"kernels": len(ks), "kernels_per_lane": per_lane}})
+    return events
+
+
+def trace_document(measurements: Sequence[dict[str, Any]], session: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Chrome trace of a session's measurements (one process per graph, then the work outside them)."""
+    session = session or {}
+    events: list[dict[str, Any]] = []
+    for gi, m in enumerate(measurements):
+        events.extend(measurement_events(m, gi + 1))
+    outside = session.get("outside") or []
+    if outside:
+        pid = len(measurements) + 1
+        events.append({"ph": "M", "pid": pid, "name": "process_name",
+                       "args": {"name": "outside capturepass graphs (measured)"}})
+        streams = sorted({k["stream"] for k in outside})
+        for s in streams:
+            events.append({"ph": "M", "pid": pid, "tid": s, "name": "thread_name", "args": {"name": f"stream {s}"}})
+        for k in outside:
+            events.append({"ph": "X", "pid": pid, "tid": k["stream"], "ts": k["start"], "dur": k["dur"],
+                           "name": _short(k["name"]), "cat": "kernel",
+                           "args": {"kernel": k["name"], "run": k["run"], **({"op": k["op"]} if k.get("op") else {})}})
+    other = {"source": "capturepass", "times": "measured",
+             "graphs": {m["graph"]: f"measured ({m['mode']}, {m['runs']} run(s))" for m in measurements}}
+    for key in ("device", "torch", "cuda", "runs", "notes", "unattributed"):
+        if key in session:
+            other[key] = session[key]
+    return {"traceEvents": [{k: _finite(v) for k, v in e.items()} for e in events],
+            "displayTimeUnit": "ns", "otherData": other}
+
+
+# -- measured.json in a dump --------------------------------------------------------------------
+
+
+def graph_digest(graph_json_path: str) -> str | None:
+    """The sha256 of a ``graph.json`` file (a measurement is only shown with the graph it measured)."""
+    try:
+        with open(graph_json_path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def load_measurement(graph_dir: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The measurement saved in a graph's dump folder, if it is there and measured this ``graph.json``.
+
+    Returns:
+        ``(measurement, None)``, or ``(None, reason)`` where ``reason`` is ``None`` when there is
+        no ``measured.json`` and says why it is not used otherwise.
+    """
+    path = os.path.join(graph_dir, MEASURED_FILE)
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as exc:
+        return None, f"{MEASURED_FILE} unreadable ({exc})"
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return None, f"{MEASURED_FILE} is not a {FORMAT} document"
+    digest = graph_digest(os.path.join(graph_dir, "graph.json"))
+    if m.get("graph_sha256") and digest and m["graph_sha256"] != digest:
+        return None, f"{MEASURED_FILE} measured another compile (graph.json changed since)"
+    return m, None
+
+
+def save_measurement(m: dict[str, Any], graph_dir: str) -> str:
+    """Writes ``m`` as ``measured.json`` into a graph's dump folder; returns the path."""
+    path = os.path.join(graph_dir, MEASURED_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(m, f, indent=None, sort_keys=True, allow_nan=False)
+        f.write("\n")
+    return path
+
+
+# -- recording ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class MeasuredTrace:
+    """A measured run of compiled graphs: the Chrome trace and a measurement per graph.
+
+    Attributes:
+        document: the Chrome trace (``json.dump`` it, or :meth:`write`; Perfetto opens it).
+        measurements: one :data:`FORMAT` document per compiled graph that ran.
+        session: the session: runs, device, torch version, notes, work outside the graphs.
+        saved: the ``measured.json`` files written into dump folders.
+        path: where the trace was written, if anywhere.
+    """
+
+    document: dict[str, Any]
+    measurements: list[dict[str, Any]]
+    session: dict[str, Any]
+    saved: list[str] = dataclasses.field(default_factory=list)
+    path: str | None = None
+
+    def write(self, path: str) -> None:
+        """Writes the Chrome trace to ``path`` (strict JSON)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.document, f, indent=None, sort_keys=True, allow_nan=False)
+            f.write("\n")
+        self.path = path
+
+    def summary(self) -> str:
+        """Per graph and lane: kernels and busy time per run, the overlap between lanes, the span."""
+        s = self.session
+        head = f"measured {s.get('runs', 0)} run(s) on {s.get('device', '?')} (torch {s.get('torch', '?')})"
+        lines = [head] + [format_measurement(m) for m in self.measurements]
+        outside = s.get("outside") or []
+        if outside:
+            runs = max(1, s.get("runs", 1))
+            busy = _length(_union((k["start"], k["start"] + k["dur"]) for k in outside)) / runs
+            lines.append(f"outside capturepass graphs: {_count(len(outside) / runs)} kernel(s), busy {busy:.1f} us per run")
+        lines.extend(f"note: {n}" for n in s.get("notes", []))
+        return "\n".join(lines)
+
+
+_trace_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class _Session:
+    thread: int
+    executors: list[Any] = dataclasses.field(default_factory=list)
+    keys: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def key_of(self, executor: Any) -> int:
+        key = self.keys.get(id(executor))
+        if key is None:
+            key = self.keys[id(executor)] = len(self.executors)
+            self.executors.append(executor)
+        return key
+
+
+@contextlib.contextmanager
+def _instrumented(session: _Session) -> Iterator[None]:
+    """Wraps every compiled-graph call and region call of this thread in a profiler range."""
+    import torch
+    from capturepass.runtime.executor import Executor
+    from capturepass.runtime.program import RegionCall
+
+    orig_call, orig_region = Executor.__call__, RegionCall.__call__
+
+    def executor_call(self: Any, args: list[Any]) -> Any:
+        if threading.get_ident() != session.thread:
+            return orig_call(self, args)
+        with torch.profiler.record_function(f"{PREFIX}graph:{session.key_of(self)}"):
+            return orig_call(self, args)
+
+    def region_call(self: Any, *args: Any) -> Any:
+        if threading.get_ident() != session.thread:
+            return orig_region(self, *args)
+        with torch.profiler.record_function(f"{PREFIX}region:{getattr(getattr(self, 'spec', None), 'index', '?')}"):
+            return orig_region(self, *args)
+
+    Executor.__call__ = executor_call  # type: ignore[method-assign]
+    RegionCall.__call__ = region_call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Executor.__call__ = orig_call  # type: ignore[method-assign]
+        RegionCall.__call__ = orig_region  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _uncaptured(executors: Iterable[Any]) -> Iterator[None]:
+    """Runs captured graphs uncaptured (on their eager owner's lanes) inside the block."""
+    flipped = [ex for ex in executors if getattr(ex, "captured", False)]
+    for ex in flipped:
+        ex.captured = False
+    try:
+        yield
+    finally:
+        for ex in flipped:
+            ex.captured = True
+
+
+def _region_infos(program: Any) -> dict[int, RegionInfo]:
+    import torch
+
+    out = {}
+    for spec in getattr(program, "regions", []):
+        nodes, ops = [], []
+        for n in spec.graph.graph.nodes:
+            if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                nodes.append(n.name)
+                ops.append(str(n.target))
+        out[spec.index] = RegionInfo(spec.index, spec.lane, bool(spec.eager), tuple(nodes), tuple(ops))
+    return out
+
+
+def _graph_spec(key: int, executor: Any, uncaptured: bool) -> GraphSpec:
+    from capturepass.backends.dynamo import last_compiled
+
+    info = executor.program.info
+    record = next((g for g in reversed(last_compiled()) if g.executor is executor), None)
+    dump_dir = record.dump_dir if record is not None else None
+    if dump_dir and os.path.isfile(os.path.join(dump_dir, "graph.json")):
+        name = os.path.basename(os.path.normpath(dump_dir))
+        digest = graph_digest(os.path.join(dump_dir, "graph.json"))
+    else:
+        dump_dir, digest = None, None
+        name = f"{info.name} {info.owner}"
+    return GraphSpec(key=key, name=name, kind=info.name, lanes=list(info.lanes), regions=_region_infos(executor.program),
+                     replayed=bool(executor.captured) and not uncaptured, dump_dir=dump_dir, graph_sha256=digest)
+
+
+def _mark_streams(executors: Sequence[Any]) -> None:
+    """One tiny kernel per lane stream, each in a range naming its graph and lane."""
+    import torch
+
+    devices = set()
+    for key, ex in enumerate(executors):
+        for owner in ex.owners:
+            if owner.device is None:
+                continue
+            devices.add(owner.device.index or 0)
+            for i, stream in enumerate(owner.streams):
+                with torch.profiler.record_function(f"{PREFIX}marker:{owner.device.index or 0}:{key}:{i + 1}"):
+                    with torch.cuda.stream(stream):
+                        torch.zeros(1, device=owner.device)
+                stream.synchronize()
+    for dev in sorted(devices):
+        with torch.profiler.record_function(f"{PREFIX}marker:{dev}:*:0"):
+            torch.zeros(1, device=torch.device("cuda", dev))
+        torch.cuda.synchronize(dev)
+
+
+def trace(
+    fn: Callable[..., Any],
+    *args: Any,
+    path: str | None = None,
+    runs: int = 5,
+    warmup: int = 2,
+    uncaptured: bool = False,
+    dump: bool = True,
+    kwargs: dict[str, Any] | None = None,
+    profiler_trace: str | None = None,
+) -> MeasuredTrace:
+    """Records a measured run of the capturepass graphs ``fn(*args, **kwargs)`` calls, on a GPU.
+
+    ``fn`` runs ``warmup`` times (captures happen there), then, under ``torch.profiler``
+    with CUDA activity, once uncaptured when its graphs replay CUDA graphs (to learn which
+    lane each replayed kernel belongs to; see the module doc), then ``runs`` times, each
+    followed by a device synchronization so that runs do not overlap. Runs the call as it is:
+    use ``torch.no_grad()`` around it if ``fn`` should run without autograd.
+
+    Args:
+        fn: a compiled callable (``torch.compile(..., backend="capturepass")``), or a function
+            calling some.
+        args: its positional arguments.
+        path: also write the Chrome trace there.
+        runs: measured runs.
+        warmup: unmeasured calls first.
+        uncaptured: measure the graphs' uncaptured program (each lane on its own stream,
+            as ``cudagraphs="none"`` runs it) instead of their CUDA graph replays.
+        dump: write ``measured.json`` into the dump folder of each graph compiled with a
+            ``dump_dir``, for ``capturepass show DIR --trace``.
+        kwargs: its keyword arguments.
+        profiler_trace: also write ``torch.profiler``'s own Chrome trace of the session there
+            (``.gz`` compresses it).
+
+    Returns:
+        the :class:`MeasuredTrace`.
+
+    Raises:
+        TraceError: CUDA is not available, ``fn`` ran no capturepass graph, a graph runs on the
+            host, or the profiler recorded no GPU activity.
+    """
+    import torch
+
+    if runs < 1 or warmup < 0:
+        raise TraceError(f"trace needs runs >= 1 and warmup >= 0 (got runs={runs}, warmup={warmup})")
+    if not torch.cuda.is_available():
+        raise TraceError(
+            "capturepass.trace needs a CUDA device: on the host the lanes run one after another in program "
+            "order, so measured host times would show no overlap. Without a GPU, `capturepass show DIR "
+            "--trace out.json` writes the schedule timed by the cost model."
+        )
+    kwargs = dict(kwargs or {})
+    with _trace_lock:
+        session = _Session(threading.get_ident())
+        with _instrumented(session):
+            for _ in range(warmup):
+                fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            if not session.executors:
+                # Compiled before warmup=0: run once unmeasured to find the graphs.
+                fn(*args, **kwargs)
+                torch.cuda.synchronize()
+            if not session.executors:
+                raise TraceError("fn ran no graph compiled by capturepass (torch.compile(..., backend='capturepass'))")
+            host = [ex for ex in session.executors if not ex.program.info.on_cuda]
+            if host:
+                raise TraceError(
+                    f"the {host[0].program.info.name} graph runs on the host (its tensors are not on a CUDA device); "
+                    "capturepass.trace measures GPU kernels"
+                )
+            replaying = [ex for ex in session.executors if ex.captured] if not uncaptured else []
+            if replaying or uncaptured:
+                with _uncaptured(session.executors):  # the eager owners' streams exist from here on
+                    fn(*args, **kwargs)
+                torch.cuda.synchronize()
+            specs_before = len(session.executors)
+            activities = torch.profiler.ProfilerActivity
+            with torch.profiler.profile(activities=[activities.CPU, activities.CUDA]) as prof:
+                with torch.profiler.record_function(PREFIX + "session"):
+                    if replaying:
+                        with _uncaptured(replaying), torch.profiler.record_function(PREFIX + "reference"):
+                            fn(*args, **kwargs)
+                        torch.cuda.synchronize()
+                    for r in range(runs):
+                        with contextlib.ExitStack() as stack:
+                            if uncaptured:
+                                stack.enter_context(_uncaptured(session.executors))
+                            stack.enter_context(torch.profiler.record_function(f"{PREFIX}run:{r}"))
+                            fn(*args, **kwargs)
+                        torch.cuda.synchronize()
+                    _mark_streams(session.executors)
+        if len(session.executors) != specs_before:
+            raise TraceError("fn compiled a new graph while it was measured; give it more warmup calls")
+        specs = [_graph_spec(key, ex, uncaptured) for key, ex in enumerate(session.executors)]
+        session.executors.clear()
+    tmp = tempfile.mkdtemp(prefix="capturepass-trace-")
+    try:
+        raw = os.path.join(tmp, "profiler.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, encoding="utf-8") as f:
+            doc = json.load(f)
+        if profiler_trace:
+            if profiler_trace.endswith(".gz"):
+                with open(raw, "rb") as src, gzip.open(profiler_trace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            else:
+                shutil.copyfile(raw, profiler_trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    acts, ranges = records_from_chrome_trace(doc)
+    if not acts:
+        raise TraceError("the profiler recorded no GPU activity (is CUPTI available to torch.profiler here?)")
+    dev = torch.cuda.current_device()
+    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda}
+    measurements, sess = build_measurements(acts, ranges, specs, info)
+    result = MeasuredTrace(trace_document(measurements, sess), measurements, sess)
+    if dump:
+        for spec, m in zip(specs, measurements):
+            if spec.dump_dir:
+                result.saved.append(save_measurement(m, spec.dump_dir))
+    if path:
+        result.write(path)
+    return result
