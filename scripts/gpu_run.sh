@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|bench|resident|sanitize|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|bench|resident|sanitize|trace|all [OUTDIR]
+# trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
+# uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
+# and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -31,6 +34,17 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
 fi
 if [ "$what" = resident ] || [ "$what" = all ]; then
   python3 bench/resident_grid.py --out "$out" 2>&1 | grep -v DEBUG | tail -12
+fi
+if [ "$what" = trace ]; then
+  python3 examples/moe_shared_expert.py --device cuda --dump "$out/moe-dump" --trace "$out/moe-trace.json" \
+    --profiler-trace "$out/moe-profiler.json.gz" 2>&1 | grep -v DEBUG | tail -14
+  rc=${PIPESTATUS[0]}
+  python3 -m capturepass show "$out/moe-dump" --trace "$out/moe-show-trace.json" | tail -1
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_measure.py 2>&1 | tee "$out/trace-tests.log" | tail -15
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  python3 examples/moe_shared_expert.py --device cuda --dump "$out/moe-dump-uncaptured" --uncaptured \
+    --trace "$out/moe-trace-uncaptured.json" --profiler-trace "$out/moe-profiler-uncaptured.json.gz" 2>&1 \
+    | grep -v DEBUG | tail -8
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}

@@ -6,6 +6,7 @@ examples assert equality with eager themselves (a failed check exits non-zero).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -35,10 +36,14 @@ def _totals(out: str) -> list[dict[str, int]]:
 
 
 def test_moe_shared_expert(tmp_path):
-    out = _run("moe_shared_expert.py", "--dump", str(tmp_path))
+    trace = tmp_path / "trace.json"
+    out = _run("moe_shared_expert.py", "--dump", str(tmp_path / "dump"), "--trace", str(trace))
     (total,) = _totals(out)
     assert total["lanes"] == 3 and total["waits"] > 0 and total["segments"] == 1
     assert "result equals eager on cpu (two calls, new input values): OK" in out
+    # Without CUDA, --trace writes the cost-model schedule and says so.
+    assert f"trace {trace}: cost-model estimates" in out and "needs a CUDA device" in out
+    assert json.loads(trace.read_text())["otherData"]["times"] == "estimated (nominal device)"
 
 
 def test_sparse_attention_indexer(tmp_path):
