@@ -175,22 +175,33 @@ def output_roots(graph: fx.Graph) -> set[fx.Node]:
 class LaneLayout:
     """Where each lane's compute nodes sit, per segment (a break is a segment of its own)."""
 
-    def __init__(self, nodes: list[fx.Node]) -> None:
+    def __init__(self, nodes: list[fx.Node], records: list[meta.NodeInfo] | None = None) -> None:
+        """``records``: ``meta.record_of`` of each node, when the caller has them already."""
+        if records is None:
+            records = [meta.record_of(n) for n in nodes]
         self.order = {n: i for i, n in enumerate(nodes)}
         self.segment_of: dict[fx.Node, int] = {}
         self._by_lane: dict[tuple[int, int], list[int]] = {}
         self._breaks: list[int] = []
+        segment_of = self.segment_of
+        by_lane = self._by_lane
         seg = 0
-        for i, node in enumerate(nodes):
-            if meta.effect_of(node) is not Effect.COMPUTE:
+        current: dict[int, list[int]] = {}  # lane number -> its positions in segment ``seg``
+        for i, (node, rec) in enumerate(zip(nodes, records)):
+            if rec.effect is not Effect.COMPUTE:
                 continue
-            if meta.info(node).brk is not None:
-                self.segment_of[node] = seg + 1
+            if rec.brk is not None:
+                segment_of[node] = seg + 1
                 self._breaks.append(i)
                 seg += 2
+                current = {}
                 continue
-            self.segment_of[node] = seg
-            self._by_lane.setdefault((seg, meta.lane_of(node).index), []).append(i)
+            segment_of[node] = seg
+            li = 0 if rec.lane is None else rec.lane.index
+            positions = current.get(li)
+            if positions is None:
+                positions = current[li] = by_lane[(seg, li)] = []
+            positions.append(i)
 
     def segment_at(self, index: int) -> int:
         """The segment number of program index ``index`` (odd for a break itself)."""

@@ -329,6 +329,26 @@ def effect_of(node: fx.Node) -> Effect:
     return Effect.COMPUTE
 
 
+# The default record of a node without one, by op: its effect is what effect_of derives.
+_DERIVED_INFO = {
+    "placeholder": NodeInfo(effect=Effect.INPUT),
+    "get_attr": NodeInfo(effect=Effect.CONSTANT),
+    "output": NodeInfo(effect=Effect.OUTPUT),
+}
+
+
+def record_of(node: fx.Node) -> NodeInfo:
+    """The record of ``node``, or for a node without one a default record with its derived effect.
+
+    One lookup for loops that need both: ``record_of(n).effect == effect_of(n)``, and
+    every other field equals that of ``info(n)``.
+    """
+    rec = node.meta.get(META_KEY)
+    if rec is None:
+        return _DERIVED_INFO.get(node.op, _DEFAULT_INFO)
+    return rec
+
+
 def strip(gm: fx.GraphModule) -> None:
     """Removes every capturepass record from ``gm`` (before it leaves capturepass)."""
     for node in gm.graph.nodes:

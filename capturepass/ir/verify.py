@@ -100,6 +100,13 @@ class _Checker:
         self.seq: dict[fx.Node, tuple[int, int]] = {}
         self.events: dict[EventId, tuple[tuple[int, ...], LaneId, fx.Node]] = {}
         self._ids: printer._Canon | None = None
+        self.nodes = list(gm.graph.nodes)
+        # Every rule reads each node's record: look it up once (with the effect derived for
+        # a node that has none, as meta.effect_of does).
+        self.recs = [meta.record_of(n) for n in self.nodes]
+        # Filled by _free_points: storage root of each node, and the compute reads of each root.
+        self.root_of: dict[fx.Node, fx.Node] = {}
+        self.reads: dict[fx.Node, list[fx.Node]] = {}
 
     def id(self, kind: str, key: object) -> str:
         """The canonical (dump) name of an event (``e``), lease (``l``) or owner (``g``), for messages."""
@@ -107,34 +114,39 @@ class _Checker:
             self._ids = print_ids(self.gm)
         return self._ids(kind, key)
 
-    def lane(self, node: fx.Node) -> LaneId:
-        lane = meta.lane_of(node)
+    def lane(self, node: fx.Node, rec: meta.NodeInfo | None = None) -> LaneId:
+        lane = (meta.info(node) if rec is None else rec).lane
+        if lane is None:
+            lane = MAIN_LANE
         if not 0 <= lane.index < self.nlanes:
             raise fail(self.gm, "lane", node, f"is on {lane}, but the graph has lanes s0..s{self.nlanes - 1}")
         return lane
 
     def issue(self, lane: LaneId, node: fx.Node | None) -> None:
         li = lane.index
-        self.count[li] += 1
-        self.clock[li][li] = self.count[li]
+        n = self.count[li] = self.count[li] + 1
+        self.clock[li][li] = n
         if node is not None:
-            self.seq[node] = (li, self.count[li])
+            self.seq[node] = (li, n)
 
     def run(self) -> None:
-        synced = "synced" in self.props
-        nodes = list(self.gm.graph.nodes)
-        order = {n: i for i, n in enumerate(nodes)}
-        frees = _free_points(nodes, self.gm.graph, order) if synced else {}
+        props = self.props
+        synced = "synced" in props
+        lanes = "lanes" in props
+        nodes = self.nodes
+        self.layout = analysis.LaneLayout(nodes, self.recs)
+        order = self.layout.order
+        frees = self._free_points() if synced else {}
         segment_open = False
         seg_start = 0
         forked: set[int] = set()
         in_segment: set[int] = set()
         barrier: tuple[int, fx.Node] | None = None
-        self.layout = analysis.LaneLayout(nodes)
-        for node in nodes:
-            eff = meta.effect_of(node)
-            rec = meta.info(node)
-            if eff in (Effect.INPUT, Effect.CONSTANT):
+        clock = self.clock
+        count = self.count
+        for node, rec in zip(nodes, self.recs):
+            eff = rec.effect
+            if eff is Effect.INPUT or eff is Effect.CONSTANT:
                 self.issue(MAIN_LANE, node)
                 continue
             is_break = eff is Effect.COMPUTE and rec.brk is not None
@@ -143,22 +155,23 @@ class _Checker:
                     self.check_joined(node, in_segment)
                 segment_open = False
                 if is_break:
-                    if "lanes" in self.props and self.lane(node) != MAIN_LANE:
+                    if lanes and self.lane(node, rec) != MAIN_LANE:
                         raise fail(self.gm, "lane", node, f"is a break ({rec.brk}) but is on {rec.lane}, not s0")
                 if synced:
                     self.check_reads(node, MAIN_LANE)
                 if is_break:
                     self.issue(MAIN_LANE, node)
-                    self.check_frees(node, frees, order)
+                    if synced:
+                        self.check_frees(node, frees, order)
                 continue
             if not segment_open:
                 segment_open = True
                 self.issue(MAIN_LANE, None)  # the fork point of this segment
-                seg_start = self.count[0]
+                seg_start = count[0]
                 forked, in_segment, barrier = set(), set(), None
-            lane = self.lane(node) if (rec.lane is not None or "lanes" in self.props) else MAIN_LANE
+            lane = self.lane(node, rec) if (rec.lane is not None or lanes) else MAIN_LANE
             if eff is Effect.RECORD:
-                self.events[rec.event] = (tuple(self.clock[lane.index]), lane, node)
+                self.events[rec.event] = (tuple(clock[lane.index]), lane, node)
                 continue
             if eff is Effect.WAIT:
                 if synced:
@@ -170,26 +183,27 @@ class _Checker:
                 continue
             if eff is not Effect.COMPUTE:
                 continue
+            cap = rec.capability
+            serializes = cap is not None and cap.overlap != "safe"
             if synced:
                 li = lane.index
                 if li != 0 and li not in forked:
-                    if self.clock[li][0] < seg_start:
+                    if clock[li][0] < seg_start:
                         raise fail(
                             self.gm, "unforked-lane", node,
                             f"is the first node of lane {lane} ({self.gi.lane_name(lane)}) in its segment, "
                             f"but {lane} does not wait for the segment's fork on s0",
                         )
                     forked.add(li)
-                if li != 0 and barrier is not None and self.clock[li][0] < barrier[0]:
+                if li != 0 and barrier is not None and clock[li][0] < barrier[0]:
                     raise fail(
                         self.gm, "serialize", node,
                         f"runs on {lane} beside serialized %{barrier[1].name}: {lane} does not wait for it",
                     )
                 self.check_reads(node, lane)
-                cap = rec.capability
-                if cap is not None and cap.overlap != "safe":
+                if serializes:
                     for other in range(1, self.nlanes):
-                        if self.count[other] > self.clock[li][other]:
+                        if count[other] > clock[li][other]:
                             raise fail(
                                 self.gm, "serialize", node,
                                 f"is serialized ({cap.reason}) but lane s{other} may still be running "
@@ -197,23 +211,58 @@ class _Checker:
                             )
             self.issue(lane, node)
             in_segment.add(lane.index)
-            if synced and cap_serializes(rec):
-                barrier = (self.count[0], node)
             if synced:
+                if serializes:
+                    barrier = (count[0], node)
                 self.check_frees(node, frees, order)
-        if "leased" in self.props:
-            self.check_leases(nodes, order)
-        if "retained" in self.props:
-            self.check_retention(nodes)
-        if "partitioned" in self.props:
-            self.check_segments(nodes)
+        if "leased" in props:
+            self.check_leases()
+        if "retained" in props:
+            self.check_retention()
+        if "partitioned" in props:
+            self.check_segments()
+
+    def run_joins(self) -> None:
+        """Only the unjoined-lane rule, on happens-before from the syncs present.
+
+        Walks the clocks as :meth:`run` does, checking no other rule than those the walk
+        stands on: lanes exist, and every wait follows a record of its event.
+        """
+        segment_open = False
+        in_segment: set[int] = set()
+        for node, rec in zip(self.nodes, self.recs):
+            eff = rec.effect
+            if eff is Effect.INPUT or eff is Effect.CONSTANT:
+                self.issue(MAIN_LANE, node)
+                continue
+            is_break = eff is Effect.COMPUTE and rec.brk is not None
+            if eff is Effect.OUTPUT or is_break:
+                if segment_open:
+                    self.check_joined(node, in_segment)
+                segment_open = False
+                if is_break:
+                    self.issue(MAIN_LANE, node)
+                continue
+            if not segment_open:
+                segment_open = True
+                self.issue(MAIN_LANE, None)
+                in_segment = set()
+            lane = self.lane(node, rec)
+            if eff is Effect.RECORD:
+                self.events[rec.event] = (tuple(self.clock[lane.index]), lane, node)
+            elif eff is Effect.WAIT:
+                self.check_wait(node, lane)
+            elif eff is Effect.COMPUTE:
+                self.issue(lane, node)
+                in_segment.add(lane.index)
 
     # -- rules ----------------------------------------------------------------------------
     def check_reads(self, node: fx.Node, lane: LaneId) -> None:
         li = lane.index
         clock = self.clock[li]
+        seq = self.seq
         for p in node.all_input_nodes:
-            where = self.seq.get(p)
+            where = seq.get(p)
             if where is None:
                 continue
             a, s = where
@@ -260,17 +309,25 @@ class _Checker:
                     f"ends a segment, but lane {lane} ({self.gi.lane_name(lane)}) has not joined s0",
                 )
 
+    def _races(self, alloc: int, u: fx.Node) -> bool:
+        """Whether read ``u`` may still run when lane number ``alloc`` frees what it reads."""
+        where = self.seq.get(u)
+        if where is None:
+            return True
+        li, s = where
+        return li != alloc and self.clock[alloc][li] < s
+
     def _racing_read(self, root: fx.Node, now: int) -> fx.Node | None:
         """A read of ``root`` on another lane that a free after program index ``now`` would race."""
         if not self.layout.issues_after(root, now):
             return None  # the allocating lane issues nothing more before the next fork
         alloc = meta.lane_of(root).index
+        reads = self.reads.get(root, ()) if self.root_of.get(root) is root else None
+        if reads is not None and not any(self._races(alloc, u) for u in reads):
+            return None
+        # Name the same read as a walk of the views would, in the order of their uses.
         for u in analysis.reads_of(root):
-            where = self.seq.get(u)
-            if where is None:
-                return u
-            li, s = where
-            if li != alloc and self.clock[alloc][li] < s:
+            if self._races(alloc, u):
                 return u
         return None
 
@@ -289,7 +346,10 @@ class _Checker:
                 )
 
     def check_frees(self, node: fx.Node, frees: dict, order: dict[fx.Node, int]) -> None:
-        for root in frees.get(node, ()):
+        roots = frees.get(node)
+        if not roots:
+            return
+        for root in roots:
             bad = self._racing_read(root, order[node])
             if bad is not None:
                 raise fail(
@@ -298,13 +358,13 @@ class _Checker:
                     f"{meta.lane_of(bad)} may still read it (a deferred release is missing)",
                 )
 
-    def check_leases(self, nodes: list[fx.Node], order: dict[fx.Node, int]) -> None:
+    def check_leases(self) -> None:
+        nodes = self.nodes
         owner = self.gi.owner
         lease_of: dict[EventId, tuple] = {}
         live: dict[EventId, list[int]] = {}
-        for node in nodes:
-            rec = meta.info(node)
-            if rec.effect not in (Effect.RECORD, Effect.WAIT):
+        for i, (node, rec) in enumerate(zip(nodes, self.recs)):
+            if rec.effect is not Effect.RECORD and rec.effect is not Effect.WAIT:
                 continue
             if rec.lease is None:
                 raise fail(self.gm, "lease-owner", node, f"uses event {self.id('e', rec.event)} without a lease")
@@ -322,8 +382,11 @@ class _Checker:
             prev = lease_of.setdefault(rec.event, rec.lease)
             if prev != rec.lease:
                 raise fail(self.gm, "lease-owner", node, f"event {self.id('e', rec.event)} has two leases")
-            span = live.setdefault(rec.event, [order[node], order[node]])
-            span[0], span[1] = min(span[0], order[node]), max(span[1], order[node])
+            span = live.get(rec.event)
+            if span is None:
+                live[rec.event] = [i, i]
+            else:  # nodes come in program order: the span only grows at its end
+                span[1] = i
         by_lease: dict = {}
         for event, lease in lease_of.items():
             by_lease.setdefault(lease, []).append((live[event][0], live[event][1], event))
@@ -338,7 +401,7 @@ class _Checker:
                         f"waited on (until %{nodes[a1].name})",
                     )
 
-    def check_retention(self, nodes: list[fx.Node]) -> None:
+    def check_retention(self) -> None:
         if not self.gi.captured:
             return
         from capturepass.passes.insert_retention import external_owners
@@ -347,9 +410,8 @@ class _Checker:
         needed: dict[fx.Node, fx.Node] = {}
         resources: dict = {}
         retained: set = set()
-        for node in nodes:
-            eff = meta.effect_of(node)
-            rec = meta.info(node)
+        for node, rec in zip(self.nodes, self.recs):
+            eff = rec.effect
             boundary = eff is Effect.OUTPUT or (eff is Effect.COMPUTE and rec.brk is not None)
             if boundary:
                 for owner_node, user in needed.items():
@@ -377,45 +439,72 @@ class _Checker:
                 for binding in rec.resources:
                     resources.setdefault(binding, node)
 
-    def check_segments(self, nodes: list[fx.Node]) -> None:
+    def check_segments(self) -> None:
         seen: list = []
-        for node in nodes:
-            eff = meta.effect_of(node)
-            rec = meta.info(node)
-            if eff in (Effect.INPUT, Effect.CONSTANT, Effect.OUTPUT) or rec.brk is not None:
+        seen_set: set = set()
+        last = None
+        for node, rec in zip(self.nodes, self.recs):
+            eff = rec.effect
+            if eff is Effect.INPUT or eff is Effect.CONSTANT or eff is Effect.OUTPUT or rec.brk is not None:
                 continue
-            if rec.segment is None:
+            segment = rec.segment
+            if segment is None:
                 raise fail(self.gm, "segment", node, "belongs to no segment")
-            if seen and rec.segment != seen[-1]:
-                if rec.segment in seen:
-                    raise fail(self.gm, "segment", node, f"returns to segment {rec.segment} after leaving it")
-                seen.append(rec.segment)
-            elif not seen:
-                seen.append(rec.segment)
+            if not seen:
+                seen.append(segment)
+                seen_set.add(segment)
+                last = segment
+            elif segment != last:
+                if segment in seen_set:
+                    raise fail(self.gm, "segment", node, f"returns to segment {segment} after leaving it")
+                seen.append(segment)
+                seen_set.add(segment)
+                last = segment
+
+    def _free_points(self) -> dict[fx.Node, list[fx.Node]]:
+        """node -> storage roots whose last reference dies right after it (roots without a release).
+
+        One walk in program order: the storage root of each node (its own, or that of the
+        input it is a view of), the last node holding each root (any user of it or of a view
+        of it), whether a release holds it, and its compute reads (for :meth:`_racing_read`).
+        """
+        root_of = self.root_of
+        reads = self.reads
+        last_holder: dict[fx.Node, fx.Node] = {}
+        released: set[fx.Node] = set()
+        for node, rec in zip(self.nodes, self.recs):
+            src = analysis.aliases_input(node)
+            if src is None:
+                root_of[node] = node
+            else:
+                root = root_of.get(src)
+                root_of[node] = analysis.storage_root(src) if root is None else root
+            eff = rec.effect
+            for p in node.all_input_nodes:
+                root = root_of.get(p)
+                if root is None:
+                    root = analysis.storage_root(p)
+                last_holder[root] = node  # program order: the last one written is the last holder
+                if eff is Effect.COMPUTE:
+                    reads.setdefault(root, []).append(node)
+                elif eff is Effect.RELEASE:
+                    released.add(root)
+        outputs = analysis.output_roots(self.gm.graph)
+        points: dict[fx.Node, list[fx.Node]] = {}
+        for node, rec in zip(self.nodes, self.recs):
+            if rec.effect is not Effect.COMPUTE or root_of[node] is not node or not analysis.is_tensor_node(node):
+                continue
+            if node in outputs or node in released:
+                continue  # the caller frees it; checked where the release is
+            last = last_holder.get(node)
+            if last is not None:
+                points.setdefault(last, []).append(node)
+        return points
 
 
 def cap_serializes(rec: meta.NodeInfo) -> bool:
     """Whether a node's capability makes it a barrier."""
     return rec.capability is not None and rec.capability.overlap != "safe"
-
-
-def _free_points(nodes: list[fx.Node], graph: fx.Graph, order: dict[fx.Node, int]) -> dict[fx.Node, list[fx.Node]]:
-    """node -> storage roots whose last reference dies right after it (roots without a release)."""
-    outputs = analysis.output_roots(graph)
-    points: dict[fx.Node, list[fx.Node]] = {}
-    for node in nodes:
-        if meta.effect_of(node) is not Effect.COMPUTE or not analysis.is_tensor_node(node):
-            continue
-        if analysis.aliases_input(node) is not None or node in outputs:
-            continue
-        holders = [u for m in analysis.view_members(node) for u in m.users]
-        if any(meta.effect_of(u) is Effect.RELEASE for u in holders):
-            continue  # checked where the release is
-        if not holders:
-            continue
-        last = max(holders, key=order.__getitem__)
-        points.setdefault(last, []).append(node)
-    return points
 
 
 def verify(gm: fx.GraphModule, properties: Iterable[str] | None = None) -> None:
@@ -435,3 +524,17 @@ def verify(gm: fx.GraphModule, properties: Iterable[str] | None = None) -> None:
     except Exception as exc:
         raise VerificationError("graph", "", f"[graph] FX lint failed: {exc}") from exc
     _Checker(gm, props).run()
+
+
+def check_joins(gm: fx.GraphModule) -> None:
+    """Checks the ``unjoined-lane`` rule alone: every lane has joined s0 where a segment ends.
+
+    Happens-before is recomputed from the sync nodes present, as :func:`verify` does,
+    without the other rules (which the ``verify`` pass checks on the finished graph).
+
+    Raises:
+        VerificationError: a segment ends where a lane has not joined (``unjoined-lane``),
+            a node is on a lane the graph lacks (``lane``), or a wait has no earlier record
+            of its event (``wait-before-record``, ``lease-owner``).
+    """
+    _Checker(gm, frozenset()).run_joins()
