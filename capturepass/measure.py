@@ -32,6 +32,12 @@ How kernels find their lane and node:
   ATen kernel gets the one node of its op (the k-th ``aten::mm`` of the region is its k-th
   ``aten.mm`` node); an Inductor kernel keeps its name and lists the region's nodes.
 
+Measured times include the profiler's own cost: kernel durations are the GPU's, but gaps between
+kernels are wider than without profiling (CUPTI slows CUDA graph launches; in an uncaptured run
+the host records every operator, so lanes mostly wait for launches). A lane's busy time (the
+union of its kernels) is not inflated by that; spans are, and the overlap between lanes can only
+be smaller than without the profiler.
+
 On a machine without CUDA :func:`trace` raises :class:`TraceError`: lanes run in program order
 on the host, so a host-time "measurement" would show no overlap that a GPU would have; the
 cost-model schedule (``capturepass show DIR --trace``) is the honest picture there.
@@ -47,6 +53,7 @@ import contextlib
 import dataclasses
 import gzip
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -311,16 +318,14 @@ def match_lanes(
     return out
 
 
-def _nodes_for(region: RegionInfo | None, ops: Sequence[HostRange], seen: dict) -> list[str]:
-    """The graph nodes a kernel computes, launched in ``region`` inside host operators ``ops`` (outer first).
+def _aten_node(region: RegionInfo, ops: Sequence[HostRange], seen: dict) -> str | None:
+    """The node of ``region`` whose ATen op launched a kernel inside host operators ``ops`` (outer first).
 
-    The innermost ATen operator that is one of the region's ops names the node: the kernels
-    launched by the k-th call of ``aten::mm`` in the region belong to its k-th ``aten.mm``
-    node. Otherwise (an Inductor kernel, say) every node of the region. ``seen`` keeps the
-    calls met so far (one dict per run).
+    The innermost ATen operator that is one of the region's ops names it: the kernels launched
+    by the k-th call of ``aten::mm`` in the region belong to its k-th ``aten.mm`` node (one call
+    may launch several kernels: a GEMM and its split-K reduction). ``seen`` keeps the calls met
+    so far (one dict per run).
     """
-    if region is None:
-        return []
     for op in reversed(ops):
         if not op.name.startswith("aten::"):
             continue
@@ -330,9 +335,32 @@ def _nodes_for(region: RegionInfo | None, ops: Sequence[HostRange], seen: dict) 
             calls = seen.setdefault((region.index, op.name), [])
             if op.start not in calls:
                 calls.append(op.start)
-            k = calls.index(op.start)
-            return [matches[min(k, len(matches) - 1)]]
-    return list(region.nodes)
+            return matches[min(calls.index(op.start), len(matches) - 1)]
+    return None
+
+
+def _label_nodes(entries: Sequence[tuple[RegionInfo | None, Sequence[HostRange]]]) -> list[list[str]]:
+    """The graph nodes of each kernel of one run, given its region and host operators, in launch order.
+
+    A kernel that an ATen operator of its region launched gets that one node; any other kernel
+    (an Inductor kernel, say) gets the region's nodes that no ATen kernel claimed (all of them
+    when every node was claimed); a kernel outside any region, none.
+    """
+    seen: dict = {}
+    matched = [(_aten_node(region, ops, seen) if region is not None else None) for region, ops in entries]
+    claimed: dict[int, set[str]] = defaultdict(set)
+    for (region, _), node in zip(entries, matched):
+        if region is not None and node is not None:
+            claimed[region.index].add(node)
+    out = []
+    for (region, _), node in zip(entries, matched):
+        if region is None:
+            out.append([])
+        elif node is not None:
+            out.append([node])
+        else:
+            out.append([n for n in region.nodes if n not in claimed[region.index]] or list(region.nodes))
+    return out
 
 
 def _kernel(a: Activity, lane: int | None, run: int, region: int | None, nodes: list[str], op: str | None,
@@ -389,22 +417,19 @@ def build_measurements(
 
     # The uncaptured run: per graph and lane, the kernels that a replay runs from its graphs.
     reference: dict[int, dict[int, list[tuple[str, int | None, list[str], str | None]]]] = {}
-    ref_seen: dict[int, dict] = defaultdict(dict)
     ref_bad: set[int] = set()
-    for a, t in sorted(((a, t) for a, t in zip(activities, tags) if t.phase == ("reference",) and t.graph is not None),
-                       key=lambda at: at[0].start):
-        g = by_key.get(t.graph)
-        if g is None:
-            continue
-        region = g.regions.get(t.region) if t.region is not None else None
-        if region is not None and region.eager:
-            continue  # a break runs eagerly in a replay too: not a graph kernel
-        lane = stream_lane(g.key, a)
-        if lane is None:
-            ref_bad.add(g.key)
-            continue
-        nodes = _nodes_for(region, t.ops, ref_seen[g.key])
-        reference.setdefault(g.key, {}).setdefault(lane, []).append((a.name, t.region, nodes, t.op))
+    for g in graphs:
+        mine = sorted(((a, t) for a, t in zip(activities, tags) if t.phase == ("reference",) and t.graph == g.key),
+                      key=lambda at: (at[0].launch or 0.0, at[0].start))
+        regions = [g.regions.get(t.region) if t.region is not None else None for _, t in mine]
+        for (a, t), region, nodes in zip(mine, regions, _label_nodes([(rg, t.ops) for rg, (_, t) in zip(regions, mine)])):
+            if region is not None and region.eager:
+                continue  # a break runs eagerly in a replay too: not a graph kernel
+            lane = stream_lane(g.key, a)
+            if lane is None:
+                ref_bad.add(g.key)
+                continue
+            reference.setdefault(g.key, {}).setdefault(lane, []).append((a.name, t.region, nodes, t.op))
 
     measurements = []
     outside: list[dict[str, Any]] = []
@@ -414,14 +439,11 @@ def build_measurements(
         for r in runs:
             mine = sorted(((a, t) for a, t in measured if t.phase[1] == r and t.graph == g.key),
                           key=lambda at: at[0].start)
-            seen: dict = {}
             replayed = [(a, t) for a, t in mine if a.via_graph]
-            for a, t in mine:
-                if a.via_graph:
-                    continue
-                region = g.regions.get(t.region) if t.region is not None else None
-                kernels.append(_kernel(a, stream_lane(g.key, a), r, t.region, _nodes_for(region, t.ops, seen), t.op,
-                                       origin))
+            direct = sorted(((a, t) for a, t in mine if not a.via_graph), key=lambda at: (at[0].launch or 0.0, at[0].start))
+            regions = [g.regions.get(t.region) if t.region is not None else None for _, t in direct]
+            for (a, t), nodes in zip(direct, _label_nodes([(rg, t.ops) for rg, (_, t) in zip(regions, direct)])):
+                kernels.append(_kernel(a, stream_lane(g.key, a), r, t.region, nodes, t.op, origin))
             if not replayed:
                 continue
             ref = reference.get(g.key, {})
@@ -544,7 +566,9 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
 
     Busy time is the union of a lane's kernel intervals; ``overlap_us`` is the time at least two
     lanes are busy, ``pairs`` the time each two lanes are both busy. Kernels without a lane are
-    counted under ``unmatched``.
+    counted under ``unmatched``. ``span_us`` runs from the graph's first kernel to its last
+    (with a replay: the input copy before the CUDA graph launch, the output copy after it);
+    ``graph_span_us`` covers the kernels of the CUDA graph replays alone (``None`` without any).
     """
     runs = max(1, int(m.get("runs") or 0))
     lanes = list(m.get("lanes") or [])
@@ -572,6 +596,11 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
                 key = f"s{i}&s{j}"
                 pairs[key] = pairs.get(key, 0.0) + _intersect(unions[i], unions[j])
     spans = [s["end"] - s["start"] for s in m.get("spans", [])]
+    graph_spans = []
+    for ks in by_run.values():
+        gk = [(k["start"], k["start"] + k["dur"]) for k in ks if k.get("graph_kernel")]
+        if gk:
+            graph_spans.append(max(e for _, e in gk) - min(s for s, _ in gk))
 
     def avg(x: float) -> float:
         return round(x / runs, 3)
@@ -579,6 +608,7 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
     return {
         "runs": int(m.get("runs") or 0),
         "span_us": round(sum(spans) / len(spans), 3) if spans else 0.0,
+        "graph_span_us": round(sum(graph_spans) / len(graph_spans), 3) if graph_spans else None,
         "lanes": {f"s{i}": {"name": lanes[i], "kernels": avg(v["kernels"]), "busy_us": avg(v["busy_us"])}
                   for i, v in per_lane.items()},
         "unmatched": {"kernels": avg(unmatched["kernels"]), "busy_us": avg(unmatched["busy_us"])},
@@ -595,7 +625,8 @@ def format_measurement(m: dict[str, Any]) -> str:
     """The human-readable summary of one measurement."""
     s = m.get("summary") or summarize_measurement(m)
     lines = [f"graph {m['graph']} ({m.get('kind', '?')}, {m['mode']}, {s['runs']} run(s); lanes from "
-             f"{m['lanes_from']}): span {s['span_us']:.1f} us per run"]
+             f"{m['lanes_from']}): span {s['span_us']:.1f} us per run"
+             + (f" (CUDA graph kernels {s['graph_span_us']:.1f} us)" if s.get("graph_span_us") is not None else "")]
     for key, v in s["lanes"].items():
         lines.append(f"  {key} {v['name']}: {_count(v['kernels'])} kernel(s), busy {v['busy_us']:.1f} us")
     if s["unmatched"]["kernels"]:
@@ -855,7 +886,9 @@ def _region_infos(program: Any) -> dict[int, RegionInfo]:
     for spec in getattr(program, "regions", []):
         nodes, ops = [], []
         for n in spec.graph.graph.nodes:
-            if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            # Views launch no kernel: they are left out of the nodes kernels are labelled with.
+            if (n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+                    and not getattr(n.target, "is_view", False)):
                 nodes.append(n.name)
                 ops.append(str(n.target))
         out[spec.index] = RegionInfo(spec.index, spec.lane, bool(spec.eager), tuple(nodes), tuple(ops))
@@ -976,7 +1009,8 @@ def trace(
                 torch.cuda.synchronize()
             specs_before = len(session.executors)
             activities = torch.profiler.ProfilerActivity
-            with torch.profiler.profile(activities=[activities.CPU, activities.CUDA]) as prof:
+            extra = {"acc_events": True} if "acc_events" in inspect.signature(torch.profiler.profile).parameters else {}
+            with torch.profiler.profile(activities=[activities.CPU, activities.CUDA], **extra) as prof:
                 with torch.profiler.record_function(PREFIX + "session"):
                     if replaying:
                         with _uncaptured(replaying), torch.profiler.record_function(PREFIX + "reference"):

@@ -36,15 +36,20 @@ if [ "$what" = resident ] || [ "$what" = all ]; then
   python3 bench/resident_grid.py --out "$out" 2>&1 | grep -v DEBUG | tail -12
 fi
 if [ "$what" = trace ]; then
-  python3 examples/moe_shared_expert.py --device cuda --dump "$out/moe-dump" --trace "$out/moe-trace.json" \
-    --profiler-trace "$out/moe-profiler.json.gz" 2>&1 | grep -v DEBUG | tail -14
+  # Dumps stay outside OUTDIR (many files); their graph.json and measured.json are copied into it.
+  dumps=$(mktemp -d /tmp/capturepass-trace-XXXX)
+  python3 examples/moe_shared_expert.py --device cuda --dump "$dumps/replay" --trace "$out/moe-trace.json" \
+    --profiler-trace "$out/moe-profiler.json.gz" 2>&1 | grep -v DEBUG | tail -10
   rc=${PIPESTATUS[0]}
-  python3 -m capturepass show "$out/moe-dump" --trace "$out/moe-show-trace.json" | tail -1
-  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_measure.py 2>&1 | tee "$out/trace-tests.log" | tail -15
+  python3 -m capturepass show "$dumps/replay" --trace "$out/moe-show-trace.json" | tail -1
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_measure.py 2>&1 | tee "$out/trace-tests.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-  python3 examples/moe_shared_expert.py --device cuda --dump "$out/moe-dump-uncaptured" --uncaptured \
+  python3 examples/moe_shared_expert.py --device cuda --dump "$dumps/uncaptured" --uncaptured \
     --trace "$out/moe-trace-uncaptured.json" --profiler-trace "$out/moe-profiler-uncaptured.json.gz" 2>&1 \
     | grep -v DEBUG | tail -8
+  for mode in replay uncaptured; do
+    for f in graph.json measured.json; do cp "$dumps/$mode"/*/"$f" "$out/moe-$mode-$f" 2>/dev/null; done
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}

@@ -67,7 +67,7 @@ REGIONS = {
 PROGRAM = [
     (0, "aten::mm", "gemm_a", 10.0),
     (1, "aten::mm", "gemm_a", 12.0),
-    (1, "aten::silu", "silu_kernel", 2.0),
+    (1, "triton_poi_fused_silu_0", "silu_kernel", 2.0),  # an Inductor kernel: no ATen op of its own
     (2, "aten::mm", "gemm_b", 5.0),
     (2, "aten::mm", "gemm_b", 5.0),
     (3, "aten::add", "add_kernel", 1.0),
@@ -166,14 +166,15 @@ def test_uncaptured_session_maps_streams_to_lanes_and_kernels_to_nodes():
     assert [(k["name"], k["lane"]) for k in sorted(run0, key=lambda k: (k["lane"], k["start"]))] == [
         ("gemm_a", 0), ("silu_kernel", 0), ("add_kernel", 0), ("gemm_a", 1), ("gemm_b", 2), ("gemm_b", 2)]
     nodes = {(k["region"], k["start"]): k["nodes"] for k in run0}
-    assert sorted(map(tuple, nodes.values())) == [("add",), ("mm",), ("mm_1",), ("mm_3",), ("mm_4",), ("silu",)]
+    # The Inductor kernel gets the nodes of its region that no ATen kernel claimed.
+    assert sorted(map(tuple, nodes.values())) == [("add",), ("mm",), ("mm_1",), ("mm_3",), ("mm_4",), ("t", "silu")]
     assert session["outside"] == [] and session["unattributed"] == 0  # the markers are the calibration's
     s = m["summary"]
     assert s["lanes"]["s0"] == {"name": "main", "kernels": 3, "busy_us": 15.0}
     assert s["lanes"]["s1"]["busy_us"] == 10.0 and s["lanes"]["s2"]["busy_us"] == 10.0
     # gemm_a on s0 (0-12) runs beside gemm_a on s1 (0-10) and the gemm_b's on s2 (0-10).
     assert s["overlap_us"] == 10.0 and s["pairs"] == {"s0&s1": 10.0, "s0&s2": 10.0, "s1&s2": 10.0}
-    assert s["span_us"] == 15.0
+    assert s["span_us"] == 15.0 and s["graph_span_us"] is None
     assert [sp["end"] - sp["start"] for sp in m["spans"]] == [15.0, 15.0]
 
 
@@ -185,12 +186,14 @@ def test_replayed_kernels_get_their_lanes_from_the_uncaptured_run():
     graph = [k for k in run1 if k["graph_kernel"]]
     assert len(graph) == len(PROGRAM)
     assert sorted((k["lane"], k["name"], tuple(k["nodes"])) for k in graph) == sorted([
-        (0, "gemm_a", ("mm",)), (0, "silu_kernel", ("silu",)), (0, "add_kernel", ("add",)),
+        (0, "gemm_a", ("mm",)), (0, "silu_kernel", ("t", "silu")), (0, "add_kernel", ("add",)),
         (1, "gemm_a", ("mm_1",)), (2, "gemm_b", ("mm_3",)), (2, "gemm_b", ("mm_4",))])
     (copy,) = [k for k in run1 if not k["graph_kernel"]]
     assert copy["lane"] == 0 and copy["name"] == "copy_kernel"
     # Times are relative to the first measured kernel.
     assert min(k["start"] for k in m["kernels"]) == 0.0
+    # The span covers the input copy; the graph's span its kernels (gemm_a 12 + silu 2 | add 1).
+    assert m["summary"]["graph_span_us"] == 15.0 and m["summary"]["span_us"] == 16.0
 
 
 def test_a_replay_that_ran_other_kernels_keeps_them_off_the_lanes():
