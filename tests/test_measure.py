@@ -414,6 +414,10 @@ def test_measured_trace_of_the_moe_block_on_cuda(tmp_path, uncaptured, capsys):
     assert len(lanes) >= 2, result.summary()
     assert all(e["dur"] > 0 for e in kernels)
     assert not m["summary"]["unmatched"]["kernels"], result.summary()
+    # The GEMMs (extern kernels of Inductor's code, under aten::mm) are labelled with their one node.
+    assert any(len(k["nodes"]) == 1 and k["op"] in ("aten::mm", "aten::bmm") for k in m["kernels"])
+    # A replay's kernels come from its CUDA graph; an uncaptured run has none.
+    assert any(k["graph_kernel"] for k in m["kernels"]) is not uncaptured
     spans = {int(e["name"][4:]): e for e in doc["traceEvents"]
              if e["ph"] == "X" and e["pid"] == 1 and e["tid"] == measure.SPAN_TID}
     assert len(spans) == 3
