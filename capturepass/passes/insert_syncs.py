@@ -76,24 +76,39 @@ class _Walker:
         self.ctx = ctx
         self.by = by
         self.nlanes = len(meta.graph_info(gm).lanes)
+        self.lanes = [LaneId(i) for i in range(self.nlanes)]
         self.clock: list[list[int]] = [[0] * self.nlanes for _ in range(self.nlanes)]
         self.count = [0] * self.nlanes
-        self.points: dict[tuple[int, int], _Point] = {}
+        # The points of each lane, indexed by seq - 1: the lane's clock there and the node it
+        # follows (None for a virtual point, whose node to precede and label are in _virtual).
+        # A _Point is only built for a point that is recorded.
+        self._clocks: list[list[Clock]] = [[] for _ in range(self.nlanes)]
+        self._after: list[list[fx.Node | None]] = [[] for _ in range(self.nlanes)]
+        self._virtual: dict[tuple[int, int], tuple[fx.Node, str]] = {}
         self.pos: dict[fx.Node, tuple[int, int]] = {}
         self.records: dict[tuple[int, int], EventId] = {}
         self.next_event = 0
 
     # -- clocks ---------------------------------------------------------------------------
-    def issue(self, lane: LaneId, node: fx.Node | None, before: fx.Node | None = None, label: str = "") -> _Point:
-        """Advances ``lane`` by one node (a real node, or a virtual point before ``before``)."""
+    def issue(self, lane: LaneId, node: fx.Node | None, before: fx.Node | None = None, label: str = "") -> int:
+        """Advances ``lane`` by one node (a real node, or a virtual point before ``before``); returns its seq."""
         li = lane.index
-        self.count[li] += 1
-        self.clock[li][li] = self.count[li]
-        point = _Point(lane, self.count[li], tuple(self.clock[li]), after=node, before=before, label=label)
-        self.points[(li, self.count[li])] = point
+        seq = self.count[li] = self.count[li] + 1
+        clock = self.clock[li]
+        clock[li] = seq
+        self._clocks[li].append(tuple(clock))
+        self._after[li].append(node)
         if node is not None:
-            self.pos[node] = (li, self.count[li])
-        return point
+            self.pos[node] = (li, seq)
+        else:
+            assert before is not None
+            self._virtual[(li, seq)] = (before, label)
+        return seq
+
+    def point(self, li: int, seq: int) -> _Point:
+        """Point ``seq`` of lane number ``li``."""
+        before, label = self._virtual.get((li, seq), (None, ""))
+        return _Point(self.lanes[li], seq, self._clocks[li][seq - 1], self._after[li][seq - 1], before, label)
 
     def knows(self, lane: LaneId, other: int, seq: int) -> bool:
         return self.clock[lane.index][other] >= seq
@@ -121,15 +136,17 @@ class _Walker:
 
     def require(self, lane: LaneId, need: dict[int, tuple[int, str]], before: fx.Node) -> None:
         """Makes ``lane`` run after ``need[A] = (seq, why)`` on each lane ``A``, before ``before``."""
+        if not need:
+            return
         li = lane.index
         reqs = [(a, s, why) for a, (s, why) in need.items() if a != li and self.clock[li][a] < s]
         while reqs:
             def implied(r: tuple[int, int, str]) -> int:
-                c = self.points[(r[0], r[1])].clock
+                c = self._clocks[r[0]][r[1] - 1]
                 return sum(1 for o in reqs if c[o[0]] >= o[1])
 
-            a, s, why = max(reqs, key=lambda r: (implied(r), r[1], -r[0]))
-            point = self.points[(a, s)]
+            a, s, why = max(reqs, key=lambda r: (implied(r), r[1], -r[0])) if len(reqs) > 1 else reqs[0]
+            point = self.point(a, s)
             event = self._record(point, why)
             role = EventRole.FORK if a == MAIN_LANE.index else EventRole.JOIN
             ops.insert_wait(self.graph, before, lane, event, role.value, self.by, why)
@@ -160,13 +177,13 @@ class InsertSyncs(Pass):
         releases = _ReleasePlan(nodes, graph)
 
         seg_index = 0
-        seg_start: _Point | None = None
+        seg_start: _Point | None = None  # the fork point of the open segment
         forked: set[int] = set()
         barrier: tuple[int, str] | None = None  # main-lane seq every aux lane must follow
 
         def open_segment(first: fx.Node) -> None:
             nonlocal seg_start, forked, barrier
-            seg_start = w.issue(MAIN_LANE, None, before=first, label=f"fork k{seg_index}")
+            seg_start = w.point(0, w.issue(MAIN_LANE, None, before=first, label=f"fork k{seg_index}"))
             forked = set()
             barrier = None
 
@@ -182,9 +199,10 @@ class InsertSyncs(Pass):
             seg_start = None
             seg_index += 1
 
-        for node in nodes:
-            eff = meta.effect_of(node)
-            if eff in (Effect.INPUT, Effect.CONSTANT):
+        for i, node in enumerate(nodes):
+            rec = meta.record_of(node)
+            eff = rec.effect
+            if eff is Effect.INPUT or eff is Effect.CONSTANT:
                 w.issue(MAIN_LANE, node)
                 continue
             if eff is Effect.OUTPUT:
@@ -193,8 +211,7 @@ class InsertSyncs(Pass):
                 continue
             if eff is not Effect.COMPUTE:
                 continue
-            rec = meta.info(node)
-            lane = meta.lane_of(node)
+            lane = MAIN_LANE if rec.lane is None else rec.lane
             if rec.brk is not None:
                 close_segment(node)
                 self._deps(w, node, lane)
@@ -218,18 +235,22 @@ class InsertSyncs(Pass):
             w.issue(lane, node)
             if serialize:
                 barrier = (w.count[0], f"serialize %{node.name}")
-            releases.after(w, node, self.name)
+            releases.after(w, node, i, self.name)
 
     @staticmethod
     def _need_of(w: _Walker, node: fx.Node, lane: LaneId) -> dict[int, tuple[int, str]]:
         need: dict[int, tuple[int, str]] = {}
         li = lane.index
+        pos = w.pos
+        known = w.clock[li]
         for p in node.all_input_nodes:
-            where = w.pos.get(p)
+            where = pos.get(p)
             if where is None:
                 continue
             a, s = where
-            if a != li and analysis.carries_tensor(p):  # a host scalar needs no event
+            # Reads the lane already runs after need nothing (require would drop them), and a
+            # host scalar needs no event.
+            if a != li and known[a] < s and analysis.carries_tensor(p):
                 _need(need, a, s, f"%{p.name}->%{node.name}")
         return need
 
@@ -247,25 +268,37 @@ class _ReleasePlan:
     """
 
     def __init__(self, nodes: list[fx.Node], graph: fx.Graph) -> None:
-        self.layout = analysis.LaneLayout(nodes)
-        order = self.layout.order
+        records = [meta.record_of(n) for n in nodes]
+        self.layout = analysis.LaneLayout(nodes, records)
         outputs = analysis.output_roots(graph)
         self._due: dict[int, list[fx.Node]] = {}
+        # One walk in program order: the storage root of each node, the program index of the
+        # last node that holds each root (uses it or a view of it), and the roots that a
+        # compute node reads on a lane other than the root's own.
+        root_of: dict[fx.Node, fx.Node] = {}
+        last_holder: dict[fx.Node, int] = {}
+        cross_read: set[fx.Node] = set()
+        for i, (node, rec) in enumerate(zip(nodes, records)):
+            src = analysis.aliases_input(node)
+            root_of[node] = node if src is None else (root_of.get(src) or analysis.storage_root(src))
+            compute = rec.effect is Effect.COMPUTE
+            lane = rec.lane
+            for p in node.all_input_nodes:
+                root = root_of.get(p) or analysis.storage_root(p)
+                last_holder[root] = i
+                if compute and meta.lane_of(root) != (lane or MAIN_LANE):
+                    cross_read.add(root)
         # root -> (allocating lane, its reads on other lanes with their lanes): computed once,
         # since this pass never changes lanes or the compute users of a node.
         self._cross: dict[fx.Node, tuple[int, list[tuple[fx.Node, int]]]] = {}
-        for node in nodes:
-            if meta.effect_of(node) is not Effect.COMPUTE or not analysis.is_tensor_node(node):
+        for node, rec in zip(nodes, records):
+            if node not in cross_read or rec.effect is not Effect.COMPUTE or root_of[node] is not node:
                 continue
-            if analysis.aliases_input(node) is not None or node in outputs:
+            if not analysis.is_tensor_node(node) or node in outputs:
                 continue
-            reads = analysis.reads_of(node)
             alloc = meta.lane_of(node)
-            if not reads or all(meta.lane_of(u) == alloc for u in reads):
-                continue
-            holders = [u for m in analysis.view_members(node) for u in m.users]
-            self._due.setdefault(max(order[u] for u in holders), []).append(node)
-            cross = [(u, meta.lane_of(u).index) for u in reads if meta.lane_of(u) != alloc]
+            self._due.setdefault(last_holder[node], []).append(node)
+            cross = [(u, meta.lane_of(u).index) for u in analysis.reads_of(node) if meta.lane_of(u) != alloc]
             self._cross[node] = (alloc.index, cross)
         # Deferred roots, tagged with the order in which they were deferred, kept by
         # (allocating lane A, lane B of the first read of the root that A does not yet run
@@ -292,9 +325,9 @@ class _ReleasePlan:
         self._waiting.setdefault(key, []).append(entry)
         self._checked[key] = w.clock[key[0]][blocker]
 
-    def after(self, w: _Walker, node: fx.Node, by: str) -> None:
-        """Called after ``node`` was issued: defers releases that became due, places safe ones."""
-        now = self.layout.order[node]
+    def after(self, w: _Walker, node: fx.Node, now: int, by: str) -> None:
+        """Called after ``node`` (at program index ``now``) was issued: defers releases that became
+        due, places safe ones."""
         safe: list[tuple[int, fx.Node]] = []
         moved: list[tuple[tuple[int, fx.Node], int]] = []
         for key, group in self._waiting.items():
