@@ -307,6 +307,46 @@ def test_profiler_ranges_wrap_each_graph_call_and_region(tmp_path):
     assert Executor.__call__.__name__ == "__call__" and RegionCall.__call__.__name__ == "__call__"
 
 
+def _h200(mode: str):
+    """Records of a real session on an H200 (tests/data/h200_moe_profile.json.gz), and its graph spec."""
+    import gzip
+
+    with gzip.open(os.path.join(os.path.dirname(__file__), "data", "h200_moe_profile.json.gz"), "rt") as f:
+        data = json.load(f)
+    g = data["graph"]
+    regions = {r["index"]: RegionInfo(r["index"], r["lane"], r["eager"], tuple(r["nodes"]), tuple(r["ops"]))
+               for r in g["regions"]}
+    spec = GraphSpec(key=0, name=g["graph"], kind="inference", lanes=g["lanes"], regions=regions,
+                     replayed=mode == "replay")
+    acts, ranges = measure.records_from_chrome_trace(data[mode])
+    return acts, ranges, spec, g
+
+
+@pytest.mark.parametrize("mode", ["replay", "uncaptured"])
+def test_a_real_h200_session(mode):
+    """The MoE demo's profile on an H200: every kernel on a lane, the GEMMs labelled with their node."""
+    acts, ranges, spec, g = _h200(mode)
+    (m,), session = measure.build_measurements(acts, ranges, [spec])
+    s = m["summary"]
+    assert session["notes"] == [] and session["outside"] == [] and session["unattributed"] == 0
+    assert m["runs"] == 5 and s["unmatched"]["kernels"] == 0
+    # Lane 0 also runs the replay's input and output copies.
+    assert {k: v["kernels"] for k, v in s["lanes"].items()} == (
+        {"s0": 7, "s1": 1, "s2": 11} if mode == "replay" else {"s0": 5, "s1": 1, "s2": 11})
+    if mode == "replay":
+        assert sum(k["graph_kernel"] for k in m["kernels"]) == 17 * 5
+        assert s["overlap_us"] > 20 and s["graph_span_us"] < s["span_us"]
+        for key in ("lanes", "overlap_us", "pairs", "span_us", "graph_span_us"):
+            assert s[key] == g["summary"][key]  # as the GPU run itself computed them
+    else:
+        assert not any(k["graph_kernel"] for k in m["kernels"]) and s["graph_span_us"] is None
+    on_lane = {lane: {n for r in spec.regions.values() if r.lane == lane for n in r.nodes} for lane in range(3)}
+    for k in m["kernels"]:
+        assert set(k["nodes"]) <= on_lane[k["lane"]], k
+    gemms = {(k["lane"], k["nodes"][0]) for k in m["kernels"] if k["op"] in ("aten::mm", "aten::bmm")}
+    assert gemms == {(0, "mm"), (0, "mm_2"), (1, "mm_1"), (2, "mm_3"), (2, "bmm"), (2, "bmm_1")}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_trace_without_cuda_raises_a_clear_error():
     with pytest.raises(measure.TraceError, match="needs a CUDA device"):
