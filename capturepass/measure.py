@@ -409,7 +409,6 @@ def build_measurements(
             return lane
         return 0 if main_stream.get(a.device) == a.stream else None
 
-    by_key = {g.key: g for g in graphs}
     measured = [(a, t) for a, t in zip(activities, tags) if t.phase and t.phase[0] == "run"]
     runs = sorted({t.phase[1] for _, t in measured})
     origin = min((a.start for a, _ in measured), default=0.0)

@@ -4,9 +4,11 @@ The CPU tests feed synthetic profiler records (what ``torch.profiler`` exports: 
 activities with a stream and a correlation id, launch calls, host ranges) through the same
 functions a GPU session uses: streams become lanes through the marker kernels, a CUDA graph
 replay's kernels get their lanes by matching the uncaptured run, ATen kernels get their
-node. The instrumentation (a profiler range per compiled-graph call and per region) is
-checked with the real CPU profiler. The ``gpu`` test records a real measured run of the MoE
-block on CUDA.
+node. The same functions then read a real session recorded on an H200
+(``tests/data/h200_moe_profile.json.gz``: the MoE demo's profile, replayed and uncaptured,
+trimmed to the fields they read). The instrumentation (a profiler range per compiled-graph
+call and per region) is checked with the real CPU profiler. The ``gpu`` test records a real
+measured run of the MoE block on CUDA.
 """
 
 from __future__ import annotations
