@@ -84,17 +84,19 @@ def _static_key(x: Any) -> Any:
         x = x.meta.get("val")
     if isinstance(x, torch.Tensor):
         shape = tuple(x.shape)
-        if not all(type(d) is int for d in shape):
-            raise _Uncacheable
+        for d in shape:
+            if type(d) is not int:
+                raise _Uncacheable
         return ("tensor", shape)
-    if x is None or type(x) in (int, bool, str):
-        return (type(x), x)
-    if type(x) is float:
+    kind = type(x)
+    if x is None or kind is int or kind is bool or kind is str:
+        return (kind, x)
+    if kind is float:
         return (float, repr(x))  # keeps -0.0 and 0.0 apart
     if isinstance(x, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
-        return (type(x), x)
+        return (kind, x)
     if isinstance(x, (list, tuple)):
-        return (type(x), tuple(_static_key(v) for v in x))
+        return (kind, tuple([_static_key(v) for v in x]))
     raise _Uncacheable
 
 
@@ -132,28 +134,75 @@ def estimate(node: fx.Node, alias: bool) -> Cost:
         node: a compute node with fake-tensor metadata.
         alias: whether the node only creates a view (no kernel, no bytes).
     """
-    if node.op != "call_function" or node.target is operator.getitem or alias:
-        return Cost()
-    target = node.target
-    try:
-        tensors = _io_tensors(node)
-        total_bytes: Any = sum((_tensor_bytes(t) for t in tensors), 0)
-        nbytes, bytes_sym = _numeric(total_bytes)
-    except Exception:
-        return Cost(exact=False)
-    packet = getattr(target, "overloadpacket", None)
-    formula = flop_registry.get(packet) if packet is not None else None
-    if formula is None:
-        return Cost(flops=0.0, bytes=nbytes, symbolic=bytes_sym and f"bytes={bytes_sym}", exact=True)
-    try:
-        flops = _flops(formula, node)
-        nflops, flops_sym = _numeric(flops)
-    except Exception:
-        return Cost(flops=0.0, bytes=nbytes, exact=False)
-    symbolic = None
-    if flops_sym or bytes_sym:
-        symbolic = f"flops={flops_sym or int(nflops)}"
-    return Cost(flops=nflops, bytes=nbytes, symbolic=symbolic, exact=True)
+    return Estimator().estimate(node, alias)
+
+
+# The cost of a node that launches no kernel (a view, a tuple selection, a non-call); records
+# are frozen, so one serves every such node.
+_NO_KERNEL = Cost()
+
+
+class Estimator:
+    """:func:`estimate` over the nodes of one graph, computing what nodes share once.
+
+    A value's bytes are counted where it is produced and again by every reader; here they
+    are computed once per node. Equal costs (graphs repeat a few shapes many times) share
+    one record.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[fx.Node, Any] = {}  # node -> bytes of its tensor value
+        self._costs: dict[tuple, Cost] = {}
+
+    def _value_bytes(self, node: fx.Node, val: torch.Tensor) -> Any:
+        """The bytes of ``val``, the tensor value of ``node``."""
+        nbytes = self._bytes.get(node)
+        if nbytes is None:
+            nbytes = self._bytes[node] = _tensor_bytes(val)
+        return nbytes
+
+    def _cost(self, flops: float, nbytes: float, symbolic: str | None, exact: bool) -> Cost:
+        key = (flops, nbytes, symbolic, exact)
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = Cost(flops=flops, bytes=nbytes, symbolic=symbolic, exact=exact)
+        return c
+
+    def estimate(self, node: fx.Node, alias: bool) -> Cost:
+        """The cost of one node (see :func:`estimate`)."""
+        if node.op != "call_function" or node.target is operator.getitem or alias:
+            return _NO_KERNEL
+        target = node.target
+        try:
+            # What _io_tensors lists, in its order: the inputs' tensors, then the outputs.
+            total_bytes: Any = 0
+            for a in node.all_input_nodes:
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    total_bytes = total_bytes + self._value_bytes(a, v)
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                total_bytes = total_bytes + self._value_bytes(node, val)
+            elif isinstance(val, (list, tuple)):
+                for v in val:
+                    if isinstance(v, torch.Tensor):
+                        total_bytes = total_bytes + _tensor_bytes(v)
+            nbytes, bytes_sym = _numeric(total_bytes)
+        except Exception:
+            return self._cost(0.0, 0.0, None, False)
+        packet = getattr(target, "overloadpacket", None)
+        formula = flop_registry.get(packet) if packet is not None else None
+        if formula is None:
+            return self._cost(0.0, nbytes, bytes_sym and f"bytes={bytes_sym}", True)
+        try:
+            flops = _flops(formula, node)
+            nflops, flops_sym = _numeric(flops)
+        except Exception:
+            return self._cost(0.0, nbytes, None, False)
+        symbolic = None
+        if flops_sym or bytes_sym:
+            symbolic = f"flops={flops_sym or int(nflops)}"
+        return self._cost(nflops, nbytes, symbolic, True)
 
 
 def node_time(cost: Cost | None) -> float:

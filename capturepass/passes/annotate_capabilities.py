@@ -52,10 +52,12 @@ class AnnotateCapabilities(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         device = graph_device(gm)
+        query = ctx.registry.query
+        estimator = cost.Estimator()
         for node in analysis.compute_nodes(gm.graph):
-            cap = ctx.registry.query(node, device)
+            cap = query(node, device)
             alias = analysis.aliases_input(node) is not None
-            meta.update(node, self.name, capability=cap, cost=cost.estimate(node, alias))
+            meta.update(node, self.name, capability=cap, cost=estimator.estimate(node, alias))
             if not cap.capturable:
                 ctx.count(self.name, "not_capturable")
             if cap.overlap != "safe":
