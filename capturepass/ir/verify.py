@@ -104,9 +104,13 @@ class _Checker:
         # Every rule reads each node's record: look it up once (with the effect derived for
         # a node that has none, as meta.effect_of does).
         self.recs = [meta.record_of(n) for n in self.nodes]
-        # Filled by _free_points: storage root of each node, and the compute reads of each root.
+        # Filled by _free_points: the storage root of each node; of each root, the program index
+        # of its last compute read and its compute reads issued on another lane than its own;
+        # the roots freed after a node beyond the first.
         self.root_of: dict[fx.Node, fx.Node] = {}
-        self.reads: dict[fx.Node, list[fx.Node]] = {}
+        self.last_read: dict[fx.Node, int] = {}
+        self.cross_reads: dict[fx.Node, list[fx.Node]] = {}
+        self.frees_more: dict[fx.Node, list[fx.Node]] = {}
 
     def id(self, kind: str, key: object) -> str:
         """The canonical (dump) name of an event (``e``), lease (``l``) or owner (``g``), for messages."""
@@ -322,9 +326,13 @@ class _Checker:
         if not self.layout.issues_after(root, now):
             return None  # the allocating lane issues nothing more before the next fork
         alloc = meta.lane_of(root).index
-        reads = self.reads.get(root, ()) if self.root_of.get(root) is root else None
-        if reads is not None and not any(self._races(alloc, u) for u in reads):
-            return None
+        if self.root_of.get(root) is root:
+            # A read after ``now`` is not issued yet (it races); one issued on the allocating
+            # lane never does: what is left to look at is the reads on other lanes.
+            if self.last_read.get(root, -1) <= now and not any(
+                self._races(alloc, u) for u in self.cross_reads.get(root, ())
+            ):
+                return None
         # Name the same read as a walk of the views would, in the order of their uses.
         for u in analysis.reads_of(root):
             if self._races(alloc, u):
@@ -345,12 +353,13 @@ class _Checker:
                     f"releases %{root.name} on {lane} while %{bad.name} on {meta.lane_of(bad)} may still read it",
                 )
 
-    def check_frees(self, node: fx.Node, frees: dict, order: dict[fx.Node, int]) -> None:
-        roots = frees.get(node)
-        if not roots:
+    def check_frees(self, node: fx.Node, frees: dict[fx.Node, fx.Node], order: dict[fx.Node, int]) -> None:
+        root = frees.get(node)
+        if root is None:
             return
-        for root in roots:
-            bad = self._racing_read(root, order[node])
+        now = order[node]
+        for root in (root, *self.frees_more.get(node, ())):
+            bad = self._racing_read(root, now)
             if bad is not None:
                 raise fail(
                     self.gm, "unordered-free", root,
@@ -461,18 +470,21 @@ class _Checker:
                 seen_set.add(segment)
                 last = segment
 
-    def _free_points(self) -> dict[fx.Node, list[fx.Node]]:
-        """node -> storage roots whose last reference dies right after it (roots without a release).
+    def _free_points(self) -> dict[fx.Node, fx.Node]:
+        """node -> the first storage root whose last reference dies right after it (roots without a
+        release); the others freed after the same node, in program order, go to ``frees_more``.
 
         One walk in program order: the storage root of each node (its own, or that of the
         input it is a view of), the last node holding each root (any user of it or of a view
         of it), whether a release holds it, and its compute reads (for :meth:`_racing_read`).
         """
         root_of = self.root_of
-        reads = self.reads
+        last_read = self.last_read
+        cross_reads = self.cross_reads
+        alloc: dict[fx.Node, int] = {}  # root -> the number of its lane
         last_holder: dict[fx.Node, fx.Node] = {}
         released: set[fx.Node] = set()
-        for node, rec in zip(self.nodes, self.recs):
+        for i, (node, rec) in enumerate(zip(self.nodes, self.recs)):
             src = analysis.aliases_input(node)
             if src is None:
                 root_of[node] = node
@@ -480,25 +492,37 @@ class _Checker:
                 root = root_of.get(src)
                 root_of[node] = analysis.storage_root(src) if root is None else root
             eff = rec.effect
+            compute = eff is Effect.COMPUTE
+            if compute:  # the lane run() issues it on
+                lane = 0 if rec.brk is not None or rec.lane is None else rec.lane.index
             for p in node.all_input_nodes:
                 root = root_of.get(p)
                 if root is None:
                     root = analysis.storage_root(p)
                 last_holder[root] = node  # program order: the last one written is the last holder
-                if eff is Effect.COMPUTE:
-                    reads.setdefault(root, []).append(node)
+                if compute:
+                    last_read[root] = i
+                    a = alloc.get(root)
+                    if a is None:
+                        a = alloc[root] = meta.lane_of(root).index
+                    if lane != a:
+                        cross_reads.setdefault(root, []).append(node)
                 elif eff is Effect.RELEASE:
                     released.add(root)
         outputs = analysis.output_roots(self.gm.graph)
-        points: dict[fx.Node, list[fx.Node]] = {}
+        points: dict[fx.Node, fx.Node] = {}
         for node, rec in zip(self.nodes, self.recs):
             if rec.effect is not Effect.COMPUTE or root_of[node] is not node or not analysis.is_tensor_node(node):
                 continue
             if node in outputs or node in released:
                 continue  # the caller frees it; checked where the release is
             last = last_holder.get(node)
-            if last is not None:
-                points.setdefault(last, []).append(node)
+            if last is None:
+                continue
+            if last in points:
+                self.frees_more.setdefault(last, []).append(node)
+            else:
+                points[last] = node
         return points
 
 
