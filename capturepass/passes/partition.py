@@ -47,8 +47,8 @@ class Partition(Pass):
         breaks = [b for b in gi.breaks if b.source != "partition"]
         current: SegmentId | None = None
         for node in gm.graph.nodes:
-            eff = meta.effect_of(node)
-            rec = meta.info(node)
+            rec = meta.record_of(node)
+            eff = rec.effect
             if eff in (Effect.INPUT, Effect.CONSTANT, Effect.OUTPUT):
                 meta.update(node, self.name, owner=owner)
                 continue

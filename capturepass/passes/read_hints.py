@@ -57,6 +57,8 @@ class ReadHints(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         use_hints = ctx.options.policy != "off"
         dropped = 0
+        # Records are frozen (passes replace them): nodes with the same effect and hint share one.
+        records: dict[tuple[meta.Effect, str | None], meta.NodeInfo] = {}
         for node in gm.graph.nodes:
             hint = _hint_of(node)
             effect = meta.effect_of(node)
@@ -65,7 +67,10 @@ class ReadHints(Pass):
                 hint = None
             if hint is not None and effect is not meta.Effect.COMPUTE:
                 hint = None  # inputs and constants live on the main lane
-            meta.set_info(node, meta.NodeInfo(effect=effect, hint=hint))
+            record = records.get((effect, hint))
+            if record is None:
+                record = records[(effect, hint)] = meta.NodeInfo(effect=effect, hint=hint)
+            meta.set_info(node, record)
             if hint is not None:
                 ctx.count(self.name, "hinted_nodes")
         if dropped:
