@@ -14,8 +14,8 @@ Public API:
 - :func:`register_capability` / :func:`capability`: what an op may do;
 - :func:`retain` / :func:`workspace` / :func:`suspend_retention` / :func:`weak_ref`: for
   custom ops whose storage a capture bakes in;
-- :func:`resource_pool` / :class:`Workspaces` / :func:`profiling_capture`: engine
-  resources that follow graph ownership (docs/resources.md);
+- :func:`resource_pool` / :class:`Workspaces` / :func:`profiling_capture` /
+  :func:`external_stream`: engine resources that follow graph ownership (docs/resources.md);
 - :func:`trace`: a measured run of compiled graphs on a GPU, lane by lane, as a Chrome trace;
 - :class:`Options`, :class:`CapturePassError` and its subclasses;
 - for vLLM (docs/vllm.md): :func:`backend` (``"capturepass.backend"``) and
@@ -37,6 +37,7 @@ from capturepass.hints import lane
 from capturepass.ir.meta import Capability
 from capturepass.measure import trace
 from capturepass.options import Options
+from capturepass.runtime.external import external_stream
 from capturepass.runtime.pools import ChannelKey, ResourcePool, register_pool, resource_pool, unregister_pool
 from capturepass.runtime.profiling import profiling_capture
 from capturepass.runtime.resources import retain, suspend_retention, weak_ref, workspace
@@ -77,6 +78,7 @@ __all__ = [
     "Workspaces",
     "backend",
     "capability",
+    "external_stream",
     "lane",
     "post_grad_pass",
     "register_capability",

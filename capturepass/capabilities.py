@@ -9,10 +9,22 @@ it may overlap with work on other lanes::
     @torch.library.custom_op("mylib::routed_moe", mutates_args=())
     def routed_moe(x: torch.Tensor, ...) -> torch.Tensor: ...
 
-``overlap`` is ``"safe"``, ``"serialize"``, or a callable that receives a
+``overlap`` is one of three levels, or a callable that receives a
 :class:`CallInfo` for the concrete call (shapes, dtypes, the device's SM count)
 and returns a :class:`~capturepass.ir.meta.Capability` or a mapping of its
 fields. A callable is queried once per distinct call signature and cached.
+The levels:
+
+- ``"safe"``: the op may run beside work on other lanes;
+- ``"join"``: other lanes' independent work is enqueued before the op (a
+  resident-grid launch then cannot block its submission) and every lane is
+  joined before the op starts; once it has started, other lanes may run again;
+- ``"serialize"``: nothing runs beside the op, before or after its start.
+
+An op may also declare ``monolithic=True``: it needs the whole forward in one
+CUDA graph (it communicates across what would be segments). A breakable
+partition is then refused with an error naming the op and the break, and a
+graph asked to be ``breakable`` without any break is captured monolithic.
 
 Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe`` and host
 synchronisations (ops whose output size or value depends on data) are not
@@ -39,7 +51,7 @@ from capturepass.ir.meta import Capability
 
 log = logging.getLogger("capturepass")
 
-OVERLAP_CHOICES = ("safe", "serialize")
+OVERLAP_CHOICES = ("safe", "join", "serialize")
 
 _SAFE_NAMESPACES = ("aten", "prims", "capturepass")
 # Ops that return a Python scalar read from tensor metadata, not from device memory.
@@ -85,6 +97,7 @@ class _Declaration:
     capturable: bool
     overlap: OverlapSpec
     resources: tuple[str, ...]
+    monolithic: bool = False
 
     def digest(self) -> str:
         if callable(self.overlap):
@@ -94,7 +107,7 @@ class _Declaration:
                 body = getattr(self.overlap, "__qualname__", repr(type(self.overlap)))
         else:
             body = self.overlap
-        return f"{self.capturable}|{body}|{self.resources}"
+        return f"{self.capturable}|{body}|{self.resources}|{self.monolithic}"
 
 
 def op_qualname(op: Any) -> str:
@@ -132,18 +145,23 @@ class CapabilityRegistry:
         capturable: bool = True,
         overlap: OverlapSpec = "safe",
         resources: tuple[str, ...] = (),
+        monolithic: bool = False,
     ) -> None:
         """Declares the capability of ``op`` (replacing an earlier declaration)."""
         name = op_qualname(op)
         if not isinstance(capturable, bool):
             raise CapabilityError(f"capability of {name}: capturable must be a bool, got {capturable!r}")
+        if not isinstance(monolithic, bool):
+            raise CapabilityError(f"capability of {name}: monolithic must be a bool, got {monolithic!r}")
+        if monolithic and not capturable:
+            raise CapabilityError(f"capability of {name}: an op that is not capturable cannot require a monolithic graph")
         if not callable(overlap) and overlap not in OVERLAP_CHOICES:
             raise CapabilityError(
                 f"capability of {name}: overlap must be one of {', '.join(map(repr, OVERLAP_CHOICES))} "
                 f"or a callable taking a CallInfo; got {overlap!r}"
             )
         with self._lock:
-            self._decls[name] = _Declaration(capturable, overlap, tuple(resources))
+            self._decls[name] = _Declaration(capturable, overlap, tuple(resources), monolithic)
             self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
 
     def unregister(self, op: Any) -> None:
@@ -178,9 +196,11 @@ class CapabilityRegistry:
             return Capability(
                 capturable=decl.capturable,
                 overlap=decl.overlap,
-                reason=f"declared overlap={decl.overlap}" + ("" if decl.capturable else ", not capturable"),
+                reason=f"declared overlap={decl.overlap}" + ("" if decl.capturable else ", not capturable")
+                + (", monolithic" if decl.monolithic else ""),
                 resources=decl.resources,
                 source="registry",
+                monolithic=decl.monolithic,
             )
         call = _call_info(node, name)
         cache_key = call.key()
@@ -196,7 +216,7 @@ class CapabilityRegistry:
                 f"(node %{node.name}, shapes {call.shapes})"
             ) from exc
         cap = _to_capability(answer, name, decl)
-        if call.dynamic and cap.overlap == "safe":
+        if call.dynamic and cap.overlap != "serialize":
             cap = dataclasses.replace(
                 cap,
                 overlap="serialize",
@@ -318,16 +338,18 @@ def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:
                 f"the launch-plan callable of {name} returned unknown field(s) {unknown}; "
                 f"valid fields are {sorted(fields)}"
             )
-        cap = Capability(**{"capturable": decl.capturable, "resources": decl.resources, **answer})
+        cap = Capability(**{"capturable": decl.capturable, "resources": decl.resources,
+                            "monolithic": decl.monolithic, **answer})
     else:
         raise CapabilityError(
             f"the launch-plan callable of {name} must return a Capability or a mapping, got {answer!r}"
         )
     if cap.overlap not in OVERLAP_CHOICES:
         raise CapabilityError(f"the launch-plan callable of {name} answered overlap={cap.overlap!r}")
-    if cap.resident_grid and not cap.barrier_free and cap.overlap == "safe":
+    if cap.resident_grid and not cap.barrier_free and cap.overlap != "serialize":
         # A grid barrier waits for every CTA; work on another lane holding multiprocessors
-        # can keep some from ever starting. Never overlap it, whatever the plan claimed.
+        # can keep some from ever starting, also work started after the launch ("join").
+        # Never overlap it, whatever the plan claimed.
         cap = dataclasses.replace(cap, overlap="serialize", reason=f"{cap.reason}; grid barrier: serialized")
     return dataclasses.replace(cap, source="launch-plan", reason=cap.reason or "launch plan")
 
@@ -341,6 +363,7 @@ def register_capability(
     capturable: bool = True,
     overlap: OverlapSpec = "safe",
     resources: tuple[str, ...] = (),
+    monolithic: bool = False,
 ) -> None:
     """Declares what ``op`` may do inside a capture and beside other lanes.
 
@@ -348,25 +371,30 @@ def register_capability(
         op: ``"ns::name"``, a ``torch.ops`` overload or packet, or a
             ``torch.library.custom_op`` object.
         capturable: whether the op may run inside a CUDA graph capture.
-        overlap: ``"safe"``, ``"serialize"``, or a callable taking a
-            :class:`CallInfo` and returning a ``Capability`` (or a mapping of
-            its fields) for that concrete call.
+        overlap: ``"safe"``, ``"join"``, ``"serialize"`` (see the module doc), or
+            a callable taking a :class:`CallInfo` and returning a ``Capability``
+            (or a mapping of its fields) for that concrete call.
         resources: names of owner-bound resources (workspaces, channels) the
             op uses; ``bind_resources`` binds them to the capturing owner and lane.
+        monolithic: the op needs the whole forward in one CUDA graph.
 
     Raises:
         CapabilityError: an invalid op or declaration.
     """
-    REGISTRY.register(op, capturable=capturable, overlap=overlap, resources=resources)
+    REGISTRY.register(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic)
 
 
 def capability(
-    *, capturable: bool = True, overlap: OverlapSpec = "safe", resources: tuple[str, ...] = ()
+    *,
+    capturable: bool = True,
+    overlap: OverlapSpec = "safe",
+    resources: tuple[str, ...] = (),
+    monolithic: bool = False,
 ) -> Callable[[Any], Any]:
     """Decorator form of :func:`register_capability`, for a ``torch.library.custom_op``."""
 
     def deco(op: Any) -> Any:
-        register_capability(op, capturable=capturable, overlap=overlap, resources=resources)
+        register_capability(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic)
         return op
 
     return deco

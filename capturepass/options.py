@@ -69,6 +69,11 @@ class Options:
             uncaptured (logged once).
         static_outputs: return replayed outputs without copying them out of the
             graph's pool (they are overwritten by the next call).
+        external_streams: streams capturepass does not own, by name, with their
+            relation to the graph: ``"before"`` (the graph reads what the stream
+            produced), ``"after"`` (the stream reads what the graph produced) or
+            ``"both"``; joined at every segment boundary. The engine binds each
+            name to its stream with ``capturepass.external_stream(name, stream)``.
         check_replay: before every replay, check that the input addresses and
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
@@ -84,6 +89,7 @@ class Options:
     max_captures: int = 16
     static_outputs: bool = False
     check_replay: bool = False
+    external_streams: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -112,6 +118,8 @@ class Options:
             ):
                 raise OptionError(f"option 'capture_sizes' must be a list of positive ints, got {sizes!r}")
             options["capture_sizes"] = tuple(sorted(set(sizes), reverse=True))
+        if "external_streams" in options:
+            options["external_streams"] = _external_streams(options["external_streams"])
         opts = cls(**options)
         opts._validate()
         return opts
@@ -153,6 +161,30 @@ class Options:
         fields.pop("verify")
         fields.pop("check_replay")  # a runtime check: the generated code is the same
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+
+def _external_streams(value: Any) -> tuple[tuple[str, str], ...]:
+    from capturepass.runtime.external import RELATIONS
+
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise OptionError(
+            f"option 'external_streams' must map stream names to one of {', '.join(map(repr, RELATIONS))}, "
+            f"got {value!r}"
+        ) from None
+    for name, relation in pairs:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise OptionError(f"option 'external_streams': stream name {name!r} must be an identifier")
+        if relation not in RELATIONS:
+            raise OptionError(
+                f"option 'external_streams': stream {name!r} has relation {relation!r}; "
+                f"valid relations are {', '.join(map(repr, RELATIONS))}"
+            )
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise OptionError(f"option 'external_streams' names a stream twice: {value!r}")
+    return tuple(sorted(pairs))
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -132,6 +132,7 @@ class PostGradPass:
                 owner=OwnerId(1_000_000 + piece),
                 cudagraphs=opts.resolved_cudagraphs(on_cuda),
                 on_cuda=on_cuda,
+                external=opts.external_streams,
             ),
         )
         dump_dir = None

@@ -182,7 +182,7 @@ def test_decorator_next_to_custom_op(declared):
 
 
 def test_invalid_overlap_lists_the_choices():
-    with pytest.raises(CapabilityError, match=r"'safe', 'serialize'.*got 'sometimes'") as info:
+    with pytest.raises(CapabilityError, match=r"'safe', 'join', 'serialize'.*got 'sometimes'") as info:
         capturepass.register_capability(f"{NS}::scale", overlap="sometimes")
     assert f"{NS}::scale" in str(info.value)
     assert REGISTRY.query(_scale_node()).source == "default"  # nothing was declared

@@ -148,6 +148,7 @@ def _aten_compiler(
                 on_cuda=on_cuda,
                 static_inputs=_static_input_indices() if kind != "backward" else frozenset(),
                 breaks=tuple(Break(node="", reason=r, source="dynamo") for r in upstream),
+                external=graph_opts.external_streams,
             ),
         )
         dump_dir = None

@@ -37,6 +37,7 @@ class Effect(enum.Enum):
     WAIT = "wait"  # makes its lane wait for an event
     RELEASE = "release"  # drops the last reference to storage (deferred free)
     RETAIN = "retain"  # keeps storage owners alive for a captured segment's life
+    EXTERNAL = "external"  # joins a stream capturepass does not own to the main lane, or back
     OUTPUT = "output"
 
 
@@ -124,8 +125,10 @@ class Capability:
 
     Attributes:
         capturable: the op may run inside a CUDA graph capture.
-        overlap: ``"safe"`` (may run beside other lanes) or ``"serialize"``
-            (nothing may run concurrently with it).
+        overlap: ``"safe"`` (may run beside other lanes), ``"join"`` (other
+            lanes' independent work is enqueued before it, and every lane is
+            joined before it starts; lanes may run beside it afterwards), or
+            ``"serialize"`` (nothing may run concurrently with it).
         reason: why the answer is what it is (shown in dumps and errors).
         resources: names of owner-bound resources the op needs.
         source: where the answer came from (``"default"``, ``"registry"``,
@@ -137,6 +140,9 @@ class Capability:
             barrier is always serialized (other lanes could keep CTAs from
             becoming resident, and the barrier would never open).
         ctas: the launch's CTA count, when the launch plan says.
+        monolithic: the op needs the whole forward in one CUDA graph (it
+            communicates across what would be segments); a breakable partition
+            is then refused.
     """
 
     capturable: bool = True
@@ -147,6 +153,7 @@ class Capability:
     resident_grid: bool = False
     barrier_free: bool = True
     ctas: int | None = None
+    monolithic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +191,7 @@ class NodeInfo:
     resources: tuple[ResourceBinding, ...] = ()
     brk: str | None = None
     why: str | None = None
+    external: str | None = None
     created_by: str | None = None
     changed_by: tuple[str, ...] = ()
 
@@ -213,6 +221,11 @@ class GraphInfo:
         breaks: partition breaks and upstream (Dynamo) graph breaks, with reasons.
         decisions: one line per non-trivial decision a pass took.
         properties: the IR properties established so far (see ``passes.base``).
+        external: streams capturepass does not own, as ``(name, relation)``:
+            ``"before"`` (the graph reads what the stream produced: the main lane
+            waits for it where each segment starts), ``"after"`` (the stream reads
+            what the graph produced: it waits for the main lane where each
+            segment ends, every lane joined) or ``"both"``.
     """
 
     name: str = "graph"
@@ -225,6 +238,7 @@ class GraphInfo:
     breaks: tuple[Break, ...] = ()
     decisions: tuple[str, ...] = ()
     properties: frozenset[str] = frozenset()
+    external: tuple[tuple[str, str], ...] = ()
 
     def lane_name(self, lane: LaneId) -> str:
         """The user-facing name of ``lane``."""

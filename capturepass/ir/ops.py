@@ -20,20 +20,21 @@ import torch.fx as fx
 from torch.fx.node import has_side_effect
 
 from capturepass.ir import meta
-from capturepass.ir.meta import Effect, EventId, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, LaneId
 
 _lib = torch.library.Library("capturepass", "FRAGMENT")
 _lib.define("record(int event, int lane) -> ()")
 _lib.define("wait(int event, int lane) -> ()")
 _lib.define("release(Tensor[] values, int lane) -> ()")
 _lib.define("retain(Tensor[] values, int lane) -> ()")
+_lib.define("join_external(int stream, int lane, bool into) -> ()")
 
 
 def _noop(*args: object) -> None:
     return None
 
 
-for _name in ("record", "wait", "release", "retain"):
+for _name in ("record", "wait", "release", "retain", "join_external"):
     _lib.impl(_name, _noop, "CompositeExplicitAutograd")
     _lib.impl(_name, _noop, "Meta")
 
@@ -41,11 +42,12 @@ record = torch.ops.capturepass.record.default
 wait = torch.ops.capturepass.wait.default
 release = torch.ops.capturepass.release.default
 retain = torch.ops.capturepass.retain.default
+join_external = torch.ops.capturepass.join_external.default
 
-for _op in (record, wait, release, retain):
+for _op in (record, wait, release, retain, join_external):
     has_side_effect(_op)
 
-CAPTUREPASS_OPS = frozenset({record, wait, release, retain})
+CAPTUREPASS_OPS = frozenset({record, wait, release, retain, join_external})
 
 
 def insert_record(
@@ -85,6 +87,18 @@ def insert_retain(
     with graph.inserting_before(before):
         node = graph.call_function(retain, (list(values), lane.index))
     meta.create(node, by, effect=Effect.RETAIN, lane=lane, why=why)
+    return node
+
+
+def insert_join_external(
+    graph: fx.Graph, before: fx.Node, stream: int, name: str, into: bool, by: str, why: str
+) -> fx.Node:
+    """Inserts ``capturepass.join_external`` before ``before``: the main lane waits for external
+    stream ``stream`` (``into``), or the external stream waits for the main lane."""
+    with graph.inserting_before(before):
+        node = graph.call_function(join_external, (stream, MAIN_LANE.index, into))
+    meta.create(node, by, effect=Effect.EXTERNAL, lane=MAIN_LANE, external=name,
+                role="in" if into else "out", why=why)
     return node
 
 

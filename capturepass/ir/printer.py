@@ -137,6 +137,8 @@ def node_attrs(node: fx.Node, gi: GraphInfo, canon: _Canon, settings: PrintSetti
     if rec.event is not None:
         kind = "record" if rec.effect is Effect.RECORD else "wait"
         attrs.append(f"{kind}={canon('e', rec.event)}")
+    if rec.external is not None:
+        attrs.append(f"external={rec.external}")
     if rec.role is not None:
         attrs.append(f"role={rec.role}")
     if rec.lease is not None:
@@ -156,6 +158,8 @@ def node_attrs(node: fx.Node, gi: GraphInfo, canon: _Canon, settings: PrintSetti
             attrs.append("capturable=no")
         if cap.overlap != "safe":
             attrs.append(f"overlap={cap.overlap}")
+        if cap.monolithic:
+            attrs.append("monolithic")
         if cap.resident_grid:
             ctas = "?" if cap.ctas is None else str(cap.ctas)
             attrs.append(f"grid={ctas}cta/{'barrier-free' if cap.barrier_free else 'barrier'}")
@@ -203,7 +207,10 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
     if title:
         lines.append(f"# {title}")
     lanes = " ".join(f"s{i}={name}" for i, name in enumerate(gi.lanes))
-    lines.append(f"# graph {gi.name}: lanes {lanes}; cudagraphs={gi.cudagraphs}")
+    header = f"# graph {gi.name}: lanes {lanes}; cudagraphs={gi.cudagraphs}"
+    if gi.external:
+        header += "; external " + " ".join(f"x{i}={name}({rel})" for i, (name, rel) in enumerate(gi.external))
+    lines.append(header)
     lines.append(f"owner {canon('g', gi.owner)}:")
     current_segment = None
     for node in gm.graph.nodes:
@@ -250,6 +257,8 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
             entry["event"] = canon("e", rec.event)
         if rec.role is not None:
             entry["role"] = rec.role
+        if rec.external is not None:
+            entry["external"] = rec.external
         if rec.lease is not None:
             entry["lease"] = canon("l", rec.lease)
         if rec.owner is not None:
@@ -271,7 +280,7 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
         nodes.append(entry)
     # NOTE: reasons, decisions and why-texts may quote reprs (a launch plan's reason, say);
     # scrub every string, as the text dump scrubs every line.
-    return _scrub({
+    doc: dict[str, Any] = {
         "graph": gi.name,
         "owner": canon("g", gi.owner),
         "lanes": list(gi.lanes),
@@ -280,7 +289,10 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
         "breaks": [{"node": b.node, "reason": b.reason, "source": b.source} for b in gi.breaks],
         "decisions": list(gi.decisions),
         "nodes": nodes,
-    })
+    }
+    if gi.external:
+        doc["external"] = [{"name": name, "relation": rel} for name, rel in gi.external]
+    return _scrub(doc)
 
 
 def _scrub(value: Any) -> Any:

@@ -13,9 +13,12 @@ unordered-read         synced      a cross-lane read runs after its producer (ha
 wait-before-record     synced      every wait follows a record of its event, on another lane
 unforked-lane          synced      an auxiliary lane's first node in a segment runs after the fork
 unjoined-lane          synced      every lane has joined the main lane when a segment ends
-serialize              synced      nothing runs beside a serialized op
+serialize              synced      nothing runs beside a serialized op; a joined op
+                                   (overlap="join") starts with every lane joined
 unordered-free         synced      storage is freed only where its allocating lane runs after
                                    every read on other lanes (or issues nothing more)
+external-join          synced      each declared external stream joins into s0 before a segment's
+                                   first node and out of s0 after its last, every lane joined
 lease-owner            leased      every event has one lease, of the graph's owner, of its role
 lease-overlap          leased      two events that are live at once never share a lease
 unretained-owner       retained    a captured segment retains every static input, constant
@@ -148,6 +151,10 @@ class _Checker:
         barrier: tuple[int, fx.Node] | None = None
         clock = self.clock
         count = self.count
+        ext = self.gi.external
+        ext_in: set[str] = set()
+        ext_out: set[str] = set()
+        seg_work = False
         for node, rec in zip(nodes, self.recs):
             eff = rec.effect
             if eff is Effect.INPUT or eff is Effect.CONSTANT:
@@ -157,6 +164,8 @@ class _Checker:
             if eff is Effect.OUTPUT or is_break:
                 if synced and segment_open:
                     self.check_joined(node, in_segment)
+                    if ext:
+                        self.check_external_joined(node, ext, ext_in, ext_out, "after")
                 segment_open = False
                 if is_break:
                     if lanes and self.lane(node, rec) != MAIN_LANE:
@@ -173,7 +182,22 @@ class _Checker:
                 self.issue(MAIN_LANE, None)  # the fork point of this segment
                 seg_start = count[0]
                 forked, in_segment, barrier = set(), set(), None
+                ext_in, ext_out, seg_work = set(), set(), False
             lane = self.lane(node, rec) if (rec.lane is not None or lanes) else MAIN_LANE
+            if eff is Effect.EXTERNAL:
+                if synced:
+                    self.check_external(node, rec, lane, seg_work, in_segment, ext_in, ext_out)
+                continue
+            if synced and not seg_work:
+                seg_work = True
+                if ext:
+                    self.check_external_joined(node, ext, ext_in, ext_out, "before")
+            if synced and ext_out and eff is Effect.COMPUTE:
+                raise fail(
+                    self.gm, "external-join", node,
+                    f"runs on {lane} after the segment joined s0 out to external stream(s) "
+                    f"{', '.join(sorted(ext_out))}: they do not wait for it",
+                )
             if eff is Effect.RECORD:
                 self.events[rec.event] = (tuple(clock[lane.index]), lane, node)
                 continue
@@ -210,13 +234,13 @@ class _Checker:
                         if count[other] > clock[li][other]:
                             raise fail(
                                 self.gm, "serialize", node,
-                                f"is serialized ({cap.reason}) but lane s{other} may still be running "
-                                f"work issued before it",
+                                ("is serialized" if cap.overlap == "serialize" else "must start with every lane joined")
+                                + f" ({cap.reason}) but lane s{other} may still be running work issued before it",
                             )
             self.issue(lane, node)
             in_segment.add(lane.index)
             if synced:
-                if serializes:
+                if serializes and cap.overlap == "serialize":  # "join": lanes may resume beside it
                     barrier = (count[0], node)
                 self.check_frees(node, frees, order)
         if "leased" in props:
@@ -303,6 +327,53 @@ class _Checker:
         for i, v in enumerate(clock):
             if v > mine[i]:
                 mine[i] = v
+
+    def check_external(
+        self, node: fx.Node, rec: meta.NodeInfo, lane: LaneId, seg_work: bool,
+        in_segment: set[int], ext_in: set[str], ext_out: set[str],
+    ) -> None:
+        """The external-join rule at one ``capturepass.join_external``."""
+        name = rec.external
+        declared = dict(self.gi.external)
+        if name not in declared:
+            raise fail(
+                self.gm, "external-join", node,
+                f"joins external stream {name!r}, which the graph does not declare "
+                f"(declared: {', '.join(declared) or 'none'})",
+            )
+        if lane != MAIN_LANE:
+            raise fail(self.gm, "external-join", node, f"joins external stream {name!r} on {lane}; joins run on s0")
+        if rec.role == "in":
+            if seg_work:
+                raise fail(
+                    self.gm, "external-join", node,
+                    f"joins external stream {name!r} into s0 after the segment's work began: "
+                    "the work before it does not wait for the stream",
+                )
+            ext_in.add(name)
+            return
+        for li in sorted(in_segment):
+            if li != 0 and self.clock[0][li] < self.count[li]:
+                raise fail(
+                    self.gm, "external-join", node,
+                    f"joins s0 out to external stream {name!r}, but lane s{li} ({self.gi.lane_name(LaneId(li))}) "
+                    "has not joined s0: the stream would not wait for its work",
+                )
+        ext_out.add(name)
+
+    def check_external_joined(
+        self, node: fx.Node, ext: tuple[tuple[str, str], ...], ext_in: set[str], ext_out: set[str], where: str
+    ) -> None:
+        """Every external stream of relation ``where`` (or ``both``) has joined at this boundary."""
+        seen = ext_in if where == "before" else ext_out
+        for name, relation in ext:
+            if relation in (where, "both") and name not in seen:
+                what = "starts" if where == "before" else "ends"
+                direction = "into s0" if where == "before" else "out of s0"
+                raise fail(
+                    self.gm, "external-join", node,
+                    f"{what} a segment without joining external stream {name!r} ({relation}) {direction}",
+                )
 
     def check_joined(self, anchor: fx.Node, in_segment: Iterable[int]) -> None:
         for li in sorted(in_segment):
@@ -527,8 +598,8 @@ class _Checker:
 
 
 def cap_serializes(rec: meta.NodeInfo) -> bool:
-    """Whether a node's capability makes it a barrier."""
-    return rec.capability is not None and rec.capability.overlap != "safe"
+    """Whether a node's capability makes it a barrier for later work on other lanes."""
+    return rec.capability is not None and rec.capability.overlap == "serialize"
 
 
 def verify(gm: fx.GraphModule, properties: Iterable[str] | None = None) -> None:

@@ -14,10 +14,13 @@ Lanes come from the policy:
   path, while chains stay together.
 
 Whatever the policy, ops that are not capturable or that must be serialized
-stay on the main lane, and view ops (no kernel) follow their consumers. With a
-capturing mode, each non-capturable op is marked as a break with its reason;
-``monolithic`` capture of a graph that has one switches to ``breakable`` and
-logs why.
+(or joined: ``overlap="join"``) stay on the main lane, and view ops (no kernel)
+follow their consumers. With a capturing mode, each non-capturable op is marked
+as a break with its reason; ``monolithic`` capture of a graph that has one
+switches to ``breakable`` and logs why, unless an op requires a monolithic
+graph (``monolithic=True``): then the graph is refused, naming both ops. A
+``breakable`` graph without breaks that holds such an op is captured
+monolithic, and the switch is logged.
 
 Before::
 
@@ -34,6 +37,7 @@ import logging
 
 import torch.fx as fx
 
+from capturepass.errors import CapturePassError
 from capturepass.ir import analysis, cost, meta
 from capturepass.ir.meta import MAIN_LANE, LaneId
 from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
@@ -116,6 +120,23 @@ class AssignStreams(Pass):
 
         mode = meta.graph_info(gm).cudagraphs
         breaks = [n for n in nodes if not meta.info(n).capability.capturable] if mode != "none" else []
+        whole = [n for n in nodes if meta.info(n).capability.monolithic] if mode != "none" else []
+        if whole and breaks:
+            first, brk = whole[0], breaks[0]
+            raise CapturePassError(
+                f"%{first.name} ({first.target}) requires the whole forward in one monolithic CUDA graph, "
+                f"but %{brk.name} ({brk.target}) is not capturable ({meta.info(brk).capability.reason}), so the "
+                f"graph can only be captured breakable (cudagraphs={mode!r}); make %{brk.name}'s op capturable, "
+                "move it out of the compiled region, or compile with cudagraphs='none'"
+            )
+        if whole and mode == "breakable":
+            msg = (
+                f"cudagraphs=breakable switched to monolithic: %{whole[0].name} requires the whole forward "
+                "in one CUDA graph (and the graph has no break)"
+            )
+            log.info("capturepass: %s", msg)
+            meta.add_decision(gm, msg)
+            mode = "monolithic"
         if breaks and mode == "monolithic":
             first = breaks[0]
             msg = (
@@ -159,7 +180,7 @@ class AssignStreams(Pass):
         ]
         for launch in gated:
             cap = meta.info(launch).capability
-            if cap.overlap != "safe":
+            if cap.overlap == "serialize":
                 meta.add_decision(gm, f"%{launch.name}: {cap.reason}: serialized, no other lane runs beside it")
                 continue
             later: list[fx.Node] = []
@@ -190,7 +211,10 @@ class AssignStreams(Pass):
             names = ", ".join(f"%{n.name}" for n in moved[:6]) + (", ..." if len(moved) > 6 else "")
             what = f"enqueued {len(moved)} node(s) of other lanes before it ({names})" if moved else (
                 "nothing on other lanes to enqueue before it")
-            meta.add_decision(gm, f"%{launch.name}: {cap.reason}: may overlap; {what}")
+            if cap.overlap == "join":
+                meta.add_decision(gm, f"%{launch.name}: {cap.reason}: joined; {what}; every lane joins before it starts")
+            else:
+                meta.add_decision(gm, f"%{launch.name}: {cap.reason}: may overlap; {what}")
             ctx.count(self.name, "enqueued_first", len(moved))
 
     def _schedule(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId], candidates: list[LaneId]) -> None:
@@ -223,11 +247,13 @@ class AssignStreams(Pass):
             t = cost.node_time(meta.info(node).cost)
             preds = [p for p in (source(a) for a in node.all_input_nodes) if p is not None]
             if _pinned_to_main(node):
-                # Nothing runs beside a serialized op: it starts when every lane is idle.
+                # A serialized or joined op starts when every lane is idle; nothing runs
+                # beside a serialized one, while other lanes may resume beside a joined one.
                 start = max([ready.get(lane, 0.0) for lane in ready] + [finish[p] for p in preds] + [0.0])
                 end = start + t
+                joined = meta.info(node).capability.overlap == "join"
                 for lane in list(ready) + [MAIN_LANE]:
-                    ready[lane] = end
+                    ready[lane] = end if not joined or lane == MAIN_LANE else start
                 finish[node], where[node] = end, MAIN_LANE
                 continue
             fixed = lanes.get(node)

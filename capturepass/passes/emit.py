@@ -113,8 +113,9 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             close(lane)
             steps.append(Step(eff.value, lane=lane, payload=node))
             continue
-        if eff is Effect.RETAIN:
-            # Retention belongs to the capture of its segment: after every region of it.
+        if eff in (Effect.RETAIN, Effect.EXTERNAL):
+            # Retention belongs to the capture of its segment: after every region of it. An
+            # external join is a segment boundary: before or after every region of it.
             close_all()
             steps.append(Step(eff.value, lane=lane, payload=node))
             continue

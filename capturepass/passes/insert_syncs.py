@@ -18,7 +18,12 @@ Segment structure (breaks come from ``assign_streams``):
 - join: the main lane waits for every auxiliary lane's last node before the
   segment ends (a capture must end joined);
 - a serialized op (capability ``overlap="serialize"``) is a barrier: it waits
-  for every lane, and later auxiliary work waits for it.
+  for every lane, and later auxiliary work waits for it; an op of
+  ``overlap="join"`` waits for every lane but is no barrier for later work.
+- external streams (``GraphInfo.external``): a ``capturepass.join_external``
+  into the main lane where each segment starts (before its fork), for streams
+  the graph reads from, and out of it where each segment ends (after its
+  joins), for streams that read the graph's results.
 
 Deferred release: the caching allocator hands a freed block to the next
 allocation on the lane that allocated it, without knowing that another lane may
@@ -181,8 +186,14 @@ class InsertSyncs(Pass):
         forked: set[int] = set()
         barrier: tuple[int, str] | None = None  # main-lane seq every aux lane must follow
 
+        external = meta.graph_info(gm).external
+
         def open_segment(first: fx.Node) -> None:
             nonlocal seg_start, forked, barrier
+            for x, (name, relation) in enumerate(external):
+                if relation in ("before", "both"):
+                    ops.insert_join_external(graph, first, x, name, True, self.name, f"start of k{seg_index}")
+                    ctx.count(self.name, "external_joins")
             seg_start = w.point(0, w.issue(MAIN_LANE, None, before=first, label=f"fork k{seg_index}"))
             forked = set()
             barrier = None
@@ -196,6 +207,10 @@ class InsertSyncs(Pass):
                 if lane in forked and w.count[lane] > w.clock[0][lane]:
                     _need(need, lane, w.count[lane], f"join k{seg_index}")
             w.require(MAIN_LANE, need, anchor)
+            for x, (name, relation) in enumerate(external):
+                if relation in ("after", "both"):
+                    ops.insert_join_external(graph, anchor, x, name, False, self.name, f"end of k{seg_index}")
+                    ctx.count(self.name, "external_joins")
             seg_start = None
             seg_index += 1
 
@@ -230,10 +245,11 @@ class InsertSyncs(Pass):
             if serialize:
                 for other in range(1, w.nlanes):
                     if w.count[other] > w.clock[lane.index][other]:
-                        _need(need, other, w.count[other], f"serialize %{node.name}")
+                        _need(need, other, w.count[other], f"{rec.capability.overlap} %{node.name}")
             w.require(lane, need, node)
             w.issue(lane, node)
-            if serialize:
+            if serialize and rec.capability.overlap == "serialize":
+                # "join" stops here: lanes may run beside the launch once it has started.
                 barrier = (w.count[0], f"serialize %{node.name}")
             releases.after(w, node, i, self.name)
 

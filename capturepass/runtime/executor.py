@@ -109,7 +109,8 @@ class _Capture:
         self.program = program
         self.owner = owner
         self.static_outputs = static_outputs
-        self.eager = program.bind(owner, owner.lanes("eager"))
+        self.eager_lanes = owner.lanes("eager")
+        self.eager = program.bind(owner, self.eager_lanes)
         self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
         self.static_ptrs: dict[int, int] = {}  # input position -> address baked into the graphs
         self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, buffer)
@@ -129,7 +130,8 @@ class _Capture:
         _clear_cublas_workspaces()
         owner.pool = torch.cuda.graph_pool_handle()
         owner.capture_stream = stream
-        bound = program.bind(owner, owner.lanes("capture:0"))
+        # External joins run outside the graphs, around each segment's replay.
+        bound = program.bind(owner, owner.lanes("capture:0"), externals=False)
         env = bound.initial_env(args)
         for i, (node, arg) in enumerate(zip(program.inputs, args)):
             if not isinstance(arg, torch.Tensor):
@@ -204,7 +206,14 @@ class _Capture:
                         break
                     buf.copy_(value)
                 else:
+                    joins = piece.external_joins
+                    for name, into in joins:
+                        if into:
+                            self.eager_lanes.join_external(name, True)
                     graphs[piece.segment].replay()
+                    for name, into in joins:
+                        if not into:
+                            self.eager_lanes.join_external(name, False)
                     for node, value in zip(piece.live_out, self.seg_out[p]):
                         env[node] = value
         out = self.eager.result(env)

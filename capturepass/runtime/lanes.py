@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from capturepass.errors import ResourceError
 from capturepass.ir.meta import LeaseId
+from capturepass.runtime import external
 from capturepass.runtime.events import POOL, EventPool
 
 Runner = Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]
@@ -70,6 +72,10 @@ class Lanes(abc.ABC):
     def release(self, *values: Any) -> None:
         """The point where ``values`` may be freed: the caller drops them right after."""
 
+    @abc.abstractmethod
+    def join_external(self, name: str, into: bool) -> None:
+        """Joins external stream ``name`` into the main lane (``into``), or the main lane into it."""
+
     def synchronize(self) -> None:
         """Waits for all work on every lane."""
 
@@ -100,6 +106,9 @@ class HostLanes(Lanes):
     def wait(self, event: int, lane: int) -> None:
         self.counters["waits"] += 1
 
+    def join_external(self, name: str, into: bool) -> None:
+        self.counters[f"external_{'in' if into else 'out'}:{name}"] += 1
+
 
 class CudaLanes(Lanes):
     """Lanes on CUDA streams, with events leased from the pool for one owner and scope.
@@ -118,6 +127,7 @@ class CudaLanes(Lanes):
         self.scope = scope
         self.pool = pool
         self._events: list[torch.cuda.Event] = []
+        self._external: dict[tuple[str, bool], torch.cuda.Event] = {}
 
     def _stream(self, lane: int) -> torch.cuda.Stream:
         return torch.cuda.current_stream() if lane == 0 else self.streams[lane - 1]
@@ -143,6 +153,26 @@ class CudaLanes(Lanes):
     def wait(self, event: int, lane: int) -> None:
         self._stream(lane).wait_event(self._events[event])
 
+    def join_external(self, name: str, into: bool) -> None:
+        ext = external.bound_stream(name)
+        main = torch.cuda.current_stream()
+        if torch.cuda.is_current_stream_capturing() and not external.is_capturing(ext):
+            raise ResourceError(
+                f"{self.owner}: external stream {name!r} is not part of the capture in progress: a captured "
+                "graph cannot wait for a stream outside its capture (fork the stream from the capturing "
+                "stream before calling the model, so that the capture includes it)"
+            )
+        event = self._external.get((name, into))
+        if event is None:
+            event = self._external[(name, into)] = self.pool.acquire(self.owner, self.scope, "external")
+        if into:
+            event.record(ext)
+            main.wait_event(event)
+        else:
+            event.record(main)
+            ext.wait_event(event)
+        self.counters[f"external_{'in' if into else 'out'}:{name}"] += 1
+
     def release(self, *values: Any) -> None:
         # The allocator frees on the allocating stream when the last reference dies,
         # which the generated code does right after this call; insert_syncs placed the
@@ -157,3 +187,4 @@ class CudaLanes(Lanes):
     def close(self) -> None:
         super().close()
         self._events.clear()
+        self._external.clear()

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 class Step:
     """One step of the outer program: a region, or a ``capturepass::`` op."""
 
-    kind: str  # "region", "record", "wait", "release", "retain"
+    kind: str  # "region", "record", "wait", "release", "retain", "external"
     lane: LaneId
     payload: Any
 
@@ -92,6 +92,12 @@ class Piece:
     steps: list[Step]
     live_in: list[fx.Node] = dataclasses.field(default_factory=list)
     live_out: list[fx.Node] = dataclasses.field(default_factory=list)
+
+    @property
+    def external_joins(self) -> list[tuple[str, bool]]:
+        """``(stream name, into)`` of the piece's external joins, in program order."""
+        return [(meta.info(s.payload).external, meta.info(s.payload).role == "in")
+                for s in self.steps if s.kind == "external"]
 
     @property
     def has_kernels(self) -> bool:
@@ -184,9 +190,14 @@ class Program:
             piece.live_out = [d for step in piece.steps for d in _defs(step) if d in needed_later[i]]
         return pieces
 
-    def bind(self, owner: "GraphOwner", lanes: "Lanes") -> "BoundProgram":
-        """Generates every piece's code against ``owner``'s ``lanes`` (one event scope)."""
-        return BoundProgram(self, [_piece_module(p, owner, lanes) for p in self.pieces])
+    def bind(self, owner: "GraphOwner", lanes: "Lanes", externals: bool = True) -> "BoundProgram":
+        """Generates every piece's code against ``owner``'s ``lanes`` (one event scope).
+
+        With ``externals=False`` the pieces leave out their external-stream joins: the
+        caller runs them around each segment's capture and replay (a captured graph
+        cannot wait for a stream outside its capture).
+        """
+        return BoundProgram(self, [_piece_module(p, owner, lanes, externals) for p in self.pieces])
 
 
 class BoundProgram:
@@ -233,7 +244,7 @@ def _segment_of(node: fx.Node) -> int | None:
     return seg.index if seg is not None else None
 
 
-def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes") -> fx.GraphModule:
+def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: bool = True) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in piece.live_in}
     for step in piece.steps:
@@ -253,6 +264,9 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes") -> fx.Graph
             graph.call_function(lanes.record if step.kind == "record" else lanes.wait, (handle, step.lane.index))
         elif step.kind == "release":
             graph.call_function(lanes.release, tuple(env[a] for a in node.all_input_nodes))
+        elif step.kind == "external":
+            if externals:
+                graph.call_function(lanes.join_external, (rec.external, rec.role == "in"))
         elif step.kind == "retain":
             seg = rec.segment.index if rec.segment is not None else -1
             handles = tuple(owner.resource_handle(r) for r in rec.resources)

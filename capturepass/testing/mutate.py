@@ -10,7 +10,8 @@ the pipeline inserted taken away:
   point again);
 - ``retain``: one value (or one resource) is dropped from a segment's ``capturepass.retain``;
 - ``lease``: an event is moved into the lease of another event of its role that is live at the
-  same time, so that one event object serves both (its scope is lost).
+  same time, so that one event object serves both (its scope is lost);
+- ``external``: a ``capturepass.join_external`` of a declared external stream is removed.
 
 :func:`score` runs the verifier and the interleaving simulator on every mutant. Every mutant
 must be rejected by the verifier; the simulator reports what it can observe (a result that
@@ -79,6 +80,8 @@ def mutants(gm: fx.GraphModule) -> list[Mutant]:
                     break
         elif rec.effect is Effect.RELEASE:
             out.append(Mutant("release", node.name))
+        elif rec.effect is Effect.EXTERNAL:
+            out.append(Mutant("external", node.name))
         elif rec.effect is Effect.RETAIN:
             for value in node.all_input_nodes:
                 out.append(Mutant("retain", node.name, f"%{value.name}"))
@@ -92,7 +95,7 @@ def apply(gm: fx.GraphModule, mutant: Mutant) -> fx.GraphModule:
     out = copy.deepcopy(gm)
     node = next(n for n in out.graph.nodes if n.name == mutant.node)
     rec = meta.info(node)
-    if mutant.kind in ("wait", "record", "release"):
+    if mutant.kind in ("wait", "record", "release", "external"):
         out.graph.erase_node(node)
     elif mutant.kind == "retain":
         if mutant.detail.startswith("resource "):

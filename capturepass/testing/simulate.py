@@ -228,8 +228,8 @@ def _kind(node: fx.Node) -> str:
         return "constant"
     if eff is Effect.OUTPUT:
         return "output"
-    if eff in (Effect.RECORD, Effect.WAIT, Effect.RELEASE, Effect.RETAIN):
-        return eff.value
+    if eff in (Effect.RECORD, Effect.WAIT, Effect.RELEASE, Effect.RETAIN, Effect.EXTERNAL):
+        return eff.value  # release, retain, external: host bookkeeping (no lane other than main runs them)
     if analysis.is_getitem(node):
         return "host"
     if analysis.aliases_input(node) is not None:
@@ -745,7 +745,8 @@ class _Sim:
         self.done.add(node)
 
     def _check_serialized(self, node: fx.Node, acc: _Access, clock: list[int]) -> None:
-        """A serialized op (capability ``overlap="serialize"``) is ordered with every other node."""
+        """A serialized op (capability ``overlap="serialize"``) is ordered with every other node;
+        a joined one (``"join"``) after every node issued before it."""
         for s_acc, s_clock in self.serialized:  # serialized ops that ran before this node
             if s_acc.lane != acc.lane and not _Memory._before(s_acc, clock) and not _Memory._before(acc, s_clock):
                 self.mem._race(s_acc, acc, -1, "serialize")
@@ -753,8 +754,9 @@ class _Sim:
         if cap is not None and cap.overlap != "safe":
             for other in self.executed:
                 if other.lane != acc.lane and not _Memory._before(other, clock):
-                    self.mem._race(other, acc, -1, "serialize")
-            self.serialized.append((acc, list(clock)))
+                    self.mem._race(other, acc, -1, cap.overlap)
+            if cap.overlap == "serialize":
+                self.serialized.append((acc, list(clock)))
         self.executed.append(acc)
 
     def run(self) -> SimResult:
