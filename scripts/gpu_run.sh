@@ -22,7 +22,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 examples/moe_shared_expert.py --device cuda 2>&1 | tail -12
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
-  # The example end to end, then a subset of the GPU tests (two owners, breakable capture, deferred release).
+  # The example end to end, then subsets of the GPU tests (two owners, breakable capture, deferred release;
+  # owner-bound channels and workspaces, an external stream, the join level).
   for tool in racecheck memcheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 examples/moe_shared_expert.py --device cuda --small \
       > "$out/sanitizer-$tool.log" 2>&1
@@ -30,6 +31,9 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
     compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_runtime.py \
       -k "target_and_draft or breakable_capture or deferred_release or attention" > "$out/sanitizer-tests-$tool.log" 2>&1
     echo "compute-sanitizer $tool (tests): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-tests-$tool.log" | tail -1); $(grep -E 'passed|failed' "$out/sanitizer-tests-$tool.log" | tail -1)"
+    compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_cuda_resources.py \
+      -k "target_and_draft or external_stream_joined or join_level" > "$out/sanitizer-resources-$tool.log" 2>&1
+    echo "compute-sanitizer $tool (resource tests): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-resources-$tool.log" | tail -1); $(grep -E 'passed|failed' "$out/sanitizer-resources-$tool.log" | tail -1)"
   done
 fi
 if [ "$what" = resident ] || [ "$what" = all ]; then
