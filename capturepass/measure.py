@@ -839,43 +839,26 @@ class _Session:
 def _instrumented(session: _Session) -> Iterator[None]:
     """Wraps every compiled-graph call and region call of this thread in a profiler range."""
     import torch
-    from capturepass.runtime.executor import Executor
-    from capturepass.runtime.program import RegionCall
+    from capturepass.runtime import context
 
-    orig_call, orig_region = Executor.__call__, RegionCall.__call__
+    def graph_range(executor: Any) -> Any:
+        return torch.profiler.record_function(f"{PREFIX}graph:{session.key_of(executor)}")
 
-    def executor_call(self: Any, args: list[Any]) -> Any:
-        if threading.get_ident() != session.thread:
-            return orig_call(self, args)
-        with torch.profiler.record_function(f"{PREFIX}graph:{session.key_of(self)}"):
-            return orig_call(self, args)
+    def region_range(spec: Any) -> Any:
+        return torch.profiler.record_function(f"{PREFIX}region:{spec.index}")
 
-    def region_call(self: Any, *args: Any) -> Any:
-        if threading.get_ident() != session.thread:
-            return orig_region(self, *args)
-        with torch.profiler.record_function(f"{PREFIX}region:{getattr(getattr(self, 'spec', None), 'index', '?')}"):
-            return orig_region(self, *args)
-
-    Executor.__call__ = executor_call  # type: ignore[method-assign]
-    RegionCall.__call__ = region_call  # type: ignore[method-assign]
-    try:
+    with context.instrumented(context.Instrumentation(graph=graph_range, region=region_range)):
         yield
-    finally:
-        Executor.__call__ = orig_call  # type: ignore[method-assign]
-        RegionCall.__call__ = orig_region  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
 def _uncaptured(executors: Iterable[Any]) -> Iterator[None]:
     """Runs captured graphs uncaptured (on their eager owner's lanes) inside the block."""
-    flipped = [ex for ex in executors if getattr(ex, "captured", False)]
-    for ex in flipped:
-        ex.captured = False
-    try:
+    with contextlib.ExitStack() as stack:
+        for ex in executors:
+            if getattr(ex, "captured", False):
+                stack.enter_context(ex.uncaptured())
         yield
-    finally:
-        for ex in flipped:
-            ex.captured = True
 
 
 def _region_infos(program: Any) -> dict[int, RegionInfo]:

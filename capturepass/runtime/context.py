@@ -3,19 +3,58 @@
 The runtime sets it around every call of a compiled graph (eager, capture,
 replay set-up, or inside an outer capture); ``capturepass.retain`` and
 ``capturepass.workspace`` read it.
+
+A tool that observes the runtime (``capturepass.trace``) installs an
+:class:`Instrumentation` for the current thread with :func:`instrumented`:
+every compiled-graph call and every region call of that thread then runs inside
+the context managers it returns (profiler ranges, say). Other threads are not
+affected.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from capturepass.runtime.owner import GraphOwner
 
 _state = threading.local()
+
+
+class Instrumentation:
+    """What an observer wraps around calls (each a callable returning a context manager).
+
+    Args:
+        graph: called with the executor of each compiled-graph call.
+        region: called with the ``RegionSpec`` of each region call.
+    """
+
+    def __init__(
+        self,
+        graph: Callable[[Any], contextlib.AbstractContextManager] | None = None,
+        region: Callable[[Any], contextlib.AbstractContextManager] | None = None,
+    ) -> None:
+        self.graph = graph
+        self.region = region
+
+
+def instrumentation() -> Instrumentation | None:
+    """The instrumentation of this thread, if any."""
+    return getattr(_state, "instrumentation", None)
+
+
+@contextlib.contextmanager
+def instrumented(inst: Instrumentation) -> Iterator[None]:
+    """Installs ``inst`` for this thread inside the block (instrumentations do not nest)."""
+    prev = getattr(_state, "instrumentation", None)
+    _state.instrumentation = inst
+    try:
+        yield
+    finally:
+        _state.instrumentation = prev
 
 
 def current_owner() -> "GraphOwner | None":

@@ -37,10 +37,11 @@ that consume them before the next call, as engines do).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -316,6 +317,7 @@ class Executor:
         self._profile_owner: GraphOwner | None = None
         self._profile_program: Any = None
         self._warned_bound = False
+        self._uncaptured_depth = 0
         self._lock = threading.Lock()
         self.closed = False
 
@@ -345,9 +347,27 @@ class Executor:
 
     # -- calls -----------------------------------------------------------------------------------
     def __call__(self, args: list[Any]) -> Any:
+        inst = context.instrumentation()
+        if inst is None or inst.graph is None:
+            return self._call(args)
+        with inst.graph(self):
+            return self._call(args)
+
+    @contextlib.contextmanager
+    def uncaptured(self) -> Iterator[None]:
+        """Inside the block this callable runs its program uncaptured, on its eager owner's
+        lanes (its captures are kept, and replay again afterwards). For measurements that
+        need each lane on its own stream."""
+        self._uncaptured_depth += 1
+        try:
+            yield
+        finally:
+            self._uncaptured_depth -= 1
+
+    def _call(self, args: list[Any]) -> Any:
         if self.closed:
             raise CapturePassError(f"this compiled {self.program.info.name} graph was closed; compile it again")
-        if not self.captured:
+        if not self.captured or self._uncaptured_depth:
             return self._run_eager(args)
         if torch.cuda.is_current_stream_capturing():
             return self._run_in_outer_capture(args)

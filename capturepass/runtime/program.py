@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from capturepass.ir import meta
 from capturepass.ir.meta import GraphInfo, LaneId
+from capturepass.runtime import context
 
 if TYPE_CHECKING:
     from capturepass.runtime.lanes import Lanes
@@ -116,7 +117,11 @@ class RegionCall:
         self._run = run
 
     def __call__(self, *args: Any) -> Sequence[Any]:
-        return self._run(self._fn, args)
+        inst = context.instrumentation()
+        if inst is None or inst.region is None:
+            return self._run(self._fn, args)
+        with inst.region(self.spec):
+            return self._run(self._fn, args)
 
     def __repr__(self) -> str:
         return f"<region {self.spec.index} on s{self.spec.lane} ({self.spec.compiler})>"
