@@ -221,5 +221,9 @@ class LaneLayout:
 
     def lane_issues_after(self, lane: int, index: int) -> bool:
         """Whether lane number ``lane`` issues another node after ``index``, in the segment of ``index``."""
-        positions = self._by_lane.get((self.segment_at(index), lane), ())
-        return bool(positions) and positions[-1] > index
+        return self.last_index(self.segment_at(index), lane) > index
+
+    def last_index(self, segment: int, lane: int) -> int:
+        """The program index of the last node of lane number ``lane`` in ``segment`` (-1 if none)."""
+        positions = self._by_lane.get((segment, lane))
+        return positions[-1] if positions else -1

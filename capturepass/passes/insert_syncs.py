@@ -292,18 +292,27 @@ class _ReleasePlan:
         # last node that holds each root (uses it or a view of it), and the roots that a
         # compute node reads on a lane other than the root's own.
         root_of: dict[fx.Node, fx.Node] = {}
+        root_lane: dict[fx.Node, int] = {}  # root -> the number of its lane
         last_holder: dict[fx.Node, int] = {}
         cross_read: set[fx.Node] = set()
         for i, (node, rec) in enumerate(zip(nodes, records)):
             src = analysis.aliases_input(node)
-            root_of[node] = node if src is None else (root_of.get(src) or analysis.storage_root(src))
+            li = 0 if rec.lane is None else rec.lane.index
+            if src is None:
+                root_of[node] = node
+                root_lane[node] = li
+            else:
+                root_of[node] = root_of.get(src) or analysis.storage_root(src)
             compute = rec.effect is Effect.COMPUTE
-            lane = rec.lane
             for p in node.all_input_nodes:
                 root = root_of.get(p) or analysis.storage_root(p)
                 last_holder[root] = i
-                if compute and meta.lane_of(root) != (lane or MAIN_LANE):
-                    cross_read.add(root)
+                if compute:
+                    a = root_lane.get(root)
+                    if a is None:
+                        a = root_lane[root] = meta.lane_of(root).index
+                    if a != li:
+                        cross_read.add(root)
         # root -> (allocating lane, its reads on other lanes with their lanes): computed once,
         # since this pass never changes lanes or the compute users of a node.
         self._cross: dict[fx.Node, tuple[int, list[tuple[fx.Node, int]]]] = {}
@@ -346,11 +355,15 @@ class _ReleasePlan:
         due, places safe ones."""
         safe: list[tuple[int, fx.Node]] = []
         moved: list[tuple[tuple[int, fx.Node], int]] = []
+        layout = self.layout
+        segment: int | None = None  # the segment of ``now``, once needed
         for key, group in self._waiting.items():
             if not group:
                 continue
             alloc, lane = key
-            if not self.layout.lane_issues_after(alloc, now):
+            if segment is None:
+                segment = layout.segment_at(now)
+            if layout.last_index(segment, alloc) <= now:  # alloc issues nothing more in the segment
                 safe.extend(group)
                 self._waiting[key] = []
             elif w.clock[alloc][lane] != self._checked[key]:
@@ -368,7 +381,9 @@ class _ReleasePlan:
         for entry, blocker in moved:
             self._defer(w, entry, blocker)
         for root in self._due.pop(now, ()):
-            if self.layout.issues_after(root, now):
+            if segment is None:
+                segment = layout.segment_at(now)
+            if layout.last_index(segment, self._cross[root][0]) > now:  # alloc issues more after now
                 blocker = self._blocker(w, root)
                 if blocker is not None:
                     self._defer(w, (self._deferred, root), blocker)
