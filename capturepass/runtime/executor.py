@@ -4,8 +4,10 @@ Modes, per graph:
 
 - host graph, or ``cudagraphs="none"``: the program runs eagerly, its lanes on
   the owner's streams (CUDA) or in program order (host);
-- ``monolithic`` / ``breakable`` on CUDA: one :class:`GraphOwner` per input
-  shape. The first call with a shape warms the program up on a side stream,
+- ``monolithic`` / ``breakable`` on CUDA: one :class:`GraphOwner` per model
+  instance and input shape (an instance is the set of addresses of the static
+  inputs: Dynamo serves every instance of a module class with one compiled
+  graph, and a target and a draft model must still never share an owner). The first call with a shape warms the program up on a side stream,
   clears cuBLAS's workspaces (so that the graphs allocate and own theirs: a
   graph that recorded a workspace it did not own is corrupted when the
   workspace is freed), and captures every segment into its own CUDA graph, all
@@ -284,6 +286,15 @@ class _Snapshot:
                     )
 
 
+@dataclasses.dataclass
+class _EagerOwner:
+    """The owner of one model instance's uncaptured runs, and its bound programs."""
+
+    owner: GraphOwner
+    program: Any
+    outer: Any = None
+
+
 class Executor:
     """The compiled callable of one ATen graph (boxed: takes a list of arguments).
 
@@ -311,11 +322,9 @@ class Executor:
         self.max_captures = max_captures
         self.static_outputs = static_outputs
         self._captures: dict[tuple, _Capture] = {}
-        self._eager_owner: GraphOwner | None = None
-        self._eager: Any = None
-        self._outer: Any = None
-        self._profile_owner: GraphOwner | None = None
-        self._profile_program: Any = None
+        # Owners of uncaptured runs, per model instance (the addresses of the static inputs).
+        self._eager_owners: dict[tuple, _EagerOwner] = {}
+        self._profile_owners: dict[tuple, _EagerOwner] = {}
         self._warned_bound = False
         self._uncaptured_depth = 0
         self._lock = threading.Lock()
@@ -330,20 +339,43 @@ class Executor:
                 return a.device
         return torch.device("cuda", torch.cuda.current_device())
 
-    def _eager_program(self, args: Sequence[Any]) -> Any:
-        if self._eager is None:
+    def _instance(self, args: Sequence[Any]) -> tuple:
+        """The model instance a call runs: the addresses of its static inputs (parameters).
+
+        Dynamo compiles a class's ``forward`` once and serves every instance with the same
+        graph (parameters are inputs); a target and a draft model of one class would then
+        share this callable. Owners are therefore kept per instance, so that two models
+        never share graphs, pools, channels or workspaces.
+        """
+        return tuple(
+            args[i].data_ptr() for i in sorted(self.program.static_inputs)
+            if i < len(args) and isinstance(args[i], torch.Tensor)
+        )
+
+    def _eager_owner_for(self, args: Sequence[Any]) -> "_EagerOwner":
+        instance = self._instance(args)
+        rec = self._eager_owners.get(instance)
+        if rec is None:
+            if len(self._eager_owners) >= self.max_captures:
+                oldest = next(iter(self._eager_owners))
+                log.info(
+                    "capturepass: %s graph: more than max_captures=%d model instances ran uncaptured; "
+                    "releasing the owner of the oldest", self.program.info.name, self.max_captures,
+                )
+                self._eager_owners.pop(oldest).owner.close()
             info = self.program.info
-            self._eager_owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=info.captured)
-            self._eager = self.program.bind(self._eager_owner, self._eager_owner.lanes("eager"))
-        return self._eager
+            owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=info.captured)
+            rec = self._eager_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
+        return rec
+
+    def _eager_program(self, args: Sequence[Any]) -> Any:
+        return self._eager_owner_for(args).program
 
     @property
     def owners(self) -> list[GraphOwner]:
-        """Every owner this callable holds (one per capture shape, plus the eager one)."""
-        owners = [c.owner for c in self._captures.values()]
-        if self._eager_owner is not None:
-            owners.append(self._eager_owner)
-        return owners
+        """Every owner this callable holds (one per model instance and capture shape, and one
+        per model instance that ran uncaptured)."""
+        return [c.owner for c in self._captures.values()] + [r.owner for r in self._eager_owners.values()]
 
     # -- calls -----------------------------------------------------------------------------------
     def __call__(self, args: list[Any]) -> Any:
@@ -373,7 +405,7 @@ class Executor:
             return self._run_in_outer_capture(args)
         if self.capture_sizes and not self._captures:
             self._precapture(args)
-        key = _shape_key(args)
+        key = (self._instance(args), _shape_key(args))
         cap = self._captures.get(key)
         if cap is not None:
             out = cap.replay(args, self.check_replay)
@@ -394,8 +426,8 @@ class Executor:
         return self.capture(args, key).replay(args)
 
     def capture(self, args: Sequence[Any], key: tuple | None = None) -> _Capture:
-        """Captures the program for the shapes of ``args`` (kept for later calls)."""
-        key = _shape_key(args) if key is None else key
+        """Captures the program for the shapes (and model instance) of ``args``, kept for later calls."""
+        key = (self._instance(args), _shape_key(args)) if key is None else key
         with self._lock:
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
@@ -426,7 +458,7 @@ class Executor:
                     self.program.info.name,
                 )
                 return
-            key = _shape_key(sized)
+            key = (self._instance(sized), _shape_key(sized))
             if key not in self._captures and len(self._captures) < self.max_captures:
                 self.capture(sized, key)
 
@@ -434,39 +466,37 @@ class Executor:
         prof = profiling.active()
         if prof is not None and self.program.info.captured and not self.captured:
             return self._run_profiled_on_host(args, prof)
-        program = self._eager_program(args)
-        with context.running(self._eager_owner):
-            return program(*args)
+        rec = self._eager_owner_for(args)
+        with context.running(rec.owner):
+            return rec.program(*args)
 
     def _run_profiled_on_host(self, args: Sequence[Any], prof: "profiling.ProfilingCapture") -> Any:
         # A host graph's first run stands for its capture: inside a profiling capture it
         # runs on a throwaway owner, which the block releases with what it retained.
-        if self._profile_owner is None or self._profile_owner.closed:
+        instance = self._instance(args)
+        rec = self._profile_owners.get(instance)
+        if rec is None or rec.owner.closed:
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), None, captured=True)
-            self._profile_owner = owner
-            self._profile_program = self.program.bind(owner, owner.lanes("eager"))
-            prof.adopt(owner, self._forget_profile_owner)
-        with context.running(self._profile_owner):
-            return self._profile_program(*args)
-
-    def _forget_profile_owner(self) -> None:
-        self._profile_owner = self._profile_program = None
+            rec = self._profile_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
+            prof.adopt(owner, lambda: self._profile_owners.pop(instance, None))
+        with context.running(rec.owner):
+            return rec.program(*args)
 
     def _run_in_outer_capture(self, args: Sequence[Any]) -> Any:
         # An engine is capturing around us: emit streams and events into its capture,
         # with events of a scope reserved for it, and retain for our own owner's life
         # (torch gives no handle to the outer graph).
-        self._eager_program(args)
-        owner = self._eager_owner
-        if self._outer is None:
-            self._outer = self.program.bind(owner, owner.lanes("outer"))
+        rec = self._eager_owner_for(args)
+        owner = rec.owner
+        if rec.outer is None:
+            rec.outer = self.program.bind(owner, owner.lanes("outer"))
         owner.capturing = -1
         reason = f"outer capture around {owner.name}"
         try:
             with context.running(owner), owner.workspaces.locked(reason), locked_for_capture(reason), \
                     pools.entered_for_capture(owner.name, torch.cuda.current_stream()):
-                return self._outer(*args)
+                return rec.outer(*args)
         finally:
             owner.capturing = None
 
@@ -488,9 +518,9 @@ class Executor:
         for cap in self._captures.values():
             cap.owner.close()
         self._captures.clear()
-        if self._eager_owner is not None:
-            self._eager_owner.close()
-        self._eager_owner = self._eager = self._outer = None
+        for rec in self._eager_owners.values():
+            rec.owner.close()
+        self._eager_owners.clear()
         self.closed = True
 
     def __del__(self) -> None:

@@ -239,7 +239,7 @@ def test_profiling_capture_releases_owners_and_rolls_back(comm):
         torch.testing.assert_close(out, (x.relu() * 1.0) * 2 + 1)
         model(x)  # the same throwaway owner
         executor = capturepass.backends.dynamo.last_compiled()[-1].executor
-        throwaway = executor._profile_owner
+        (throwaway,) = [r.owner for r in executor._profile_owners.values()]
         assert throwaway.profiling and throwaway.num_retained > 0
         during = sorted(str(k) for k in comm.channels())
         assert during == sorted(["engine/s0", f"{throwaway.name}/s0"])
@@ -250,7 +250,7 @@ def test_profiling_capture_releases_owners_and_rolls_back(comm):
     assert comm.released == [f"{throwaway.name}/s0"]
     # after the block the callable runs on its own owner again, with a new channel
     torch.testing.assert_close(model(x), (x.relu() * 1.0) * 2 + 1)
-    assert len(comm.channels()) == 2 and executor._profile_owner is None
+    assert len(comm.channels()) == 2 and executor._profile_owners == {}
 
 
 def test_profiling_captures_do_not_nest():
@@ -376,3 +376,29 @@ def test_check_replay_option_is_validated():
     assert Options.from_mapping({"check_replay": True}).check_replay is True
     with pytest.raises(OptionError, match="option 'check_replay' must be True or False"):
         Options.from_mapping({"check_replay": "yes"})
+
+
+def test_two_instances_of_one_class_get_their_own_owners_and_channels(comm):
+    # Dynamo serves both instances with one compiled graph (parameters are inputs); the
+    # owners, and so the channels, are still per instance.
+    class Scaled(torch.nn.Module):
+        def __init__(self, s: float) -> None:
+            super().__init__()
+            self.s = torch.nn.Parameter(torch.full((8,), s), requires_grad=False)
+
+        def forward(self, x):
+            return torch.ops.cptest_res.allreduce(x * self.s) + 1
+
+    a, b = Scaled(1.0), Scaled(3.0)
+    ca, cb = _compile(a), _compile(b)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        torch.testing.assert_close(ca(x), x * 2 + 1)
+        torch.testing.assert_close(cb(x), x * 6 + 1)
+    executors = {id(g.executor) for g in capturepass.backends.dynamo.last_compiled() if g.executor is not None}
+    keys = [k for k, _ in SEEN]
+    assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1]
+    assert comm.counters["made"] == 2
+    if len(executors) == 1:  # one compiled graph for both: two owners in it
+        (executor,) = [g.executor for g in capturepass.backends.dynamo.last_compiled() if g.executor is not None][-1:]
+        assert len(executor.owners) == 2
