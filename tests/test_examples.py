@@ -82,3 +82,12 @@ def test_custom_op_retention(tmp_path):
 ))
 def test_every_example_is_tested(name):
     assert f"test_{name[:-3]}" in globals(), f"examples/{name} has no test here"
+
+
+def test_engine_resources():
+    out = _run("engine_resources.py")
+    assert re.search(r"profiling capture: 2 throwaway owner\(s\) g\d+:inference, g\d+:inference; .* left allocated 0 B", out)
+    assert re.search(r"channels released with them: g\d+:inference/s0, g\d+:inference/s0; live now: none", out)
+    assert "channels: 3 live, one per owner and lane:" in out and "eager/s0: 3 call(s)" in out
+    assert "external stream joins in the dump: 1" in out
+    assert "result equals eager on cpu (target and draft interleaved, weights from the offload stream): OK" in out
