@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|bench|resident|sanitize|trace|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|bench|resident|resources|sanitize|trace|all [OUTDIR]
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
@@ -35,6 +35,10 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
       -k "target_and_draft or external_stream_joined or join_level" > "$out/sanitizer-resources-$tool.log" 2>&1
     echo "compute-sanitizer $tool (resource tests): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-resources-$tool.log" | tail -1); $(grep -E 'passed|failed' "$out/sanitizer-resources-$tool.log" | tail -1)"
   done
+fi
+if [ "$what" = resources ] || [ "$what" = all ]; then
+  python3 examples/engine_resources.py --device cuda 2>&1 | grep -v DEBUG | tail -12
+  python3 bench/profiling_capture.py 2>&1 | grep -v DEBUG | tail -8
 fi
 if [ "$what" = resident ] || [ "$what" = all ]; then
   python3 bench/resident_grid.py --out "$out" 2>&1 | grep -v DEBUG | tail -12

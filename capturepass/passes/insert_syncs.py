@@ -274,6 +274,10 @@ class InsertSyncs(Pass):
         w.require(lane, self._need_of(w, node, lane), node)
 
 
+def _first(entry: tuple[int, fx.Node]) -> int:
+    return entry[0]
+
+
 class _ReleasePlan:
     """Finds tensors whose default free would race, and defers them.
 
@@ -334,6 +338,8 @@ class _ReleasePlan:
         self._waiting: dict[tuple[int, int], list[tuple[int, fx.Node]]] = {}
         self._checked: dict[tuple[int, int], int] = {}
         self._deferred = 0
+        self._ends_segment = -1
+        self._ends: dict[int, int] = {}
 
     def _blocker(self, w: _Walker, root: fx.Node) -> int | None:
         """The lane of the first read of ``root`` its allocating lane does not yet run after, if any."""
@@ -355,18 +361,23 @@ class _ReleasePlan:
         due, places safe ones."""
         safe: list[tuple[int, fx.Node]] = []
         moved: list[tuple[tuple[int, fx.Node], int]] = []
-        layout = self.layout
-        segment: int | None = None  # the segment of ``now``, once needed
-        for key, group in self._waiting.items():
+        ends: dict[int, int] | None = None  # lane number -> its last program index in this segment
+        waiting = self._waiting
+        checked = self._checked
+        clock = w.clock
+        for key, group in waiting.items():
             if not group:
                 continue
             alloc, lane = key
-            if segment is None:
-                segment = layout.segment_at(now)
-            if layout.last_index(segment, alloc) <= now:  # alloc issues nothing more in the segment
+            if ends is None:
+                ends = self._lane_ends(now)
+            end = ends.get(alloc)
+            if end is None:
+                end = ends[alloc] = self.layout.last_index(self._ends_segment, alloc)
+            if end <= now:  # alloc issues nothing more in the segment
                 safe.extend(group)
-                self._waiting[key] = []
-            elif w.clock[alloc][lane] != self._checked[key]:
+                waiting[key] = []
+            elif clock[alloc][lane] != checked[key]:
                 still = []
                 for entry in group:
                     blocker = self._blocker(w, entry[1])
@@ -376,21 +387,36 @@ class _ReleasePlan:
                         still.append(entry)
                     else:
                         moved.append((entry, blocker))
-                self._waiting[key] = still
-                self._checked[key] = w.clock[alloc][lane]
+                waiting[key] = still
+                checked[key] = clock[alloc][lane]
         for entry, blocker in moved:
             self._defer(w, entry, blocker)
-        for root in self._due.pop(now, ()):
-            if segment is None:
-                segment = layout.segment_at(now)
-            if layout.last_index(segment, self._cross[root][0]) > now:  # alloc issues more after now
-                blocker = self._blocker(w, root)
-                if blocker is not None:
-                    self._defer(w, (self._deferred, root), blocker)
-                    self._deferred += 1
-        safe.sort(key=lambda entry: entry[0])  # in the order they were deferred
+        due = self._due.pop(now, None)
+        if due is not None:
+            if ends is None:
+                ends = self._lane_ends(now)
+            for root in due:
+                alloc = self._cross[root][0]
+                end = ends.get(alloc)
+                if end is None:
+                    end = ends[alloc] = self.layout.last_index(self._ends_segment, alloc)
+                if end > now:  # alloc issues more after now
+                    blocker = self._blocker(w, root)
+                    if blocker is not None:
+                        self._defer(w, (self._deferred, root), blocker)
+                        self._deferred += 1
+        if len(safe) > 1:
+            safe.sort(key=_first)  # in the order they were deferred
         for _, root in safe:
             self._place(w, root, node, by)
+
+    def _lane_ends(self, now: int) -> dict[int, int]:
+        """The last program index of each lane (filled in as asked) in the segment of ``now``."""
+        segment = self.layout.segment_at(now)
+        if segment != self._ends_segment:
+            self._ends_segment = segment
+            self._ends = {}
+        return self._ends
 
     def _place(self, w: _Walker, root: fx.Node, node: fx.Node, by: str) -> None:
         lane = meta.lane_of(root)
