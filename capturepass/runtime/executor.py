@@ -181,9 +181,7 @@ class _Capture:
         program = self.program
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
-        for i, ptr in self.static_ptrs.items():
-            if args[i].data_ptr() != ptr:
-                return None  # a static input moved: the graphs read a stale address
+        # Static inputs are where the capture saw them: their addresses are part of the key.
         for i, buf in self.inputs.items():
             arg = args[i]
             if arg.data_ptr() != buf.data_ptr():
@@ -327,6 +325,7 @@ class Executor:
         self._profile_owners: dict[tuple, _EagerOwner] = {}
         self._warned_bound = False
         self._uncaptured_depth = 0
+        self._static_positions = tuple(sorted(program.static_inputs))
         self._lock = threading.Lock()
         self.closed = False
 
@@ -348,8 +347,7 @@ class Executor:
         never share graphs, pools, channels or workspaces.
         """
         return tuple(
-            args[i].data_ptr() for i in sorted(self.program.static_inputs)
-            if i < len(args) and isinstance(args[i], torch.Tensor)
+            args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
         )
 
     def _eager_owner_for(self, args: Sequence[Any]) -> "_EagerOwner":
@@ -408,12 +406,7 @@ class Executor:
         key = (self._instance(args), _shape_key(args))
         cap = self._captures.get(key)
         if cap is not None:
-            out = cap.replay(args, self.check_replay)
-            if out is not None:
-                return out
-            log.info("capturepass: a static input of %s moved; capturing again", cap.owner.name)
-            self._captures.pop(key).owner.close()
-            cap = None
+            return cap.replay(args, self.check_replay)
         if len(self._captures) >= self.max_captures:
             if not self._warned_bound:
                 self._warned_bound = True

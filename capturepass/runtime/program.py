@@ -23,6 +23,7 @@ back into a strong view before anything else sees it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -94,11 +95,12 @@ class Piece:
     live_in: list[fx.Node] = dataclasses.field(default_factory=list)
     live_out: list[fx.Node] = dataclasses.field(default_factory=list)
 
-    @property
-    def external_joins(self) -> list[tuple[str, bool]]:
-        """``(stream name, into)`` of the piece's external joins, in program order."""
-        return [(meta.info(s.payload).external, meta.info(s.payload).role == "in")
-                for s in self.steps if s.kind == "external"]
+    @functools.cached_property
+    def external_joins(self) -> tuple[tuple[str, bool], ...]:
+        """``(stream name, into)`` of the piece's external joins, in program order (computed once:
+        the runtime asks at every replay)."""
+        return tuple((meta.info(s.payload).external, meta.info(s.payload).role == "in")
+                     for s in self.steps if s.kind == "external")
 
     @property
     def has_kernels(self) -> bool:
