@@ -41,13 +41,16 @@ class LeaseEvents(Pass):
         record_at: dict[EventId, int] = {}
         last_wait: dict[EventId, int] = {}
         role_of: dict[EventId, str] = {}
+        syncs: list[fx.Node] = []  # the records and waits, in program order
         for i, node in enumerate(nodes):
             rec = meta.info(node)
             if rec.effect is Effect.RECORD:
                 record_at[rec.event] = i
                 role_of[rec.event] = rec.role or "fork"
+                syncs.append(node)
             elif rec.effect is Effect.WAIT:
                 last_wait[rec.event] = i
+                syncs.append(node)
         free: dict[str, list[tuple[int, LeaseId]]] = {}
         lease_of: dict[EventId, LeaseId] = {}
         n_leases = 0
@@ -66,16 +69,15 @@ class LeaseEvents(Pass):
                 n_leases += 1
             lease_of[event] = lease
             pool.append((last_wait.get(event, start), lease))
-        for node in nodes:
+        for node in syncs:
             rec = meta.info(node)
-            if rec.effect in (Effect.RECORD, Effect.WAIT):
-                if rec.event not in lease_of:
-                    raise VerificationError(
-                        "wait-before-record",
-                        node.name,
-                        f"%{node.name} waits for {rec.event} on {rec.lane}, but no node records it "
-                        f"(created by {rec.created_by})",
-                    )
-                meta.update(node, self.name, lease=lease_of[rec.event], owner=owner)
+            if rec.event not in lease_of:
+                raise VerificationError(
+                    "wait-before-record",
+                    node.name,
+                    f"%{node.name} waits for {rec.event} on {rec.lane}, but no node records it "
+                    f"(created by {rec.created_by})",
+                )
+            meta.update(node, self.name, lease=lease_of[rec.event], owner=owner)
         ctx.count(self.name, "leases", n_leases)
         ctx.count(self.name, "events", len(record_at))
