@@ -47,14 +47,19 @@ def instrumentation() -> Instrumentation | None:
 
 
 @contextlib.contextmanager
-def instrumented(inst: Instrumentation) -> Iterator[None]:
-    """Installs ``inst`` for this thread inside the block (instrumentations do not nest)."""
-    prev = getattr(_state, "instrumentation", None)
-    _state.instrumentation = inst
+def _set(name: str, value: Any) -> Iterator[None]:
+    """Sets this thread's ``name`` to ``value`` inside the block, and back after it."""
+    prev = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.instrumentation = prev
+        setattr(_state, name, prev)
+
+
+def instrumented(inst: Instrumentation) -> contextlib.AbstractContextManager:
+    """Installs ``inst`` for this thread inside the block (an inner one replaces an outer one)."""
+    return _set("instrumentation", inst)
 
 
 def current_owner() -> "GraphOwner | None":
@@ -68,12 +73,6 @@ def current_segment() -> int | None:
     return None if owner is None else owner.capturing
 
 
-@contextlib.contextmanager
-def running(owner: "GraphOwner") -> Iterator[None]:
-    """Marks ``owner`` as the executing owner of this thread."""
-    prev = getattr(_state, "owner", None)
-    _state.owner = owner
-    try:
-        yield
-    finally:
-        _state.owner = prev
+def running(owner: "GraphOwner") -> contextlib.AbstractContextManager:
+    """Marks ``owner`` as the executing owner of this thread inside the block."""
+    return _set("owner", owner)

@@ -7,7 +7,8 @@ Modes, per graph:
 - ``monolithic`` / ``breakable`` on CUDA: one :class:`GraphOwner` per model
   instance and input shape (an instance is the set of addresses of the static
   inputs: Dynamo serves every instance of a module class with one compiled
-  graph, and a target and a draft model must still never share an owner). The first call with a shape warms the program up on a side stream,
+  graph, and a target and a draft model must still never share an owner).
+  The first call with a shape warms the program up on a side stream,
   clears cuBLAS's workspaces (so that the graphs allocate and own theirs: a
   graph that recorded a workspace it did not own is corrupted when the
   workspace is freed), and captures every segment into its own CUDA graph, all
@@ -52,8 +53,8 @@ import torch.fx as fx
 from capturepass.errors import CapturePassError, ResourceError
 from capturepass.runtime import context, pools, profiling
 from capturepass.runtime.owner import GraphOwner
-from capturepass.runtime.workspaces import locked_for_capture
 from capturepass.runtime.program import Program
+from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
 
