@@ -69,7 +69,8 @@ def _shape_key(args: Sequence[Any]) -> tuple:
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((tuple(a.shape), tuple(a.stride()), a.dtype, a.device))
+            # torch.Size is a hashable tuple already; this runs on every call.
+            key.append((a.shape, a.stride(), a.dtype, a.device))
         elif isinstance(a, (int, float, bool)):
             key.append(a)
         else:
