@@ -57,6 +57,10 @@ def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
         "segments": len(graph["segments"]),
         "breaks": [dict(b, graph=name) for b in graph["breaks"]],
         "releases": sum(1 for n in nodes if n["effect"] == "release"),
+        "external": [
+            dict(x, joins=sum(1 for n in nodes if n["effect"] == "external" and n.get("external") == x["name"]))
+            for x in graph.get("external", [])
+        ],
         "wait_reasons": [
             {"node": n["name"], "lane": n["lane"], "event": n.get("event"), "role": n.get("role"),
              "lease": n.get("lease"), "why": n.get("why")}
@@ -115,6 +119,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  records {g['records']}, waits {g['waits']}, leases {g['leases']}, releases {g['releases']}, "
             f"retained {g['retained']}, segments {g['segments']}, breaks {len(g['breaks'])}"
         )
+        for x in g["external"]:
+            lines.append(f"  external stream {x['name']} ({x['relation']}): {x['joins']} join(s)")
         for w in g["wait_reasons"]:
             lines.append(
                 f"  wait %{w['node']} on s{w['lane']} for {w['event']} ({w['role']}, lease {w['lease']}): {w['why']}"

@@ -142,3 +142,22 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["show"])
     assert info.value.code == 2
+
+
+def test_show_lists_external_streams_and_their_joins(tmp_path, capsys):
+    torch._dynamo.reset()
+    model = TwoBranch()
+    options = {"inner": "eager", "policy": "hints", "cudagraphs": "monolithic", "dump_dir": str(tmp_path),
+               "external_streams": {"offload": "before", "comm": "both"}}
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="capturepass", options=options)(x), model(x))
+    torch._dynamo.reset()
+    assert cli.main(["show", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  external stream comm (both): 2 join(s)\n" in out
+    assert "  external stream offload (before): 1 join(s)\n" in out
+    assert cli.main(["show", str(tmp_path), "--json"]) == 0
+    (graph,) = json.loads(capsys.readouterr().out)["graphs"]
+    assert graph["external"] == [{"name": "comm", "relation": "both", "joins": 2},
+                                 {"name": "offload", "relation": "before", "joins": 1}]
