@@ -18,8 +18,11 @@ verifier query instead of matching op names.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import enum
+from collections.abc import Iterator
 from typing import Any
 
 import torch.fx as fx
@@ -271,9 +274,40 @@ def set_info(node: fx.Node, record: NodeInfo) -> None:
     node.meta[META_KEY] = record
 
 
+# While a pipeline runs (shared_records), update() remembers each change it made: key (the old
+# record, the pass, the changed fields and their values, by identity) -> the new record. Every
+# old record a key names stays in ``keep`` while the table lives, so that its id is not reused.
+_SHARED: contextvars.ContextVar[tuple[dict, list] | None] = contextvars.ContextVar(
+    "capturepass_shared_records", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_records() -> Iterator[None]:
+    """Within the block, nodes whose records get the same change share the new record.
+
+    Records are frozen and passes only replace them, so sharing one between nodes is not
+    visible to a pass; what it saves is a new record per node and pass (two objects that
+    live until the next pass replaces them) on graphs of many alike nodes. The observer
+    runs the pipeline inside it.
+    """
+    token = _SHARED.set(({}, []))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def update(node: fx.Node, by: str, **changes: Any) -> NodeInfo:
     """Replaces fields of ``node``'s record and notes ``by`` as a pass that changed it."""
     old = info(node)
+    shared = _SHARED.get()
+    if shared is not None:
+        key = (id(old), by, *changes, *map(id, changes.values()))
+        new = shared[0].get(key)
+        if new is not None:
+            node.meta[META_KEY] = new
+            return new
     changed_by = old.changed_by
     if by and old.created_by != by and (not changed_by or changed_by[-1] != by):
         changed_by = changed_by + (by,)
@@ -286,6 +320,9 @@ def update(node: fx.Node, by: str, **changes: Any) -> NodeInfo:
         fields.update(old.__dict__)
         fields.update(changes)
         fields["changed_by"] = changed_by
+    if shared is not None:
+        shared[0][key] = new  # the new record holds every changed value, so their ids stay theirs
+        shared[1].append(old)
     node.meta[META_KEY] = new
     return new
 

@@ -13,6 +13,9 @@ it:
   broken invariant is reported at the pass that broke it;
 - writes ``NNN_<pass>.txt``, the canonical dump after the pass, when a dump
   directory is set, and ``graph.json`` after the last pass.
+
+The passes run inside :func:`capturepass.ir.meta.shared_records`: nodes whose
+records a pass changes alike share the new (frozen) record.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ class Observer:
 
     def run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
         """Runs ``passes`` on ``gm``; returns ``(file name, dump text)`` of each pass."""
+        with meta.shared_records():  # nodes changed alike by a pass share the new record
+            return self._run(passes, gm, ctx)
+
+    def _run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
         dumps: list[tuple[str, str]] = []
         for p in passes:
             before = meta.graph_info(gm)
