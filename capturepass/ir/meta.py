@@ -274,7 +274,7 @@ def set_info(node: fx.Node, record: NodeInfo) -> None:
     node.meta[META_KEY] = record
 
 
-# While a pipeline runs (shared_records), update() remembers each change it made: key (the old
+# While a pass runs (shared_records), update() remembers each change it made: key (the old
 # record, the pass, the changed fields and their values, by identity) -> the new record. Every
 # old record a key names stays in ``keep`` while the table lives, so that its id is not reused.
 _SHARED: contextvars.ContextVar[tuple[dict, list] | None] = contextvars.ContextVar(
@@ -289,7 +289,7 @@ def shared_records() -> Iterator[None]:
     Records are frozen and passes only replace them, so sharing one between nodes is not
     visible to a pass; what it saves is a new record per node and pass (two objects that
     live until the next pass replaces them) on graphs of many alike nodes. The observer
-    runs the pipeline inside it.
+    runs each pass inside it; what it remembers is dropped at the end of the block.
     """
     token = _SHARED.set(({}, []))
     try:

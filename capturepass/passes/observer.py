@@ -14,8 +14,8 @@ it:
 - writes ``NNN_<pass>.txt``, the canonical dump after the pass, when a dump
   directory is set, and ``graph.json`` after the last pass.
 
-The passes run inside :func:`capturepass.ir.meta.shared_records`: nodes whose
-records a pass changes alike share the new (frozen) record.
+Each pass runs inside :func:`capturepass.ir.meta.shared_records`: nodes whose
+records the pass changes alike share the new (frozen) record.
 """
 
 from __future__ import annotations
@@ -95,15 +95,12 @@ class Observer:
 
     def run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
         """Runs ``passes`` on ``gm``; returns ``(file name, dump text)`` of each pass."""
-        with meta.shared_records():  # nodes changed alike by a pass share the new record
-            return self._run(passes, gm, ctx)
-
-    def _run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
         dumps: list[tuple[str, str]] = []
         for p in passes:
             before = meta.graph_info(gm)
             start = time.perf_counter()
-            p.run(gm, ctx)
+            with meta.shared_records():  # nodes the pass changes alike share the new record
+                p.run(gm, ctx)
             elapsed = time.perf_counter() - start
             self.timings[p.name] = self.timings.get(p.name, 0.0) + elapsed
             log.debug("capturepass: pass %s took %.3f ms on %s", p.name, elapsed * 1e3, meta.graph_info(gm).name)
