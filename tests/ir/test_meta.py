@@ -167,3 +167,24 @@ def test_ids_print_short():
     ]
     assert str(ResourceBinding("workspace", owner, LaneId(1))) == "workspace@g3/s1"
     assert LaneId(0) == MAIN_LANE and LaneId(0) < LaneId(1)
+
+
+def test_shared_records_share_alike_changes_only_inside_the_block():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.relu.default, (x,))
+    b = g.call_function(torch.ops.aten.relu.default, (x,))
+    c = g.call_function(torch.ops.aten.relu.default, (x,))
+    g.output((a, b, c))
+    lane = meta.LaneId(1)
+    with meta.shared_records():
+        ra = meta.update(a, "p", lane=lane)
+        rb = meta.update(b, "p", lane=lane)
+        rc = meta.update(c, "p", lane=meta.LaneId(2))  # another value: its own record
+    assert ra is rb and rc is not ra
+    assert meta.lane_of(a) == meta.lane_of(b) == lane and meta.lane_of(c) == meta.LaneId(2)
+    assert ra.changed_by == ("p",)
+    # Outside the block every update makes its own record; sharing is invisible to readers.
+    ra2 = meta.update(a, "q", lane=lane)
+    rb2 = meta.update(b, "q", lane=lane)
+    assert ra2 is not rb2 and ra2 == rb2

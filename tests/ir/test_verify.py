@@ -291,3 +291,31 @@ def test_message_and_window_use_the_dump_ids():
     assert re.search(r"waits for event (e\d+)", text).group(1) == "e0"
     (marked,) = [line for line in text.splitlines() if line.startswith(">> ")]
     assert re.search(r"wait=(e\d+)", marked).group(1) == "e0"
+
+
+def test_check_joins_alone_catches_an_unjoined_lane_and_nothing_else():
+    from capturepass.ir.verify import check_joins
+
+    gm = _valid("chain")
+    check_joins(gm)  # a valid graph passes
+    gm.graph.erase_node(_wait(gm, "join k0", lane=0))
+    with pytest.raises(VerificationError) as info:
+        check_joins(gm)
+    assert (info.value.rule, info.value.node) == ("unjoined-lane", "output")
+    # Rules partition does not cut on (here: a lane that runs before its fork) are left to
+    # the verify pass.
+    gm = _valid("chain")
+    gm.graph.erase_node(next(n for n in sync_nodes(gm, Effect.WAIT) if meta.info(n).why.startswith("%")))
+    check_joins(gm)
+    with pytest.raises(VerificationError, match="unforked-lane"):
+        verify(gm)
+
+
+def test_partition_refuses_to_cut_where_a_lane_has_not_joined():
+    from capturepass.passes.partition import Partition
+    from tests.helpers import context
+
+    gm, ctx = build("chain", "insert_retention", verify_each=False)
+    gm.graph.erase_node(_wait(gm, "join k0", lane=0))
+    with pytest.raises(VerificationError, match=r"\[unjoined-lane\] %output"):
+        Partition().run(gm, ctx)
