@@ -104,6 +104,8 @@ def workspace(
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     owner = context.current_owner()
     if owner is None:
         key = str(device)
