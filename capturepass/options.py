@@ -74,7 +74,7 @@ class Options:
             produced), ``"after"`` (the stream reads what the graph produced) or
             ``"both"``; joined at every segment boundary. The engine binds each
             name to its stream with ``capturepass.external_stream(name, stream)``.
-        check_replay: before every replay, check that the input addresses and
+        check_replay: before every replay, check that the input buffers and
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
     """

@@ -28,10 +28,11 @@ owner. Inside :func:`capturepass.profiling_capture` new captures go to
 throwaway owners that the block releases at its end.
 
 With ``check_replay=True`` every replay first checks that the addresses the
-graphs baked in are still there: static inputs at the address they were
-captured with, and every retained tensor on the storage it had at capture.
-A difference raises :class:`~capturepass.errors.ResourceError` naming the
-input or the retained object (instead of replaying into freed memory).
+graphs baked in are still there: the static input buffers, and every retained
+tensor on the storage it had at capture (a binding's scratch resized under the
+graph, say). A difference raises :class:`~capturepass.errors.ResourceError`
+naming the buffer or the retained object (instead of replaying into freed
+memory). Static inputs need no check: their addresses are part of the key.
 
 Outputs of a replay live in the owner's pool and would be overwritten by the
 next replay, so they are copied out unless ``static_outputs=True`` (for callers
@@ -117,7 +118,6 @@ class _Capture:
         self.eager_lanes = owner.lanes("eager")
         self.eager = program.bind(owner, self.eager_lanes)
         self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
-        self.static_ptrs: dict[int, int] = {}  # input position -> address baked into the graphs
         self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, buffer)
         self.seg_out: dict[int, list[torch.Tensor]] = {}
         self.uncaptured: set[int] = set()
@@ -142,8 +142,7 @@ class _Capture:
             if not isinstance(arg, torch.Tensor):
                 continue
             if i in program.static_inputs:
-                self.static_ptrs[i] = arg.data_ptr()
-                continue
+                continue  # read in place: its address is part of this capture's key
             buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
             buf.copy_(arg)
             self.inputs[i] = buf
@@ -237,9 +236,12 @@ def _storage_of(obj: Any) -> tuple[int, int] | None:
 
 @dataclasses.dataclass
 class _Snapshot:
-    """What a capture baked in: input addresses and the storage of every retained tensor."""
+    """What a capture baked in: its input buffers' addresses and the storage of every retained tensor.
 
-    static_ptrs: dict[int, int]
+    Static inputs need no entry: their addresses are part of the capture's key, so a call
+    whose parameters moved never replays this capture.
+    """
+
     buffer_ptrs: dict[int, int]
     retained: dict[int, list[tuple[int, str, tuple[int, int] | None]]]
 
@@ -249,17 +251,11 @@ class _Snapshot:
             seg: [(id(o), type(o).__name__, _storage_of(o)) for o in objs]
             for seg, objs in cap.owner.retained.items()
         }
-        return cls(dict(cap.static_ptrs), {i: b.data_ptr() for i, b in cap.inputs.items()}, retained)
+        return cls({i: b.data_ptr() for i, b in cap.inputs.items()}, retained)
 
     def check(self, cap: "_Capture", args: Sequence[Any]) -> None:
         owner = cap.owner
         names = [n.name for n in cap.program.inputs]
-        for i, ptr in self.static_ptrs.items():
-            if args[i].data_ptr() != ptr:
-                raise ResourceError(
-                    f"check_replay: static input {i} (%{names[i]}) of {owner.name} moved from {ptr:#x} to "
-                    f"{args[i].data_ptr():#x} since capture; the graphs would read the old address"
-                )
         for i, ptr in self.buffer_ptrs.items():
             if cap.inputs[i].data_ptr() != ptr:
                 raise ResourceError(

@@ -353,16 +353,17 @@ def test_replay_check_names_what_moved():
     owner.keep(0, [weight, binding])
     node = types.SimpleNamespace(name="arg0_1")
     buf = torch.zeros(2)
-    cap = types.SimpleNamespace(owner=owner, program=types.SimpleNamespace(inputs=[node, node]),
-                                static_ptrs={0: weight.data_ptr()}, inputs={1: buf})
+    cap = types.SimpleNamespace(owner=owner, program=types.SimpleNamespace(inputs=[node, node]), inputs={1: buf})
     snap = _Snapshot.of(cap)
     snap.check(cap, [weight, buf])  # unchanged: no error
     binding.resize_(1024)  # a retained buffer reallocated under the graph
     with pytest.raises(ResourceError, match=r"retained Tensor 1 of segment 0 of g\d+:forward changed storage"):
         snap.check(cap, [weight, buf])
     snap = _Snapshot.of(cap)
-    with pytest.raises(ResourceError, match=r"static input 0 \(%arg0_1\) of g\d+:forward moved from"):
-        snap.check(cap, [weight.clone(), buf])
+    cap.inputs[1] = torch.zeros(2)  # the static input buffer itself replaced
+    with pytest.raises(ResourceError, match=r"the static buffer of input 1 \(%arg0_1\) of g\d+:forward moved"):
+        snap.check(cap, [weight, buf])
+    cap.inputs[1] = buf
     owner.retained[0][0] = torch.randn(4)
     with pytest.raises(ResourceError, match="retained object 0 \\(Tensor\\) of segment 0 .* was replaced"):
         snap.check(cap, [weight, buf])
