@@ -58,11 +58,63 @@ def _alias_positions(target: object) -> tuple[int, ...]:
     return positions
 
 
+# id(op) -> (op, positions): the written formal a write-alias return (``Tensor(a!)``) aliases.
+_WRITE_ALIAS: dict[int, tuple[object, tuple[int, ...]]] = {}
+
+
+def _write_alias_positions(target: object) -> tuple[int, ...]:
+    """Positions of the written formals an op's ``Tensor(a!)`` return aliases (``add_``, ``copy_``,
+    an ``out=`` variant), if the op returns one."""
+    entry = _WRITE_ALIAS.get(id(target))
+    if entry is not None and entry[0] is target:
+        return entry[1]
+    schema = getattr(target, "_schema", None)
+    positions: tuple[int, ...] = ()
+    if schema is not None:
+        sets = [
+            r.alias_info.before_set for r in schema.returns if r.alias_info is not None and r.alias_info.is_write
+        ]
+        if sets:
+            positions = tuple(
+                i for i, formal in enumerate(schema.arguments)
+                if formal.alias_info is not None and formal.alias_info.is_write
+                and any(formal.alias_info.before_set & s for s in sets)
+            )
+    if isinstance(target, torch._ops.OpOverload):
+        _WRITE_ALIAS[id(target)] = (target, positions)
+    return positions
+
+
+def alias_source(node: fx.Node) -> fx.Node | None:
+    """The argument whose storage ``node``'s value lives in, or ``None`` for a fresh allocation.
+
+    A view (:func:`aliases_input`), or an in-place op that returns the tensor it wrote
+    (``add_`` returns ``self``, ``copy_`` its destination): either way the value holds
+    the argument's storage, which stays allocated while the value lives.
+    """
+    src = aliases_input(node)
+    if src is not None or node.op != "call_function":
+        return src
+    args = node.args
+    for i in _write_alias_positions(node.target):
+        if i >= len(args):
+            break
+        if isinstance(args[i], fx.Node):
+            return args[i]
+    if node.kwargs:
+        schema = getattr(node.target, "_schema", None)
+        for i in _write_alias_positions(node.target):
+            value = node.kwargs.get(schema.arguments[i].name)
+            if isinstance(value, fx.Node):
+                return value
+    return None
+
+
 def storage_root(node: fx.Node) -> fx.Node:
-    """The node that allocated the storage ``node`` refers to."""
+    """The node that allocated the storage ``node`` refers to (through views and in-place ops)."""
     seen = 0
     while True:
-        src = aliases_input(node)
+        src = alias_source(node)
         if src is None:
             return node
         node = src
@@ -144,20 +196,20 @@ def reads_of(root: fx.Node) -> list[fx.Node]:
             if meta.effect_of(u) is not Effect.COMPUTE:
                 continue
             reads.append(u)
-            if u not in seen and aliases_input(u) is n:
+            if u not in seen and alias_source(u) is n:
                 seen.add(u)
                 stack.append(u)
     return reads
 
 
 def view_members(root: fx.Node) -> list[fx.Node]:
-    """``root`` and every view of it (transitively)."""
+    """``root`` and every value that holds its storage (views, in-place results), transitively."""
     out = [root]
     stack = [root]
     while stack:
         n = stack.pop()
         for u in n.users:
-            if aliases_input(u) is n:
+            if alias_source(u) is n:
                 out.append(u)
                 stack.append(u)
     return out

@@ -224,6 +224,9 @@ class GraphInfo:
         breaks: partition breaks and upstream (Dynamo) graph breaks, with reasons.
         decisions: one line per non-trivial decision a pass took.
         properties: the IR properties established so far (see ``passes.base``).
+        mutated_inputs: placeholder positions whose storage the graph writes (an
+            in-place update of an input, a buffer or a view of one; a KV-cache
+            write): the caller must see the write once per call, on every path.
         external: streams capturepass does not own, as ``(name, relation)``:
             ``"before"`` (the graph reads what the stream produced: the main lane
             waits for it where each segment starts), ``"after"`` (the stream reads
@@ -242,6 +245,7 @@ class GraphInfo:
     decisions: tuple[str, ...] = ()
     properties: frozenset[str] = frozenset()
     external: tuple[tuple[str, str], ...] = ()
+    mutated_inputs: frozenset[int] = frozenset()
 
     def lane_name(self, lane: LaneId) -> str:
         """The user-facing name of ``lane``."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from capturepass.ir import meta
+from capturepass.ir import effects, meta
 from capturepass.ir.meta import Effect, GraphInfo, NodeInfo
 
 _POINTER = re.compile(r"0x[0-9a-fA-F]+")
@@ -134,6 +134,10 @@ def node_attrs(node: fx.Node, gi: GraphInfo, canon: _Canon, settings: PrintSetti
         attrs.append(f"lane={rec.lane}")
     if rec.hint is not None:
         attrs.append(f"hint={rec.hint}")
+    if rec.effect is Effect.COMPUTE:
+        writes = effects.accesses(node).writes
+        if writes:
+            attrs.append("writes=" + ",".join("rng" if w is effects.RNG else f"%{w.name}" for w in writes))
     if rec.event is not None:
         kind = "record" if rec.effect is Effect.RECORD else "wait"
         attrs.append(f"{kind}={canon('e', rec.event)}")
@@ -210,6 +214,8 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
     header = f"# graph {gi.name}: lanes {lanes}; cudagraphs={gi.cudagraphs}"
     if gi.external:
         header += "; external " + " ".join(f"x{i}={name}({rel})" for i, (name, rel) in enumerate(gi.external))
+    if gi.mutated_inputs:
+        header += "; writes inputs " + " ".join(f"%{name}" for name in _input_names(gm, gi.mutated_inputs))
     lines.append(header)
     lines.append(f"owner {canon('g', gi.owner)}:")
     current_segment = None
@@ -235,6 +241,11 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
         lines.append(f"# decision: {line}")
     # Break reasons and decisions may quote reprs too: scrub the whole text, not only nodes.
     return _POINTER.sub("0x?", "\n".join(lines) + "\n")
+
+
+def _input_names(gm: fx.GraphModule, positions: frozenset[int]) -> list[str]:
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [placeholders[i] for i in sorted(positions) if i < len(placeholders)]
 
 
 def to_json(gm: fx.GraphModule) -> dict[str, Any]:
@@ -292,6 +303,8 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
     }
     if gi.external:
         doc["external"] = [{"name": name, "relation": rel} for name, rel in gi.external]
+    if gi.mutated_inputs:
+        doc["mutated_inputs"] = _input_names(gm, gi.mutated_inputs)
     return _scrub(doc)
 
 

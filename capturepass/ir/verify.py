@@ -10,6 +10,10 @@ rule                   needs       what must hold
 graph                  --          FX lint: every use is dominated by its definition
 lane                   lanes       every compute node has a known lane; breaks on main
 unordered-read         synced      a cross-lane read runs after its producer (happens-before)
+storage-order          synced      accesses of one storage keep program order across lanes: a
+                                   write after every earlier read and write of the storage (through
+                                   any view), a read after the last earlier write; random ops draw
+                                   from the generator's hidden state in program order
 wait-before-record     synced      every wait follows a record of its event, on another lane
 unforked-lane          synced      an auxiliary lane's first node in a segment runs after the fork
 unjoined-lane          synced      every lane has joined the main lane when a segment ends
@@ -40,7 +44,7 @@ from collections.abc import Iterable
 import torch.fx as fx
 
 from capturepass.errors import VerificationError
-from capturepass.ir import analysis, meta, printer
+from capturepass.ir import analysis, effects, meta, printer
 from capturepass.ir.meta import MAIN_LANE, Effect, EventId, LaneId
 
 CONTEXT_LINES = 5
@@ -114,6 +118,11 @@ class _Checker:
         self.last_read: dict[fx.Node, int] = {}
         self.cross_reads: dict[fx.Node, list[fx.Node]] = {}
         self.frees_more: dict[fx.Node, list[fx.Node]] = {}
+        # The storage model (storage-order): for each storage some node writes, its last write
+        # and, per lane, the last read since that write, as (seq, node).
+        self.written: set = set()
+        self.last_write: dict[object, tuple[int, int, fx.Node]] = {}
+        self.reads_since: dict[object, dict[int, tuple[int, fx.Node]]] = {}
 
     def id(self, kind: str, key: object) -> str:
         """The canonical (dump) name of an event (``e``), lease (``l``) or owner (``g``), for messages."""
@@ -144,6 +153,8 @@ class _Checker:
         self.layout = analysis.LaneLayout(nodes, self.recs)
         order = self.layout.order
         frees = self._free_points() if synced else {}
+        if synced:
+            self.written = effects.written_roots(nodes)
         segment_open = False
         seg_start = 0
         forked: set[int] = set()
@@ -172,9 +183,12 @@ class _Checker:
                         raise fail(self.gm, "lane", node, f"is a break ({rec.brk}) but is on {rec.lane}, not s0")
                 if synced:
                     self.check_reads(node, MAIN_LANE)
+                    if self.written:
+                        self.check_storage(node, MAIN_LANE)
                 if is_break:
                     self.issue(MAIN_LANE, node)
                     if synced:
+                        self.note_storage(node, MAIN_LANE)
                         self.check_frees(node, frees, order)
                 continue
             if not segment_open:
@@ -229,6 +243,8 @@ class _Checker:
                         f"runs on {lane} beside serialized %{barrier[1].name}: {lane} does not wait for it",
                     )
                 self.check_reads(node, lane)
+                if self.written:
+                    self.check_storage(node, lane)
                 if serializes:
                     for other in range(1, self.nlanes):
                         if count[other] > clock[li][other]:
@@ -240,6 +256,8 @@ class _Checker:
             self.issue(lane, node)
             in_segment.add(lane.index)
             if synced:
+                if self.written:
+                    self.note_storage(node, lane)
                 if serializes and cap.overlap == "serialize":  # "join": lanes may resume beside it
                     barrier = (count[0], node)
                 self.check_frees(node, frees, order)
@@ -300,6 +318,42 @@ class _Checker:
                     self.gm, "unordered-read", node,
                     f"on {lane} reads %{p.name} produced on s{a}, but no wait orders it after %{p.name}",
                 )
+
+    def check_storage(self, node: fx.Node, lane: LaneId) -> None:
+        """The storage-order rule at ``node`` (before it is issued on ``lane``)."""
+        acc = effects.accesses(node)
+        li = lane.index
+        clock = self.clock[li]
+        for root in acc.reads:
+            if root not in self.written:
+                continue
+            last = self.last_write.get(root)
+            if last is not None and last[0] != li and clock[last[0]] < last[1]:
+                raise fail(
+                    self.gm, "storage-order", node,
+                    f"on {lane} reads {effects.describe(root)}, which %{last[2].name} on s{last[0]} writes "
+                    f"earlier in program order, but no wait orders it after %{last[2].name}",
+                )
+        for root in acc.writes:  # written arguments are read too: the last write is checked above
+            for a, (s, reader) in self.reads_since.get(root, {}).items():
+                if a != li and clock[a] < s:
+                    raise fail(
+                        self.gm, "storage-order", node,
+                        f"on {lane} writes {effects.describe(root)} while %{reader.name} on s{a}, earlier in "
+                        "program order, may still read it: no wait orders the write after the read",
+                    )
+
+    def note_storage(self, node: fx.Node, lane: LaneId) -> None:
+        """Records ``node``'s accesses (just issued on ``lane``) in the storage model."""
+        acc = effects.accesses(node)
+        li = lane.index
+        seq = self.count[li]
+        for root in acc.reads:
+            if root in self.written:
+                self.reads_since.setdefault(root, {})[li] = (seq, node)
+        for root in acc.writes:
+            self.last_write[root] = (li, seq, node)
+            self.reads_since[root] = {}
 
     def check_wait(self, node: fx.Node, lane: LaneId) -> None:
         rec = meta.info(node)
@@ -556,7 +610,7 @@ class _Checker:
         last_holder: dict[fx.Node, fx.Node] = {}
         released: set[fx.Node] = set()
         for i, (node, rec) in enumerate(zip(self.nodes, self.recs)):
-            src = analysis.aliases_input(node)
+            src = analysis.alias_source(node)
             if src is None:
                 root_of[node] = node
             else:

@@ -2,7 +2,10 @@
 
 Asks the capability registry (``capturepass.capabilities``) about each op
 call, with the node's concrete shapes, and the cost model
-(``capturepass.ir.cost``) for its FLOPs and bytes. Later passes read only the
+(``capturepass.ir.cost``) for its FLOPs and bytes. It also records which inputs
+the graph writes (``GraphInfo.mutated_inputs``, from the ops' schemas: see
+``capturepass.ir.effects``), so that the runtime can make every write reach the
+caller. Later passes read only the
 answers: ``assign_streams`` keeps non-capturable and serializing ops on the main
 lane, ``partition`` turns non-capturable ops into breaks.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from capturepass.ir import analysis, cost, meta
+from capturepass.ir import analysis, cost, effects, meta
 from capturepass.passes.base import CAPABILITIES, HINTS, Pass, PassContext
 
 
@@ -62,3 +65,7 @@ class AnnotateCapabilities(Pass):
                 ctx.count(self.name, "not_capturable")
             if cap.overlap != "safe":
                 ctx.count(self.name, "serialized")
+        mutated = effects.mutated_inputs(gm)
+        if mutated:
+            meta.update_graph(gm, mutated_inputs=mutated)
+            ctx.count(self.name, "mutated_inputs", len(mutated))

@@ -38,7 +38,7 @@ import logging
 import torch.fx as fx
 
 from capturepass.errors import CapturePassError
-from capturepass.ir import analysis, cost, meta
+from capturepass.ir import analysis, cost, effects, meta
 from capturepass.ir.meta import MAIN_LANE, LaneId
 from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
 
@@ -178,6 +178,7 @@ class AssignStreams(Pass):
             if meta.effect_of(n) is meta.Effect.COMPUTE and meta.info(n).capability is not None
             and (meta.info(n).capability.overlap != "safe" or meta.info(n).capability.resident_grid)
         ]
+        has_effects = bool(gated) and effects.has_effects(gm.graph)
         for launch in gated:
             cap = meta.info(launch).capability
             if cap.overlap == "serialize":
@@ -190,18 +191,27 @@ class AssignStreams(Pass):
                     later.append(node)
                 node = node.next
             after = set(later)
+            # NOTE: moving a node before the launch must not reorder two accesses of one
+            # storage (or two random draws): storage-effect dependencies count as edges here.
+            order = effects.order_deps([launch, *later]) if has_effects else {}
+            succ: dict[fx.Node, list[fx.Node]] = {}
+            for n, deps in order.items():
+                for d in deps:
+                    succ.setdefault(d.earlier, []).append(n)
             descendants: set[fx.Node] = set()
             stack = [launch]
             while stack:
-                for user in stack.pop().users:
+                cur = stack.pop()
+                for user in (*cur.users, *succ.get(cur, ())):
                     if user in after and user not in descendants:
                         descendants.add(user)
                         stack.append(user)
             lane = meta.lane_of(launch)
             need = {n for n in later if n not in descendants and meta.lane_of(n) != lane}
             stack = list(need)
-            while stack:  # what they read must move with them
-                for a in stack.pop().all_input_nodes:
+            while stack:  # what they read (and the accesses they follow) must move with them
+                cur = stack.pop()
+                for a in (*cur.all_input_nodes, *(d.earlier for d in order.get(cur, ()))):
                     if a in after and a not in need:
                         need.add(a)
                         stack.append(a)
@@ -221,6 +231,9 @@ class AssignStreams(Pass):
         """Earliest-finish list scheduling of the unhinted kernels over ``candidates``."""
         if len(candidates) < 2:
             return
+        # Storage effects order nodes beyond their data edges (a write after the reads of its
+        # storage, random ops in program order): the schedule must count them as edges too.
+        order = effects.order_deps(nodes)
         ready: dict[LaneId, float] = {}
         finish: dict[fx.Node, float] = {}
         where: dict[fx.Node, LaneId] = {}
@@ -246,6 +259,9 @@ class AssignStreams(Pass):
                 continue
             t = cost.node_time(meta.info(node).cost)
             preds = [p for p in (source(a) for a in node.all_input_nodes) if p is not None]
+            extra = order.get(node)
+            if extra:
+                preds += [d.earlier for d in extra if d.earlier in finish]
             if _pinned_to_main(node):
                 # A serialized or joined op starts when every lane is idle; nothing runs
                 # beside a serialized one, while other lanes may resume beside a joined one.

@@ -55,7 +55,7 @@ import dataclasses
 
 import torch.fx as fx
 
-from capturepass.ir import analysis, meta, ops
+from capturepass.ir import analysis, effects, meta, ops
 from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId
 from capturepass.passes.base import LANES, SYNCED, Pass, PassContext
 
@@ -180,6 +180,8 @@ class InsertSyncs(Pass):
         w = _Walker(gm, ctx, self.name)
         nodes = list(graph.nodes)
         releases = _ReleasePlan(nodes, graph)
+        # Accesses of one storage (and random draws) keep their program order across lanes.
+        self._order = effects.order_deps(nodes)
 
         seg_index = 0
         seg_start: _Point | None = None  # the fork point of the open segment
@@ -253,8 +255,7 @@ class InsertSyncs(Pass):
                 barrier = (w.count[0], f"serialize %{node.name}")
             releases.after(w, node, i, self.name)
 
-    @staticmethod
-    def _need_of(w: _Walker, node: fx.Node, lane: LaneId) -> dict[int, tuple[int, str]]:
+    def _need_of(self, w: _Walker, node: fx.Node, lane: LaneId) -> dict[int, tuple[int, str]]:
         need: dict[int, tuple[int, str]] = {}
         li = lane.index
         pos = w.pos
@@ -268,6 +269,15 @@ class InsertSyncs(Pass):
             # host scalar needs no event.
             if a != li and known[a] < s and analysis.carries_tensor(p):
                 _need(need, a, s, f"%{p.name}->%{node.name}")
+        for dep in self._order.get(node, ()):
+            # NOTE: an effect orders the earlier node's execution, whatever it produced (a host
+            # scalar read from the storage too): no carries_tensor filter here.
+            where = pos.get(dep.earlier)
+            if where is None:
+                continue
+            a, s = where
+            if a != li and known[a] < s:
+                _need(need, a, s, dep.why(node))
         return need
 
     def _deps(self, w: _Walker, node: fx.Node, lane: LaneId) -> None:
@@ -300,7 +310,7 @@ class _ReleasePlan:
         last_holder: dict[fx.Node, int] = {}
         cross_read: set[fx.Node] = set()
         for i, (node, rec) in enumerate(zip(nodes, records)):
-            src = analysis.aliases_input(node)
+            src = analysis.alias_source(node)
             li = 0 if rec.lane is None else rec.lane.index
             if src is None:
                 root_of[node] = node

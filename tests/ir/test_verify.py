@@ -319,3 +319,26 @@ def test_partition_refuses_to_cut_where_a_lane_has_not_joined():
     gm.graph.erase_node(_wait(gm, "join k0", lane=0))
     with pytest.raises(VerificationError, match=r"\[unjoined-lane\] %output"):
         Partition().run(gm, ctx)
+
+
+def test_dropped_war_wait_lets_a_write_pass_an_earlier_read():
+    """The issue's first program: ``a = x @ w; x.add_(1)`` with the matmul on another lane. Data
+    edges alone leave the in-place write unordered with the read: the storage model catches it."""
+    gm = _valid("write_after_read")
+    gm.graph.erase_node(_wait(gm, "%mm->%add_ (war %x_1)", lane=0))
+    err = _fails(gm, "storage-order", "add_")
+    assert "on s0 writes %x_1 while %mm on s1, earlier in program order, may still read it" in str(err)
+
+
+def test_dropped_raw_wait_lets_a_read_pass_an_earlier_write_through_a_view():
+    gm = _valid("read_after_write")
+    gm.graph.erase_node(_wait(gm, "%mul_->%mm (raw %x_1)", lane=1))
+    err = _fails(gm, "storage-order", "mm")
+    assert "on s1 reads %x_1, which %mul_ on s0 writes earlier in program order" in str(err)
+
+
+def test_dropped_rng_wait_lets_random_draws_reorder():
+    gm = _valid("random_order")
+    gm.graph.erase_node(_wait(gm, "%rand_like->%rand_like_1 (raw rng)", lane=0))
+    err = _fails(gm, "storage-order", "rand_like_1")
+    assert "reads the RNG state, which %rand_like on s1 writes earlier in program order" in str(err)

@@ -169,6 +169,32 @@ def single_lane(x, w):
     return torch.mm(x, w).relu() + x
 
 
+def write_after_read(x, w):
+    """``%mm`` reads ``x`` on aux; main then updates ``x`` in place: the write waits for the read."""
+    with L("aux"):
+        a = torch.mm(x, w)
+    x.add_(1)
+    return a
+
+
+def read_after_write(x, w):
+    """main updates ``x`` through a view of its first row; aux then reads ``x``: the read waits."""
+    with L("aux"):
+        b = w.cos()
+    x[0].mul_(2)
+    with L("aux"):
+        a = torch.mm(x, b)
+    return a + 1
+
+
+def random_order(x):
+    """Two random draws on two lanes: the generator's hidden state orders them as written."""
+    with L("aux"):
+        a = torch.rand_like(x) * x
+    b = torch.rand_like(x) + x.cos()
+    return a, b
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A traced function and the options it runs under.
@@ -214,6 +240,9 @@ CASES: dict[str, Case] = {
     "resources": Case(with_resources, 2, cudagraphs="monolithic", needs_fused=True),
     "auto_branches": Case(branches, 3, options=(("policy", "auto"),)),
     "single_lane": Case(single_lane, 2),
+    "write_after_read": Case(write_after_read, 2),
+    "read_after_write": Case(read_after_write, 2),
+    "random_order": Case(random_order, 1),
 }
 
 

@@ -276,3 +276,68 @@ def test_policy_off_inserts_nothing():
     assert after == before
     assert "capturepass." not in after
     assert "insert_syncs" not in ctx.counters
+
+
+def test_a_write_waits_for_an_earlier_read_on_another_lane():
+    """Storage effects are dependencies: ``x.add_(1)`` on main overwrites what ``%mm`` reads on aux.
+    With data edges alone nothing ordered them and the write could land before the read."""
+    gm, _, after, ctx = case_before_after("write_after_read", "insert_syncs")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux; cudagraphs=none; writes inputs %x_1
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w_1 : f32[4,4] = input  {lane=s0}
+  %record_default : () = capturepass.record(0, 0)  {lane=s0, record=e0, role=fork, by=insert_syncs, why=fork k0}
+  %wait_default : () = capturepass.wait(0, 1)  {lane=s1, wait=e0, role=fork, by=insert_syncs, why=fork k0}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %w_1)  {lane=s1, hint=aux}
+  %record_default_1 : () = capturepass.record(1, 1)  {lane=s1, record=e1, role=join, by=insert_syncs, why=%mm->%add_ (war %x_1)}
+  %wait_default_1 : () = capturepass.wait(1, 0)  {lane=s0, wait=e1, role=join, by=insert_syncs, why=%mm->%add_ (war %x_1)}
+  %add_ : f32[4,4] = aten.add_.Tensor(%x_1, 1)  {lane=s0, writes=%x_1}
+  return %mm  {lane=s0}
+""")
+    assert ctx.counters["insert_syncs"] == {"records": 2, "waits": 2}
+
+
+def test_a_read_waits_for_an_earlier_write_through_a_view():
+    gm, _, after, ctx = case_before_after("read_after_write", "insert_syncs")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux; cudagraphs=none; writes inputs %x_1
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %w_1 : f32[4,4] = input  {lane=s0}
+  %record_default : () = capturepass.record(0, 0)  {lane=s0, record=e0, role=fork, by=insert_syncs, why=fork k0}
+  %wait_default : () = capturepass.wait(0, 1)  {lane=s1, wait=e0, role=fork, by=insert_syncs, why=fork k0}
+  %cos : f32[4,4] = aten.cos.default(%w_1)  {lane=s1, hint=aux}
+  %select : f32[4] = aten.select.int(%x_1, 0, 0)  {lane=s0}
+  %mul_ : f32[4] = aten.mul_.Tensor(%select, 2)  {lane=s0, writes=%x_1}
+  %record_default_1 : () = capturepass.record(1, 0)  {lane=s0, record=e1, role=fork, by=insert_syncs, why=%mul_->%mm (raw %x_1)}
+  %wait_default_1 : () = capturepass.wait(1, 1)  {lane=s1, wait=e1, role=fork, by=insert_syncs, why=%mul_->%mm (raw %x_1)}
+  %mm : f32[4,4] = aten.mm.default(%x_1, %cos)  {lane=s1, hint=aux}
+  %record_default_2 : () = capturepass.record(2, 1)  {lane=s1, record=e2, role=join, by=insert_syncs, why=%mm->%add}
+  %wait_default_2 : () = capturepass.wait(2, 0)  {lane=s0, wait=e2, role=join, by=insert_syncs, why=%mm->%add}
+  %add : f32[4,4] = aten.add.Tensor(%mm, 1)  {lane=s0}
+  return %add  {lane=s0}
+""")
+    assert ctx.counters["insert_syncs"] == {"records": 3, "waits": 3}
+
+
+def test_random_draws_keep_program_order_across_lanes():
+    gm, _, after, ctx = case_before_after("random_order", "insert_syncs")
+    assert_expected_inline(after, """\
+# graph inference: lanes s0=main s1=aux; cudagraphs=none
+owner g0:
+  %x_1 : f32[4,4] = input  {lane=s0}
+  %record_default : () = capturepass.record(0, 0)  {lane=s0, record=e0, role=fork, by=insert_syncs, why=fork k0}
+  %wait_default : () = capturepass.wait(0, 1)  {lane=s1, wait=e0, role=fork, by=insert_syncs, why=fork k0}
+  %rand_like : f32[4,4] = aten.rand_like.default(%x_1, pin_memory=False)  {lane=s1, hint=aux, writes=rng}
+  %record_default_1 : () = capturepass.record(1, 1)  {lane=s1, record=e1, role=join, by=insert_syncs, why=%rand_like->%rand_like_1 (raw rng)}
+  %mul : f32[4,4] = aten.mul.Tensor(%rand_like, %x_1)  {lane=s1, hint=aux}
+  %record_default_2 : () = capturepass.record(2, 1)  {lane=s1, record=e2, role=join, by=insert_syncs, why=join k0}
+  %wait_default_1 : () = capturepass.wait(1, 0)  {lane=s0, wait=e1, role=join, by=insert_syncs, why=%rand_like->%rand_like_1 (raw rng)}
+  %rand_like_1 : f32[4,4] = aten.rand_like.default(%x_1, pin_memory=False)  {lane=s0, writes=rng}
+  %cos : f32[4,4] = aten.cos.default(%x_1)  {lane=s0}
+  %add : f32[4,4] = aten.add.Tensor(%rand_like_1, %cos)  {lane=s0}
+  %wait_default_2 : () = capturepass.wait(2, 0)  {lane=s0, wait=e2, role=join, by=insert_syncs, why=join k0}
+  return (%mul, %add)  {lane=s0}
+""")
+    assert ctx.counters["insert_syncs"] == {"records": 3, "waits": 3}
