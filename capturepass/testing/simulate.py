@@ -46,16 +46,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from capturepass.ir import analysis, meta
+from capturepass.ir import analysis, effects, meta
 from capturepass.ir.meta import Effect
 
 __all__ = ["Race", "SimResult", "SimulationError", "Report", "serial", "simulate", "explore", "same"]
@@ -66,6 +67,18 @@ _HOST_ONLY_OPS = {
     torch.ops.aten.sym_numel.default,
     torch.ops.aten.sym_storage_offset.default,
 }
+
+
+_RNG_KEY = -2  # the generator's hidden state, as a storage block random ops read and write
+
+
+@contextlib.contextmanager
+def _seeded_rng() -> Iterator[None]:
+    """Every run draws from one fixed generator state, so that random ops drawn in another
+    order than serial execution's give other values (and the caller's RNG state is kept)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0x5EED)
+        yield
 
 
 class SimulationError(RuntimeError):
@@ -313,7 +326,8 @@ def serial(gm_or_program: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """Serial execution in program order: ``(outputs, inputs after the run)``. The oracle."""
     gm = graph_module(gm_or_program)
     args = [_clone(x) for x in inputs]
-    env = _reference(gm, args)
+    with _seeded_rng():
+        env = _reference(gm, args)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     return fx.node.map_arg(out_node.args[0], lambda n: _clone(env[n])), args
 
@@ -357,7 +371,7 @@ class _Plan:
         for node in self.nodes:
             if self.kind[node] not in ("alloc", "host") or not analysis.is_tensor_node(node):
                 continue
-            if analysis.aliases_input(node) is not None or node in outputs:
+            if analysis.alias_source(node) is not None or node in outputs:
                 continue
             if self.kind[node] == "host" and not (analysis.is_getitem(node) and self.kind.get(node.args[0]) == "alloc"):
                 continue
@@ -724,6 +738,10 @@ class _Sim:
                 if self.poison:
                     _poison(block)
                 self.reused += 1
+            if effects.is_random(node):
+                # Hidden state: each draw reads and advances the generator's offset.
+                self.mem.owner.setdefault(_RNG_KEY, "rng")
+                self.mem.do_write(_RNG_KEY, acc, c)
             value = _run_node(node, self.env)
             if kind == "alloc":
                 _copy_into(self.env[node], value)
@@ -825,8 +843,10 @@ def simulate(
     """
     plan = _plan or _plan_of(gm_or_program)
     sim = _Sim(plan, inputs, seed, poison, replay)
-    sim.ref = _ref if _ref is not None else _reference(plan.gm, [_clone(x) for x in inputs])
-    return sim.run()
+    with _seeded_rng():
+        sim.ref = _ref if _ref is not None else _reference(plan.gm, [_clone(x) for x in inputs])
+    with _seeded_rng():
+        return sim.run()
 
 
 def explore(
@@ -835,7 +855,8 @@ def explore(
     """Simulates every seed and compares each result with serial execution."""
     plan = _plan_of(gm_or_program)
     expected, expected_inputs = serial(plan.gm, inputs)
-    ref = _reference(plan.gm, [_clone(x) for x in inputs])
+    with _seeded_rng():
+        ref = _reference(plan.gm, [_clone(x) for x in inputs])
     report = Report()
     races: set[Race] = set()
     for seed in seeds:

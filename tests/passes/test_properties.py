@@ -3,14 +3,19 @@
 A strategy draws a small DAG of aten ops on float tensors (pointwise ops,
 broadcasting binary ops, ``mm``, ``sum`` with ``keepdim``, views, and sometimes a
 host synchronisation ``.item()`` whose value feeds back into the graph), with a
-random lane hint per op, and random backend options. The DAG becomes a Python
-closure, is traced to a functional ATen graph and compiled with the eager inner
-compiler. The oracles:
+random lane hint per op, and random backend options. Some ops have storage
+effects: in-place updates of inputs and of intermediates (``add_``, ``copy_``, and
+``mul_`` through a view of the first row), and random draws (``rand_like``); the
+graph may return views of its inputs. The DAG becomes a Python closure, is traced
+to an ATen graph (with its in-place ops, or functionalized as AOT autograd does:
+the inputs' updates become a write-back ``copy_``) and compiled with the eager
+inner compiler. The oracles:
 
 - the verifier accepts the annotated graph;
-- the emitted program computes what the function computes eagerly;
-- the waits never outnumber the cross-lane data edges plus one fork and one join
-  per auxiliary lane per segment;
+- the emitted program computes what the function computes eagerly, bit for bit
+  (outputs, and the inputs it updated), with the generator seeded alike;
+- the waits never outnumber the cross-lane data and storage-order edges plus one
+  fork and one join per auxiliary lane per segment;
 - every inserted wait is needed: dropping any single one makes the verifier fail.
 """
 
@@ -25,7 +30,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import capturepass
-from capturepass.ir import analysis, meta
+from capturepass.ir import analysis, effects, meta
 from capturepass.ir.meta import MAIN_LANE, Effect
 from capturepass.ir.verify import verify
 from capturepass.runtime.executor import Executor
@@ -33,7 +38,9 @@ from tests.helpers import aten_graph, run_passes, sync_nodes, unneeded_waits
 
 N = 4
 LANE_POOL = (None, "a", "b", "c")
-KINDS = ("add", "mul", "sin", "relu", "mm", "sum", "t", "view", "item")
+KINDS = ("add", "mul", "sin", "relu", "mm", "sum", "t", "view", "item", "add_", "copy_", "row_mul_", "rand")
+# Ops that update their first argument in place (and return it).
+IN_PLACE = frozenset({"add_", "copy_", "row_mul_"})
 MAX_OPS = 9
 
 
@@ -56,6 +63,11 @@ class Dag:
     outputs: tuple[int, ...]
 
 
+def _broadcasts(src: torch.Size, dst: torch.Size) -> bool:
+    """Whether a tensor of shape ``src`` can be copied into one of shape ``dst``."""
+    return all(s in (1, d) for s, d in zip(reversed(src), reversed(dst))) and len(src) <= len(dst)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     dag: Dag
@@ -65,6 +77,7 @@ class Case:
     static_inputs: frozenset[int]
     seed: int
     tracing_mode: str = "fake"
+    functional: bool = False
 
 
 def _apply(op: Op, args: list[torch.Tensor]) -> torch.Tensor:
@@ -88,6 +101,15 @@ def _apply(op: Op, args: list[torch.Tensor]) -> torch.Tensor:
     if op.kind == "item":
         # A host synchronisation whose value flows back into the graph.
         return args[0] * args[1].sum().item()
+    if op.kind == "add_":
+        return args[0].add_(0.5)
+    if op.kind == "copy_":
+        return args[0].copy_(args[1])
+    if op.kind == "row_mul_":
+        args[0][:1].mul_(-2.0)  # an update through a view: the base sees it
+        return args[0]
+    if op.kind == "rand":
+        return torch.rand_like(args[0]) + args[0]  # draws from the generator's hidden state
     raise AssertionError(op.kind)
 
 
@@ -113,6 +135,7 @@ def dags(draw: st.DrawFn, max_ops: int = MAX_OPS) -> Dag:
     """Random DAGs over f32[N,N] inputs; shapes and contiguity are tracked on meta tensors."""
     n_inputs = draw(st.integers(1, 3))
     shapes = [torch.empty(N, N, device="meta") for _ in range(n_inputs)]
+    roots = list(range(n_inputs))
     ops: list[Op] = []
     for _ in range(draw(st.integers(1, max_ops))):
         kind = draw(st.sampled_from(KINDS))
@@ -127,9 +150,21 @@ def dags(draw: st.DrawFn, max_ops: int = MAX_OPS) -> Dag:
             args = (draw(st.sampled_from([i for i in everything if shapes[i].is_contiguous()])),)
         elif kind in ("add", "mul", "item"):
             args = (draw(st.sampled_from(everything)), draw(st.sampled_from(everything)))
+        elif kind == "copy_":
+            dst = draw(st.sampled_from(everything))
+            # A source that shares the destination's storage overlaps it: eager refuses that.
+            fits = [
+                j for j in everything if roots[j] != roots[dst] and _broadcasts(shapes[j].shape, shapes[dst].shape)
+            ]
+            if not fits:
+                kind, args = "sin", (dst,)
+            else:
+                args = (dst, draw(st.sampled_from(fits)))
         else:
             args = (draw(st.sampled_from(everything)),)
         op = Op(kind, args, lane, dim=draw(st.integers(0, 1)) if kind == "sum" else 0)
+        # The storage each value lives in: views and in-place results keep their argument's.
+        roots.append(roots[args[0]] if kind in ("t", "view") or kind in IN_PLACE else len(roots))
         if kind == "item":
             shapes.append(shapes[args[0]] * 1.0)  # .item() cannot run on meta tensors
         else:
@@ -155,6 +190,8 @@ def cases(draw: st.DrawFn, policies: tuple[str, ...] = ("auto", "hints", "off"),
         seed=draw(st.integers(0, 2**16)),
         # Symbolic tracing adds host ints (sym_size) that cross lanes without events.
         tracing_mode=draw(st.sampled_from(("fake", "symbolic"))),
+        # Functionalized as AOT autograd does: input updates become a write-back copy_.
+        functional=draw(st.booleans()),
     )
 
 
@@ -164,9 +201,16 @@ def _inputs(case: Case, salt: int = 0) -> list[torch.Tensor]:
     return [torch.rand(N, N, generator=gen) * 2 - 1 for _ in range(case.dag.n_inputs)]
 
 
+def _traced_fn(case: Case) -> Callable[..., tuple[torch.Tensor, ...]]:
+    fn = build(case.dag)
+    if case.functional:
+        return torch.func.functionalize(fn, remove="mutations")
+    return fn
+
+
 def _compile(case: Case, upto: str) -> tuple[fx.GraphModule, object]:
     gm = aten_graph(
-        build(case.dag),
+        _traced_fn(case),
         *_inputs(case),
         cudagraphs=case.cudagraphs,
         static_inputs=case.static_inputs,
@@ -183,13 +227,19 @@ def _compile(case: Case, upto: str) -> tuple[fx.GraphModule, object]:
     return gm, ctx
 
 
-def _run(program, inputs: list[torch.Tensor]) -> tuple:
-    """Calls an emitted program the way the backend does."""
+def _run(program, inputs: list[torch.Tensor], seed: int = 0) -> tuple:
+    """Calls an emitted program the way the backend does, with the generator seeded."""
     executor = Executor(program)
     try:
+        torch.manual_seed(seed)
         return tuple(executor(list(inputs)))
     finally:
         executor.close()
+
+
+def _eager(case: Case, inputs: list[torch.Tensor]) -> tuple:
+    torch.manual_seed(case.seed)
+    return build(case.dag)(*inputs)
 
 
 def _sync_bound(gm: fx.GraphModule) -> tuple[int, int]:
@@ -200,12 +250,16 @@ def _sync_bound(gm: fx.GraphModule) -> tuple[int, int]:
     the fork already orders them.
     """
     edges = 0
+    order = effects.order_deps(gm.graph.nodes)
     for node in gm.graph.nodes:
         if meta.effect_of(node) not in (Effect.COMPUTE, Effect.OUTPUT):
             continue
         for p in node.all_input_nodes:
             if meta.effect_of(p) is Effect.COMPUTE and analysis.carries_tensor(p):
                 edges += meta.lane_of(p) != meta.lane_of(node)
+        for dep in order.get(node, ()):
+            if meta.effect_of(dep.earlier) is Effect.COMPUTE:
+                edges += meta.lane_of(dep.earlier) != meta.lane_of(node)
     forks_joins = 0
     for segment in analysis.split_segments(gm.graph):
         aux = {
@@ -231,8 +285,11 @@ def test_pipeline_is_verified_correct_and_bounded(case):
     # (b) the emitted program computes what the function computes eagerly, bit for bit (the
     # same aten kernels run), on values other than the traced ones.
     inputs = _inputs(case, salt=1)
-    expected = build(case.dag)(*[x.clone() for x in inputs])
-    torch.testing.assert_close(_run(ctx.artifacts["program"], inputs), expected, rtol=0, atol=0)
+    eager_inputs = [x.clone() for x in inputs]
+    expected = _eager(case, eager_inputs)
+    torch.testing.assert_close(_run(ctx.artifacts["program"], inputs, case.seed), expected, rtol=0, atol=0)
+    # Updates of the inputs reach the caller, as eagerly.
+    torch.testing.assert_close(inputs, eager_inputs, rtol=0, atol=0)
     # (c) no more waits than cross-lane data edges plus a fork and a join per aux lane per segment.
     waits = ctx.counters.get("insert_syncs", {}).get("waits", 0)
     assert waits == len(sync_nodes(gm, Effect.WAIT))
@@ -241,7 +298,8 @@ def test_pipeline_is_verified_correct_and_bounded(case):
     event(f"aux lanes: {len(gi.lanes) - 1}")
     event(f"segments: {len(gi.segments)}")
     event(f"host syncs: {sum(op.kind == 'item' for op in case.dag.ops)}")
-    event(f"tracing: {case.tracing_mode}")
+    event(f"tracing: {case.tracing_mode}{' functional' if case.functional else ''}")
+    event(f"storage effects: {sum(op.kind in IN_PLACE or op.kind == 'rand' for op in case.dag.ops)}")
     event(f"waits: {'0' if waits == 0 else '1-3' if waits <= 3 else '4+'}")
 
 
