@@ -39,6 +39,7 @@ from capturepass.errors import EmitError
 from capturepass.ir import analysis, meta
 from capturepass.ir.meta import Effect, LaneId
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
+from capturepass.runtime.layouts import ExactLayouts
 from capturepass.runtime.program import Program, RegionSpec, Step
 
 
@@ -223,6 +224,12 @@ class Emit(Pass):
                     f"the {compiler} compiler failed on region {i} (lane {region.lane}: {names}...): "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
+            if compiler != "eager":
+                # NOTE: a compiled region may return another layout than its fake values say, and
+                # each consumer region is compiled for (and asserts) those: keep them exact.
+                exact = ExactLayouts(fn, example, [n.meta.get("val") for n in outputs], f"region {i}")
+                if exact.needed:
+                    fn = exact
             specs[id(region)] = RegionSpec(
                 index=i,
                 lane=region.lane.index,
