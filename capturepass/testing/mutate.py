@@ -10,7 +10,10 @@ the pipeline inserted taken away:
   point again);
 - ``retain``: one value (or one resource) is dropped from a segment's ``capturepass.retain``;
 - ``lease``: an event is moved into the lease of another event of its role that is live at the
-  same time, so that one event object serves both (its scope is lost);
+  same time, so that one event object serves both (its scope is lost). A move that only makes
+  waits stronger is no removal and is not made: when both events are recorded on one lane and
+  every wait of either comes after both records, each wait binds to the later record, which
+  runs after the earlier one;
 - ``external``: a ``capturepass.join_external`` of a declared external stream is removed.
 
 :func:`score` runs the verifier and the interleaving simulator on every mutant. Every mutant
@@ -61,23 +64,50 @@ def _spans(gm: fx.GraphModule) -> dict[Any, tuple[int, int, Any, str]]:
     return spans
 
 
+def _records_and_waits(gm: fx.GraphModule) -> dict[Any, tuple[list[tuple[int, int]], list[int]]]:
+    """event -> ((program index, lane) of its records, program indices of its waits)."""
+    out: dict[Any, tuple[list[tuple[int, int]], list[int]]] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        rec = meta.info(node)
+        if rec.effect is Effect.RECORD:
+            out.setdefault(rec.event, ([], []))[0].append((i, meta.lane_of(node).index))
+        elif rec.effect is Effect.WAIT:
+            out.setdefault(rec.event, ([], []))[1].append(i)
+    return out
+
+
+def _only_strengthens(points: dict, event: Any, other: Any) -> bool:
+    """Whether sharing one event object between ``event`` and ``other`` only makes waits stronger."""
+    records = points[event][0] + points[other][0]
+    waits = points[event][1] + points[other][1]
+    return len({lane for _, lane in records}) == 1 and min(waits, default=-1) > max(i for i, _ in records)
+
+
+def _lease_target(gm: fx.GraphModule, event: Any, spans: dict, points: dict) -> Any:
+    """The lease of another live event of the same role that ``event`` can be moved into, if any."""
+    lo, hi, lease, role = spans[event]
+    for other, (olo, ohi, olease, orole) in spans.items():
+        if other == event or orole != role or olease == lease or olease is None:
+            continue
+        if olo <= hi and lo <= ohi and not _only_strengthens(points, event, other):  # live at once
+            return olease
+    return None
+
+
 def mutants(gm: fx.GraphModule) -> list[Mutant]:
     """Every single removal that applies to ``gm``, in program order."""
     out: list[Mutant] = []
     spans = _spans(gm)
+    points = _records_and_waits(gm)
     for node in gm.graph.nodes:
         rec = meta.info(node)
         if rec.effect is Effect.WAIT:
             out.append(Mutant("wait", node.name))
         elif rec.effect is Effect.RECORD:
             out.append(Mutant("record", node.name))
-            lo, hi, lease, role = spans[rec.event]
-            for other, (olo, ohi, olease, orole) in spans.items():
-                if other == rec.event or orole != role or olease == lease or olease is None:
-                    continue
-                if olo <= hi and lo <= ohi:  # live at the same time
-                    out.append(Mutant("lease", node.name, f"into {olease}"))
-                    break
+            target = _lease_target(gm, rec.event, spans, points)
+            if target is not None:
+                out.append(Mutant("lease", node.name, f"into {target}"))
         elif rec.effect is Effect.RELEASE:
             out.append(Mutant("release", node.name))
         elif rec.effect is Effect.EXTERNAL:
@@ -105,14 +135,7 @@ def apply(gm: fx.GraphModule, mutant: Mutant) -> fx.GraphModule:
             values, lane = node.args
             node.args = ([v for v in values if f"%{v.name}" != mutant.detail], lane)
     elif mutant.kind == "lease":
-        spans = _spans(out)
-        lo, hi, lease, role = spans[rec.event]
-        target = None
-        for other, (olo, ohi, olease, orole) in spans.items():
-            if other != rec.event and orole == role and olease != lease and olease is not None:
-                if olo <= hi and lo <= ohi:
-                    target = olease
-                    break
+        target = _lease_target(out, rec.event, _spans(out), _records_and_waits(out))
         assert target is not None, mutant
         for n in out.graph.nodes:
             r = meta.info(n)

@@ -59,7 +59,7 @@ import torch.fx as fx
 from capturepass.ir import analysis, effects, meta
 from capturepass.ir.meta import Effect
 
-__all__ = ["Race", "SimResult", "SimulationError", "Report", "serial", "simulate", "explore", "same"]
+__all__ = ["Race", "SimResult", "SimulationError", "Report", "serial", "simulate", "explore", "same", "seeded_rng"]
 
 _HOST_ONLY_OPS = {
     torch.ops.aten.sym_size.int,
@@ -73,9 +73,10 @@ _RNG_KEY = -2  # the generator's hidden state, as a storage block random ops rea
 
 
 @contextlib.contextmanager
-def _seeded_rng() -> Iterator[None]:
-    """Every run draws from one fixed generator state, so that random ops drawn in another
-    order than serial execution's give other values (and the caller's RNG state is kept)."""
+def seeded_rng() -> Iterator[None]:
+    """Within the block the CPU generator starts from the state every simulated and serial run
+    starts from (the caller's state is restored after it), so that random ops drawn in another
+    order than serial execution's give other values."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0x5EED)
         yield
@@ -326,7 +327,7 @@ def serial(gm_or_program: Any, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
     """Serial execution in program order: ``(outputs, inputs after the run)``. The oracle."""
     gm = graph_module(gm_or_program)
     args = [_clone(x) for x in inputs]
-    with _seeded_rng():
+    with seeded_rng():
         env = _reference(gm, args)
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     return fx.node.map_arg(out_node.args[0], lambda n: _clone(env[n])), args
@@ -843,9 +844,9 @@ def simulate(
     """
     plan = _plan or _plan_of(gm_or_program)
     sim = _Sim(plan, inputs, seed, poison, replay)
-    with _seeded_rng():
+    with seeded_rng():
         sim.ref = _ref if _ref is not None else _reference(plan.gm, [_clone(x) for x in inputs])
-    with _seeded_rng():
+    with seeded_rng():
         return sim.run()
 
 
@@ -855,7 +856,7 @@ def explore(
     """Simulates every seed and compares each result with serial execution."""
     plan = _plan_of(gm_or_program)
     expected, expected_inputs = serial(plan.gm, inputs)
-    with _seeded_rng():
+    with seeded_rng():
         ref = _reference(plan.gm, [_clone(x) for x in inputs])
     report = Report()
     races: set[Race] = set()
