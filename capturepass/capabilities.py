@@ -53,7 +53,7 @@ from typing import Any, Union
 import torch
 import torch.fx as fx
 
-from capturepass.errors import CapabilityError
+from capturepass.errors import CapabilityError, is_dynamo_signal
 from capturepass.ir import hops
 from capturepass.ir.meta import Capability
 
@@ -314,6 +314,8 @@ class CapabilityRegistry:
         try:
             answer = decl.overlap(call)
         except Exception as exc:  # a user callable: name it, never guess
+            if is_dynamo_signal(exc):
+                raise
             raise CapabilityError(
                 f"the launch-plan callable declared for {name} raised {type(exc).__name__}: {exc} "
                 f"(node %{node.name}, shapes {call.shapes})"

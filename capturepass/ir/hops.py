@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.errors import is_dynamo_signal
+
 log = logging.getLogger("capturepass")
 
 # Wrappers whose first argument is the op they call (after the effect token for with_effects).
@@ -109,6 +111,8 @@ def _v2_arguments(op: torch._ops.OpOverload, kwargs: dict[str, Any]) -> dict[str
             else:
                 out[arg_name] = view.regenerate_view(bases)
     except Exception as exc:  # an encoding this code does not know: describe the bases instead
+        if is_dynamo_signal(exc):
+            raise
         log.info(
             "capturepass: cannot rebuild the mutated arguments of %s from auto_functionalized_v2 (%s: %s); "
             "its capability query sees the base tensors instead",

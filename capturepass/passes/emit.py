@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.backends import inner as inner_compilers
-from capturepass.errors import EmitError
+from capturepass.errors import EmitError, is_dynamo_signal
 from capturepass.ir import analysis, hops, meta
 from capturepass.ir.meta import Effect, LaneId
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
@@ -231,6 +231,8 @@ class Emit(Pass):
             try:
                 fn = inner_compilers.compile_region(rgm, example, compiler)
             except Exception as exc:
+                if is_dynamo_signal(exc):
+                    raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
                 names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
                 raise EmitError(
                     f"the {compiler} compiler failed on region {i} (lane {region.lane}: {names}...): "
