@@ -52,6 +52,21 @@ class ResourceError(CapturePassError):
 
 
 
+class DumpError(CapturePassError):
+    """A dump (``graph.json`` and its folder) cannot be read back.
+
+    Attributes:
+        file: the file or folder at fault.
+        field: the field at fault, as a path into the document (``nodes[3].lane``);
+            ``""`` when the file as a whole is.
+    """
+
+    def __init__(self, file: str, field: str, problem: str) -> None:
+        super().__init__(f"{file!r}: {field}: {problem}" if field else f"{file!r}: {problem}")
+        self.file = file
+        self.field = field
+
+
 # Dynamo's own control-flow exceptions, by name (feature-detected: not every torch has each).
 _DYNAMO_SIGNALS = ("RestartAnalysis", "SkipFrame", "Unsupported", "ShortenTraceback")
 
