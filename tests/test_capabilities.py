@@ -630,6 +630,25 @@ def test_cond_reads_its_predicate_on_the_host():
     assert cap.reason == "host sync: cond reads its tensor predicate on the host"
 
 
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_cond_in_a_captured_graph_is_a_break(inner):
+    """A captured graph cannot hold cond's device-to-host read: cond runs eagerly between segments."""
+    from tests.backends.e2e_util import new_compiles
+
+    def fn(x, y):
+        return torch.cond(x.sum() > 0, lambda x: x.sin() + 1, lambda x: x.cos() - 1, (x,)) * y
+
+    compiled = torch.compile(fn, backend="capturepass", options={"inner": inner, "cudagraphs": "monolithic"})
+    x, y = torch.randn(4, 4).abs() + 0.1, torch.randn(4, 4)
+    with new_compiles() as records:
+        for sign in (1, -1):  # both branches
+            torch.testing.assert_close(compiled(sign * x, y), fn(sign * x, y))
+    (record,) = records
+    gi = meta.graph_info(record.graph)
+    assert gi.cudagraphs == "breakable"
+    assert [(b.node, b.reason) for b in gi.breaks] == [("cond", "host sync: cond reads its tensor predicate on the host")]
+
+
 def test_higher_order_op_answers_for_its_subgraphs(declared):
     """``invoke_subgraph`` (``nested_compile_region``) may do what the ops inside it may do."""
     region = getattr(torch.compiler, "nested_compile_region", None)
