@@ -682,3 +682,44 @@ def test_higher_order_op_answers_for_its_subgraphs(declared):
         assert (cap.capturable, cap.overlap, cap.resources) == (True, "serialize", ("ws",))
         assert cap.reason.startswith("invoke_subgraph subgraph: %") and cap.reason.endswith("declared overlap=serialize")
         assert meta.graph_info(gm).lane_name(meta.lane_of(node)) == "main"
+
+
+@torch.library.custom_op(f"{NS}::effectful", mutates_args=())
+def effectful(x: torch.Tensor, tag: str) -> torch.Tensor:
+    """A custom op with an ordered effect: AOT autograd wraps it in with_effects."""
+    return x * 2
+
+
+@effectful.register_fake
+def _(x: torch.Tensor, tag: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_with_effects_answers_for_the_wrapped_op(declared):
+    if not hasattr(effectful, "register_effect"):
+        pytest.skip("this torch cannot declare an effect on a custom op")
+    from torch._library.effects import EffectType
+
+    from tests.backends.e2e_util import new_compiles
+
+    effectful.register_effect(EffectType.ORDERED)
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> dict:
+        seen.append(call)
+        return {"overlap": "serialize", "reason": f"tag={call.arg('tag')}"}
+
+    capturepass.register_capability(effectful, overlap=launch_plan)
+    declared.append(effectful)
+
+    def fn(x):
+        return torch.ops.cptest_caps.effectful(x.sin(), "a").cos()
+
+    x = torch.randn(4, 8)
+    with new_compiles() as records:
+        torch.testing.assert_close(torch.compile(fn, backend="capturepass", options={"inner": "eager"})(x), fn(x))
+    (node,) = [n for n in records[0].graph.graph.nodes if str(n.target) == "with_effects"]
+    cap = meta.info(node).capability
+    assert (cap.overlap, cap.reason, cap.source) == ("serialize", "tag=a", "launch-plan")
+    (call,) = seen
+    assert (call.op, call.shapes, call.arg_names) == (f"{NS}::effectful", ((4, 8),), ("x", "tag"))
