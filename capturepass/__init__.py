@@ -26,6 +26,7 @@ from capturepass.capabilities import CallInfo, capability, register_capability
 from capturepass.errors import (
     CapabilityError,
     CapturePassError,
+    DumpError,
     EmitError,
     HintError,
     OptionError,
@@ -67,6 +68,7 @@ __all__ = [
     "CapabilityError",
     "CapturePassError",
     "ChannelKey",
+    "DumpError",
     "EmitError",
     "HintError",
     "OptionError",

@@ -12,7 +12,8 @@ it may overlap with work on other lanes::
 ``overlap`` is one of three levels, or a callable that receives a
 :class:`CallInfo` for the concrete call (shapes, dtypes, the device's SM count)
 and returns a :class:`~capturepass.ir.meta.Capability` or a mapping of its
-fields. A callable is queried once per distinct call signature and cached.
+fields. A callable is queried once per distinct call (every argument it can see,
+by position) and cached.
 The levels:
 
 - ``"safe"``: the op may run beside work on other lanes;
@@ -30,6 +31,12 @@ Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe`` and host
 synchronisations (ops whose output size or value depends on data) are not
 capturable; aten and prims ops are overlap-safe; any other custom op is
 serialized (the conservative answer), with one log line naming it.
+
+A functionalization or effect wrapper (``auto_functionalized``,
+``auto_functionalized_v2``, ``with_effects``) answers for the op it wraps; a
+higher-order op with subgraphs answers for the ops of its subgraphs, and is not
+capturable when its control flow reads a tensor on the host (``cond``,
+``while_loop``).
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from typing import Any, Union
 import torch
 import torch.fx as fx
 
-from capturepass.errors import CapabilityError
+from capturepass.errors import CapabilityError, is_dynamo_signal
+from capturepass.ir import hops
 from capturepass.ir.meta import Capability
 
 log = logging.getLogger("capturepass")
@@ -71,10 +79,13 @@ class CallInfo:
         dtypes: the dtype of each tensor argument.
         device: the device of the first tensor argument.
         sm_count: the device's multiprocessor count, or ``None`` off CUDA.
-        args: the call's arguments, with tensors as fake tensors.
+        args: every argument of the op's schema, in schema order (given
+            positionally or by keyword, or the schema's default), with tensors
+            as fake tensors.
         dynamic: some size is symbolic; ``shapes`` then holds the sizes the
             graph was traced with, and an answer of ``"safe"`` is only trusted
             for them, so capturepass serializes such a call.
+        arg_names: the schema's name of each entry of ``args``.
     """
 
     op: str
@@ -84,9 +95,66 @@ class CallInfo:
     sm_count: int | None
     args: tuple = ()
     dynamic: bool = False
+    arg_names: tuple[str, ...] = ()
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The argument the schema calls ``name`` (``default`` if the op has none of that name)."""
+        for n, v in zip(self.arg_names, self.args):
+            if n == name:
+                return v
+        return default
 
     def key(self) -> tuple:
-        return (self.op, self.shapes, self.dtypes, str(self.device), self.sm_count)
+        """What the answer may depend on: calls of equal keys share one answer.
+
+        Everything a plan can see is in it: the op, the device and its SM count, and each
+        argument by position (a tensor by shape, stride, dtype, device and layout; any
+        other value by value where it is hashable, else by its ``repr``).
+        """
+        return (self.op, self.shapes, self.dtypes, str(self.device), self.sm_count, self.dynamic,
+                self.arg_names, tuple(_value_key(a) for a in self.args))
+
+
+def _dim_key(d: Any) -> Any:
+    if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", str(d.node.expr), _hint(d) if isinstance(d, torch.SymInt) else None)
+    return int(d)
+
+
+def _value_key(v: Any) -> Any:
+    """A hashable stand-in for one argument, equal exactly when a plan could not tell them apart."""
+    if isinstance(v, torch.Tensor):
+        try:
+            strided = v.layout == torch.strided
+            return ("tensor", tuple(_dim_key(d) for d in v.shape),
+                    tuple(_dim_key(d) for d in v.stride()) if strided else None,
+                    v.dtype, str(v.device), str(v.layout), _dim_key(v.storage_offset()) if strided else None)
+        except Exception:  # a tensor subclass without strides or sizes: its description
+            return (type(v).__qualname__, "repr", _safe_repr(v))
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _dim_key(v)
+    if v is None or isinstance(v, (bool, int, str, bytes)):
+        return (type(v).__name__, v)  # the type too: 1, 1.0 and True compare equal
+    if isinstance(v, (float, complex)):
+        return (type(v).__name__, repr(v))  # repr: -0.0 and 0.0 apart, NaN equal to NaN
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return (type(v).__name__, str(v))
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_value_key(x) for x in v))
+    if isinstance(v, Mapping):
+        return ("mapping", tuple(sorted(((_safe_repr(k), _value_key(x)) for k, x in v.items()), key=repr)))
+    try:
+        hash(v)
+        return (type(v).__qualname__, "value", v)
+    except Exception:
+        return (type(v).__qualname__, "repr", _safe_repr(v))
+
+
+def _safe_repr(v: Any) -> str:
+    try:
+        return repr(v)
+    except Exception:
+        return f"<{type(v).__qualname__} at {id(v):#x}>"
 
 
 OverlapSpec = Union[str, Callable[[CallInfo], Union[Capability, Mapping[str, Any]]]]
@@ -179,19 +247,54 @@ class CapabilityRegistry:
         return digest.hexdigest()[:16]
 
     def query(self, node: fx.Node, graph_device: torch.device | None = None) -> Capability:
-        """The capability of the op ``node`` calls, for this node's concrete shapes."""
+        """The capability of the op ``node`` calls, for this node's concrete arguments.
+
+        A functionalization or effect wrapper (``auto_functionalized``,
+        ``auto_functionalized_v2``, ``with_effects``) answers for the op it wraps,
+        called with the arguments it passes on; a higher-order op with subgraphs
+        (``cond``, ``while_loop``, ``invoke_subgraph``) answers for everything in them.
+        """
         target = node.target
         if node.op != "call_function":
             return Capability(reason=f"{node.op} node")
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return self._higher_order(node, graph_device)
         if target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
             return Capability(reason="no kernel")
+        return self._op(node, target, node.args, node.kwargs, graph_device)
+
+    def _op(
+        self, node: fx.Node, target: torch._ops.OpOverload, args: tuple, kwargs: Mapping[str, Any],
+        graph_device: torch.device | None,
+    ) -> Capability:
         name = target._schema.name
         decl = self._decls.get(name)
         if decl is not None:
-            return self._declared(node, name, decl)
+            return self._declared(node, name, decl, target, args, kwargs)
         return self._default(node, name, target, graph_device)
 
-    def _declared(self, node: fx.Node, name: str, decl: _Declaration) -> Capability:
+    def _higher_order(self, node: fx.Node, graph_device: torch.device | None) -> Capability:
+        wrapped = hops.wrapped_call(node)
+        if wrapped is not None:
+            return self._op(node, *wrapped, graph_device)
+        name = hops.hop_name(node)
+        modules = hops.subgraphs(node)
+        if not modules:
+            return Capability(reason="no kernel")
+        inner = [
+            (n, self.query(n, graph_device))
+            for gm in modules for n in gm.graph.nodes if n.op == "call_function"
+        ]
+        cap = _combine(name, inner)
+        sync = _host_sync(node, name, modules)
+        if sync is not None and cap.capturable:
+            cap = dataclasses.replace(cap, capturable=False, reason=sync)
+        return cap
+
+    def _declared(
+        self, node: fx.Node, name: str, decl: _Declaration, target: torch._ops.OpOverload,
+        args: tuple, kwargs: Mapping[str, Any],
+    ) -> Capability:
         if not callable(decl.overlap):
             return Capability(
                 capturable=decl.capturable,
@@ -202,7 +305,7 @@ class CapabilityRegistry:
                 source="registry",
                 monolithic=decl.monolithic,
             )
-        call = _call_info(node, name)
+        call = _call_info(name, target, args, kwargs)
         cache_key = call.key()
         with self._lock:
             hit = self._cache.get(cache_key)
@@ -211,6 +314,8 @@ class CapabilityRegistry:
         try:
             answer = decl.overlap(call)
         except Exception as exc:  # a user callable: name it, never guess
+            if is_dynamo_signal(exc):
+                raise
             raise CapabilityError(
                 f"the launch-plan callable declared for {name} raised {type(exc).__name__}: {exc} "
                 f"(node %{node.name}, shapes {call.shapes})"
@@ -304,14 +409,23 @@ def _hint(d: Any) -> int:
     return int(d)
 
 
-def _call_info(node: fx.Node, name: str) -> CallInfo:
-    tensors = []
-    args = []
-    for a in node.args:
-        v = a.meta.get("val") if isinstance(a, fx.Node) else a
-        args.append(v)
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
+def _call_info(name: str, target: torch._ops.OpOverload, args: tuple, kwargs: Mapping[str, Any]) -> CallInfo:
+    """The call of ``target`` with ``args``/``kwargs`` (graph nodes or values), in schema order."""
+    values, kw = hops.as_values(args, kwargs)
+    ordered: list[Any] = []
+    names: list[str] = []
+    for i, formal in enumerate(target._schema.arguments):
+        if i < len(values) and not formal.kwarg_only:
+            v = values[i]
+        elif formal.name in kw:
+            v = kw[formal.name]
+        elif formal.has_default_value():
+            v = formal.default_value
+        else:
+            v = None
+        ordered.append(v)
+        names.append(formal.name)
+    tensors = [v for v in ordered if isinstance(v, torch.Tensor)]
     device = tensors[0].device if tensors else None
     sm_count = None
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
@@ -322,9 +436,66 @@ def _call_info(node: fx.Node, name: str) -> CallInfo:
         dtypes=tuple(t.dtype for t in tensors),
         device=device,
         sm_count=sm_count,
-        args=tuple(args),
+        args=tuple(ordered),
         dynamic=any(isinstance(d, torch.SymInt) and d.node.expr.free_symbols for t in tensors for d in t.shape),
+        arg_names=tuple(names),
     )
+
+
+_OVERLAP_RANK = {level: i for i, level in enumerate(OVERLAP_CHOICES)}
+
+
+def _combine(hop: str | None, inner: list[tuple[fx.Node, Capability]]) -> Capability:
+    """One answer for a higher-order op from the answers of the nodes of its subgraphs.
+
+    It may do whatever any of them may: not capturable if one is not, the strictest
+    overlap, every resource, a resident grid if one launches one.
+    """
+    if not inner:
+        return Capability(reason=f"{hop}: empty subgraphs")
+    capturable = all(c.capturable for _, c in inner)
+    overlap = max((c.overlap for _, c in inner), key=_OVERLAP_RANK.__getitem__)
+    resources: list[str] = []
+    for _, c in inner:
+        resources.extend(r for r in c.resources if r not in resources)
+    resident = [c for _, c in inner if c.resident_grid]
+    ctas = [c.ctas for c in resident if c.ctas is not None]
+    decisive = [(n, c) for n, c in inner if not c.capturable or c.overlap == overlap and overlap != "safe"]
+    if decisive:
+        n, c = decisive[0]
+        reason, source = f"{hop} subgraph: %{n.name}: {c.reason}", c.source
+    else:
+        reason, source = f"{hop}: every op of its subgraphs may overlap", "default"
+    return Capability(
+        capturable=capturable,
+        overlap=overlap,
+        reason=reason,
+        resources=tuple(resources),
+        source=source,
+        resident_grid=bool(resident),
+        barrier_free=all(c.barrier_free for c in resident),
+        ctas=max(ctas) if ctas else None,
+        monolithic=any(c.monolithic for _, c in inner),
+    )
+
+
+def _host_sync(node: fx.Node, hop: str | None, modules: list[fx.GraphModule]) -> str | None:
+    """Why ``node`` reads a device value on the host (its control flow depends on one), if it does.
+
+    NOTE: ``cond`` picks its branch and ``while_loop`` decides each iteration on the host
+    (Inductor emits ``pred.item()``; eager does ``if pred``): a tensor predicate is a
+    device-to-host copy, which a CUDA graph capture cannot contain.
+    """
+    if hop == "cond" and node.args:
+        pred = node.args[0]
+        if isinstance(pred, fx.Node) and not isinstance(pred.meta.get("val"), (bool, torch.SymBool)):
+            return "host sync: cond reads its tensor predicate on the host"
+    if hop == "while_loop" and modules:
+        out = next((n for n in modules[0].graph.nodes if n.op == "output"), None)
+        vals = [a.meta.get("val") for a in out.all_input_nodes] if out is not None else [None]
+        if not vals or any(not isinstance(v, (bool, torch.SymBool)) for v in vals):
+            return "host sync: while_loop reads its tensor condition on the host at every iteration"
+    return None
 
 
 def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:

@@ -12,6 +12,10 @@ timeline, ``--trace OUT`` as a Chrome trace (see :mod:`capturepass.viewer`): wit
 measured times for each graph whose folder holds a ``measured.json`` of the same
 ``graph.json`` (written by :func:`capturepass.trace` on a GPU), with the cost
 model's estimates otherwise; the last line printed says which.
+
+A malformed dump (a ``graph.json`` that is not the document the printer writes, a
+folder without one, a file given as the folder) prints one line naming the file and
+the field at fault, and exits with status 2.
 """
 
 from __future__ import annotations
@@ -22,20 +26,28 @@ import os
 import sys
 from typing import Any
 
+from capturepass.errors import DumpError
+from capturepass.ir import graph_json
+from capturepass.ir.graph_json import GRAPH_FILE, GraphDoc
+
 SUMMARY_KEYS = ("lanes", "records", "waits", "leases", "retained", "segments", "breaks")
 
 
 def _graph_dirs(root: str) -> list[str]:
-    if os.path.isfile(os.path.join(root, "graph.json")):
+    if not os.path.exists(root):
+        raise DumpError(root, "", "no such directory")
+    if not os.path.isdir(root):
+        raise DumpError(root, "", f"is a file, not a dump directory (give the folder that holds {GRAPH_FILE})")
+    if os.path.isfile(os.path.join(root, GRAPH_FILE)):
         return [root]
     found = []
     for dirpath, _dirnames, filenames in sorted(os.walk(root)):
-        if "graph.json" in filenames:
+        if GRAPH_FILE in filenames:
             found.append(dirpath)
     return sorted(found)
 
 
-def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
+def summarize_graph(graph: GraphDoc, name: str) -> dict[str, Any]:
     """The summary of one ``graph.json`` document."""
     nodes = graph["nodes"]
     records = [n for n in nodes if n["effect"] == "record"]
@@ -70,27 +82,29 @@ def summarize_graph(graph: dict[str, Any], name: str) -> dict[str, Any]:
     }
 
 
-def load_graph_dirs(root: str) -> list[tuple[str, str, dict[str, Any]]]:
+def load_graph_dirs(root: str) -> list[tuple[str, str, GraphDoc]]:
     """``(name, folder, graph.json document)`` of every graph under ``root``, in path order.
 
+    Every document is validated (:func:`capturepass.ir.graph_json.load`).
+
     Raises:
-        FileNotFoundError: ``root`` holds no ``graph.json``.
+        DumpError: ``root`` is missing or a file, holds no ``graph.json``, or one is
+            malformed; it names the file and the field at fault.
     """
     graphs = []
     for d in _graph_dirs(root):
-        with open(os.path.join(d, "graph.json")) as f:
-            graphs.append((os.path.relpath(d, root) if d != root else os.path.basename(os.path.normpath(d)), d,
-                           json.load(f)))
+        name = os.path.relpath(d, root) if d != root else os.path.basename(os.path.normpath(d))
+        graphs.append((name, d, graph_json.load(os.path.join(d, GRAPH_FILE))))
     if not graphs:
-        raise FileNotFoundError(f"no capturepass dump (graph.json) under {root!r}")
+        raise DumpError(root, "", f"no capturepass dump ({GRAPH_FILE}) in this directory or below")
     return graphs
 
 
-def load_graphs(root: str) -> list[tuple[str, dict[str, Any]]]:
+def load_graphs(root: str) -> list[tuple[str, GraphDoc]]:
     """``(name, graph.json document)`` of every graph under ``root``, in path order.
 
     Raises:
-        FileNotFoundError: ``root`` holds no ``graph.json``.
+        DumpError: as :func:`load_graph_dirs`.
     """
     return [(name, graph) for name, _, graph in load_graph_dirs(root)]
 
@@ -167,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
                 viewer.write_html(args.dir, args.html)
             if args.trace:
                 note = f"trace {args.trace}: " + viewer.trace_note(viewer.write_trace(args.dir, args.trace))
-    except (FileNotFoundError, json.JSONDecodeError, KeyError) as exc:
+    except DumpError as exc:
         print(f"capturepass show: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an output file (--html, --trace) that cannot be written
+        print(f"capturepass show: {exc.filename or 'output'}: cannot be written ({exc.strerror or exc})",
+              file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))

@@ -49,3 +49,43 @@ class EmitError(CapturePassError):
 class ResourceError(CapturePassError):
     """An owner-bound resource (a pool channel, a workspace, a profiling capture) was misused:
     the message names the resource, the owner and the lane or slot at fault."""
+
+
+
+class DumpError(CapturePassError):
+    """A dump (``graph.json`` and its folder) cannot be read back.
+
+    Attributes:
+        file: the file or folder at fault.
+        field: the field at fault, as a path into the document (``nodes[3].lane``);
+            ``""`` when the file as a whole is.
+    """
+
+    def __init__(self, file: str, field: str, problem: str) -> None:
+        super().__init__(f"{file!r}: {field}: {problem}" if field else f"{file!r}: {problem}")
+        self.file = file
+        self.field = field
+
+
+# Dynamo's own control-flow exceptions, by name (feature-detected: not every torch has each).
+_DYNAMO_SIGNALS = ("RestartAnalysis", "SkipFrame", "Unsupported", "ShortenTraceback")
+
+
+def is_dynamo_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` is one Dynamo raises to steer its own compile, and must see unwrapped.
+
+    Dynamo restarts its analysis on ``RestartAnalysis`` and its subclasses
+    (``TensorifyScalarRestartAnalysis`` when a Python float it specialized should become
+    a tensor), skips the frame on ``SkipFrame``, reports ``Unsupported`` as a graph
+    break, re-raises its own formatted errors (``ShortenTraceback``, which
+    ``BackendCompilerFailed`` is) and turns the fake-tensor errors it lists in
+    ``exceptions_allowed_to_be_fallback`` into a graph break with a warning. Wrapped in a
+    capturepass error, each would end the compile as a failure instead.
+    """
+    try:
+        from torch._dynamo import exc as dynamo_exc
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return False
+    kinds = tuple(k for k in (getattr(dynamo_exc, name, None) for name in _DYNAMO_SIGNALS) if isinstance(k, type))
+    kinds += tuple(k for k in getattr(dynamo_exc, "exceptions_allowed_to_be_fallback", ()) if isinstance(k, type))
+    return bool(kinds) and isinstance(exc, kinds)

@@ -11,13 +11,22 @@ does nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import ParamSpec, TypeVar
 
+import torch
 import torch.fx.traceback as fx_traceback
 
 from capturepass.errors import HintError
 from capturepass.ir.meta import MAIN_LANE_NAME
 
 HINT_KEY = "capturepass"
+
+log = logging.getLogger("capturepass")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 if not hasattr(fx_traceback, "annotate"):  # pragma: no cover - every supported torch has it
     raise ImportError("capturepass needs torch.fx.traceback.annotate (torch 2.11 or newer)")
@@ -34,7 +43,79 @@ def _check_name(name: object) -> str:
     return name
 
 
-def lane(name: str) -> contextlib.AbstractContextManager:
+class Lane:
+    """A lane hint: a context manager and a decorator, reusable and re-entrant.
+
+    Each entry opens its own ``torch.fx.traceback.annotate`` block, kept on a stack
+    of open blocks, and each exit closes the latest: one hint object may be entered
+    in several places, one after another or nested in itself. The decorator form
+    makes a fresh hint per call.
+
+    NOTE: Dynamo can only enter a context manager it saw being made. A hint made
+    inside the compiled function (``with capturepass.lane("aux"):``, or one kept in
+    a local and entered several times) and the decorator form are traced; a hint
+    object made outside and entered with ``with`` inside a compiled function makes
+    Dynamo give up on that frame, which then runs eagerly: entering the hint then
+    logs a warning saying so (once per hint object).
+
+    Attributes:
+        name: the lane's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = _check_name(name)
+        self._open: list[contextlib.AbstractContextManager] = []
+        self._warned = False
+
+    @contextlib.contextmanager
+    def _block(self) -> Iterator[None]:
+        with fx_traceback.annotate({HINT_KEY: {"lane": self.name}}):
+            yield
+
+    def __enter__(self) -> None:
+        if not torch.compiler.is_compiling():
+            self._warn_if_skipped()
+        block = self._block()
+        block.__enter__()
+        self._open.append(block)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._open.pop().__exit__(*exc)
+
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        name = self.name
+
+        @functools.wraps(fn)
+        def hinted(*args: P.args, **kwargs: P.kwargs) -> R:
+            with Lane(name):  # made here, so that Dynamo sees it made and can enter it
+                return fn(*args, **kwargs)
+
+        return hinted
+
+    def _warn_if_skipped(self) -> None:
+        """Warns when this hint runs eagerly inside a compiled function (Dynamo gave up on the frame)."""
+        if self._warned:
+            return
+        try:
+            from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        except ImportError:  # pragma: no cover - torch without Dynamo
+            return
+        if get_eval_frame_callback() in (None, False):
+            return  # plain eager code: the hint does nothing, as documented
+        self._warned = True
+        log.warning(
+            "capturepass: the hint %r runs eagerly inside a compiled function: Dynamo cannot enter a "
+            "context manager made outside the compiled code, so it ran that frame without compiling it "
+            "(no lanes). Write `with capturepass.lane(%r):` inside the function, or use the hint as a "
+            "decorator.",
+            self, self.name,
+        )
+
+    def __repr__(self) -> str:
+        return f"capturepass.lane({self.name!r})"
+
+
+def lane(name: str) -> Lane:
     """Puts the code inside on a named auxiliary lane.
 
     Usable as a context manager inside a model's ``forward``, or as a decorator
@@ -50,9 +131,10 @@ def lane(name: str) -> contextlib.AbstractContextManager:
         name: the lane's name; ``"main"`` is refused.
 
     Returns:
-        A context manager that is also a decorator (Dynamo traces both forms).
+        A context manager that is also a decorator (Dynamo traces both forms); one
+        object may be entered any number of times, also inside itself.
 
     Raises:
         HintError: an invalid or reserved name.
     """
-    return fx_traceback.annotate({HINT_KEY: {"lane": _check_name(name)}})
+    return Lane(name)

@@ -61,7 +61,11 @@ class Options:
         cudagraphs: ``"monolithic"`` (one captured segment), ``"breakable"``
             (segments around non-capturable ops) or ``"none"``. ``None`` means
             "monolithic on CUDA, none elsewhere" and is resolved per graph.
-        dump_dir: directory for the per-pass dumps, or ``None``.
+        dump_dir: directory for the per-pass dumps, or ``None``. An empty path is
+            refused (it would mean the working directory, which nobody asks for by
+            writing nothing). ``CAPTUREPASS_DUMP_DIR`` fills it when the option is not
+            given; that variable set to an empty string counts as unset, as shells treat
+            an empty variable.
         verify: run the verifier after every pass.
         capture_sizes: batch sizes to capture up front (dim 0 of the first
             dynamic input), as engines pre-capture.
@@ -107,6 +111,7 @@ class Options:
                 f"unknown capturepass option(s) {', '.join(map(repr, unknown))}; "
                 f"valid options are: {', '.join(valid)}"
             )
+        # An empty CAPTUREPASS_DUMP_DIR is unset (the shell convention); an empty option is an error.
         if "dump_dir" not in options and os.environ.get(DUMP_DIR_ENV):
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
         if "verify" not in options and os.environ.get(VERIFY_ENV):
@@ -139,6 +144,10 @@ class Options:
             )
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise OptionError(f"option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
+        if self.dump_dir is not None and os.fspath(self.dump_dir) in ("", b""):
+            raise OptionError(
+                "option 'dump_dir' is an empty path; give a directory, or None (the default) for no dumps"
+            )
         if isinstance(self.max_captures, bool) or not isinstance(self.max_captures, int) or self.max_captures < 1:
             raise OptionError(f"option 'max_captures' must be a positive int, got {self.max_captures!r}")
         if not isinstance(self.static_outputs, bool):

@@ -100,14 +100,20 @@ def _duration_us(node: dict[str, Any]) -> float:
     cost = node.get("cost")
     if not cost:
         return 0.0
+    # graph_json.load bounds every cost (NaN aside, which node_time reads as unknown), so
+    # that no sum of durations overflows the clocks.
     flops = cost.get("flops") or 0.0
     nbytes = cost.get("bytes") or 0.0
     return node_time(Cost(flops=float(flops), bytes=float(nbytes))) * 1e6
 
 
 def simulate(graph: dict[str, Any], name: str) -> Schedule:
-    """Replays one ``graph.json`` document's schedule on per-lane clocks."""
-    clocks = [0.0] * max(1, len(graph["lanes"]))
+    """Replays one ``graph.json`` document's schedule on per-lane clocks.
+
+    ``graph`` is a document :func:`capturepass.ir.graph_json.load` (or ``validate``) accepted.
+    """
+    # One clock per lane a node names (a mapping: a lane index never sizes anything).
+    clocks: dict[int, float] = {i: 0.0 for i in range(max(1, len(graph["lanes"])))}
     stamps: dict[str, Item] = {}
     items: list[Item] = []
     edges: list[Edge] = []
@@ -116,15 +122,14 @@ def simulate(graph: dict[str, Any], name: str) -> Schedule:
         if effect in ("input", "constant", "output"):
             continue
         lane = node.get("lane") or 0
-        if lane >= len(clocks):
-            clocks.extend([0.0] * (lane + 1 - len(clocks)))
+        clocks.setdefault(lane, 0.0)
         if effect == "wait":
             rec = stamps.get(node.get("event", ""))
             if rec is not None:
                 clocks[lane] = max(clocks[lane], rec.end)
         if effect == "compute" and "break" in node:
             # A break runs eagerly between segment replays: after everything enqueued before it.
-            clocks[lane] = max(clocks)
+            clocks[lane] = max(clocks.values())
         dur = _duration_us(node) if effect == "compute" else SYNC_US if effect in ("record", "wait") else 0.0
         item = Item(node, lane, clocks[lane], dur)
         clocks[lane] += dur
@@ -133,7 +138,7 @@ def simulate(graph: dict[str, Any], name: str) -> Schedule:
             stamps[node["event"]] = item
         elif effect == "wait" and node.get("event") in stamps:
             edges.append(Edge(stamps[node["event"]], item, node["event"], node.get("why")))
-    return Schedule(name, graph, items, edges, max(clocks))
+    return Schedule(name, graph, items, edges, max(clocks.values()))
 
 
 # -- HTML ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch.fx as fx
 import capturepass
 from capturepass.capabilities import REGISTRY, CallInfo, CapabilityRegistry, op_qualname
 from capturepass.errors import CapabilityError
+from capturepass.ir import meta, printer
 from capturepass.ir.meta import Capability
 from tests.helpers import aten_graph
 
@@ -374,6 +375,77 @@ def test_launch_plan_mapping_inherits_declared_fields(declared):
     assert (cap.capturable, cap.overlap, cap.resources, cap.source) == (False, "safe", ("ws",), "launch-plan")
 
 
+
+@torch.library.custom_op(f"{NS}::moe", mutates_args=())
+def moe(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None, quant: str, topk: int) -> torch.Tensor:
+    """A MoE-like op whose launch depends on non-tensor arguments."""
+    return x.clone()
+
+
+@moe.register_fake
+def _(x, w, b, quant, topk):
+    return torch.empty_like(x)
+
+
+def test_launch_plan_is_asked_again_when_any_argument_differs(declared):
+    """Regression: the plan cache was keyed by (op, shapes, dtypes, device, SMs) only, so a
+    ``quant="w4a16"`` call got the answer of an earlier ``quant="nvfp4"`` call."""
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> dict:
+        seen.append(call)
+        mode = call.arg("quant")
+        return {"overlap": "safe" if mode == "nvfp4" else "serialize", "reason": mode}
+
+    capturepass.register_capability(moe, overlap=launch_plan)
+    declared.append(moe)
+    m = torch.ops.cptest_caps.moe
+
+    def fn(x, xt, t):
+        return (
+            m(x, t, None, "nvfp4", 2),
+            m(x, t, None, "w4a16", 2),
+            m(x, t, None, "nvfp4", 4),      # another non-tensor value
+            m(x, None, t, "nvfp4", 2),      # the tensor in another position: the same shapes
+            m(xt, t, None, "nvfp4", 2),     # the same shape, other strides
+            m(x, t, None, "nvfp4", 2),      # the first call again: from the cache
+        )
+
+    x = torch.randn(8, 8)
+    gm = aten_graph(fn, x, x.t(), torch.randn(8))
+    caps = [REGISTRY.query(n) for n in _calls(gm, f"{NS}::moe")]
+    assert [c.reason for c in caps] == ["nvfp4", "w4a16", "nvfp4", "nvfp4", "nvfp4", "nvfp4"]
+    assert [c.overlap for c in caps] == ["safe", "serialize", "safe", "safe", "safe", "safe"]
+    assert len(seen) == 5
+    assert [c.arg("topk") for c in seen] == [2, 2, 4, 2, 2]
+    assert seen[3].shapes == seen[0].shapes and seen[3].args[1] is None
+    assert seen[4].shapes == seen[0].shapes and seen[4].args[0].stride() == (1, 8)
+
+
+def test_call_key_never_fails_on_odd_arguments():
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __repr__(self) -> str:
+            return "Unhashable()"
+
+    class BadRepr:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    def call(*args) -> CallInfo:
+        return CallInfo(op=f"{NS}::x", shapes=(), dtypes=(), device=None, sm_count=None, args=args)
+
+    keys = [call(Unhashable()).key(), call([Unhashable()]).key(), call({"a": [1]}).key(), call(BadRepr()).key(),
+            call(float("nan")).key(), call(1).key(), call(1.0).key(), call(True).key(), call(-0.0).key(), call(0.0).key()]
+    assert all(isinstance(hash(k), int) for k in keys)
+    assert call(Unhashable()).key() == keys[0] and call(float("nan")).key() == keys[4]
+    assert len({keys[i] for i in (5, 6, 7)}) == 3  # 1, 1.0 and True are different arguments
+    assert keys[8] != keys[9]
+
+
 # -- the cache key ---------------------------------------------------------------------------------
 
 
@@ -419,3 +491,235 @@ def test_key_is_order_independent():
     r2.register(f"{NS}::a", overlap="safe")
     assert r1.key() == r2.key()
     assert r1.key() != CapabilityRegistry().key()
+
+
+# -- higher-order ops and wrappers ----------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NS}::scale_into", mutates_args=("buf",))
+def scale_into(x: torch.Tensor, buf: torch.Tensor, variant: str) -> torch.Tensor:
+    """A custom op that mutates an argument: functionalization wraps it in auto_functionalized."""
+    buf.mul_(2).add_(x)
+    return x * 3 if variant == "fast" else x * 4
+
+
+@scale_into.register_fake
+def _(x: torch.Tensor, buf: torch.Tensor, variant: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _mutating_fn(x, buf, wg, wd):
+    z = torch.ops.cptest_caps.scale_into(torch.mm(x, wd), buf, "fast")
+    with capturepass.lane("shared"):
+        shared = torch.mm(torch.mm(x, wg).relu(), wd)
+    after = torch.mm(x, wg).sin()
+    return shared + z + after
+
+
+def _mutating_args(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 16, generator=g) for _ in range(4)]
+
+
+def _compile_mutating(**options):
+    """Compiles ``_mutating_fn``, checks outputs and the mutated buffer against eager; the graph."""
+    from tests.backends.e2e_util import new_compiles
+
+    args = _mutating_args()
+    expected_args = [a.clone() for a in args]
+    compiled = torch.compile(_mutating_fn, backend="capturepass", options={"policy": "hints", **options})
+    with new_compiles() as records:
+        got = compiled(*args)
+    torch.testing.assert_close(got, _mutating_fn(*expected_args))
+    torch.testing.assert_close(args[1], expected_args[1])  # the buffer the op mutated
+    (record,) = records
+    return record.graph
+
+
+def _wrapper_node(gm: fx.GraphModule) -> fx.Node:
+    (node,) = [n for n in gm.graph.nodes if str(n.target).startswith("auto_functionalized")]
+    return node
+
+
+def _waits_after(gm: fx.GraphModule, node: fx.Node, lane: str) -> list[fx.Node]:
+    """The waits of ``lane`` between ``node`` and that lane's next compute node."""
+    from capturepass.ir.meta import Effect
+
+    gi = meta.graph_info(gm)
+    order = list(gm.graph.nodes)
+    out = []
+    for n in order[order.index(node) + 1:]:
+        if gi.lane_name(meta.lane_of(n)) != lane:
+            continue
+        if meta.effect_of(n) is Effect.COMPUTE:
+            break
+        if meta.effect_of(n) is Effect.WAIT:
+            out.append(n)
+    return out
+
+
+def test_mutating_custom_op_uses_its_declared_capability(declared):
+    """Regression: ``auto_functionalized_v2`` answered 'no kernel' (safe) whatever the wrapped
+    op declared, so a serialized op could run beside the shared lane."""
+    capturepass.register_capability(scale_into, overlap="serialize")
+    declared.append(scale_into)
+    gm = _compile_mutating()
+    node = _wrapper_node(gm)
+    cap = meta.info(node).capability
+    assert (cap.overlap, cap.source, cap.reason) == ("serialize", "registry", "declared overlap=serialize")
+    assert meta.graph_info(gm).lane_name(meta.lane_of(node)) == "main"
+    assert "overlap=serialize" in printer.dump(gm).split(f"%{node.name} ", 1)[1].splitlines()[0]
+    # The barrier: the shared lane waits for the op before it runs anything after it.
+    assert _waits_after(gm, node, "shared")
+    assert any(d.startswith(f"%{node.name}: declared overlap=serialize: serialized") for d in meta.graph_info(gm).decisions)
+
+
+def test_undeclared_mutating_custom_op_is_serialized():
+    gm = _compile_mutating()
+    cap = meta.info(_wrapper_node(gm)).capability
+    assert (cap.overlap, cap.reason) == ("serialize", f"undeclared custom op {NS}::scale_into")
+
+
+def test_mutating_custom_op_declared_not_capturable_is_a_break(declared):
+    capturepass.register_capability(scale_into, capturable=False)
+    declared.append(scale_into)
+    gm = _compile_mutating(cudagraphs="breakable")
+    node = _wrapper_node(gm)
+    assert not meta.info(node).capability.capturable
+    assert meta.info(node).brk == "declared overlap=safe, not capturable"
+
+
+def test_launch_plan_of_a_mutating_op_sees_the_wrapped_call(declared):
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> dict:
+        seen.append(call)
+        return {"overlap": "safe", "reason": "small"}
+
+    capturepass.register_capability(scale_into, overlap=launch_plan)
+    declared.append(scale_into)
+    from tests.backends.e2e_util import new_compiles
+
+    def fn(x, buf):
+        return torch.ops.cptest_caps.scale_into(x, buf[1], "fast") + 1
+
+    x, buf = torch.randn(4, 8), torch.randn(2, 4, 8)
+    expected_buf = buf.clone()
+    with new_compiles() as records:
+        got = torch.compile(fn, backend="capturepass")(x, buf)
+    torch.testing.assert_close(got, fn(x, expected_buf))
+    torch.testing.assert_close(buf, expected_buf)
+    cap = meta.info(_wrapper_node(records[0].graph)).capability
+    assert cap.reason == "small" and cap.source == "launch-plan"
+    (call,) = seen
+    assert call.op == f"{NS}::scale_into"
+    assert call.arg_names == ("x", "buf", "variant")
+    assert call.shapes == ((4, 8), (4, 8))  # buf is the view buf[1], as the op receives it
+    assert call.arg("variant") == "fast" and call.args[2] == "fast"
+    assert call.arg("buf").stride() == (8, 1) and call.arg("buf").storage_offset() == 32
+
+
+def test_cond_reads_its_predicate_on_the_host():
+    def fn(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,))
+
+    gm = aten_graph(fn, torch.randn(4, 4))
+    (node,) = [n for n in gm.graph.nodes if str(n.target) == "cond"]
+    cap = REGISTRY.query(node)
+    assert (cap.capturable, cap.overlap) == (False, "safe")
+    assert cap.reason == "host sync: cond reads its tensor predicate on the host"
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_cond_in_a_captured_graph_is_a_break(inner):
+    """A captured graph cannot hold cond's device-to-host read: cond runs eagerly between segments."""
+    from tests.backends.e2e_util import new_compiles
+
+    def fn(x, y):
+        return torch.cond(x.sum() > 0, lambda x: x.sin() + 1, lambda x: x.cos() - 1, (x,)) * y
+
+    compiled = torch.compile(fn, backend="capturepass", options={"inner": inner, "cudagraphs": "monolithic"})
+    x, y = torch.randn(4, 4).abs() + 0.1, torch.randn(4, 4)
+    with new_compiles() as records:
+        for sign in (1, -1):  # both branches
+            torch.testing.assert_close(compiled(sign * x, y), fn(sign * x, y))
+    (record,) = records
+    gi = meta.graph_info(record.graph)
+    assert gi.cudagraphs == "breakable"
+    assert [(b.node, b.reason) for b in gi.breaks] == [("cond", "host sync: cond reads its tensor predicate on the host")]
+
+
+def test_higher_order_op_answers_for_its_subgraphs(declared):
+    """``invoke_subgraph`` (``nested_compile_region``) may do what the ops inside it may do."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None:
+        pytest.skip("this torch has no torch.compiler.nested_compile_region")
+    from tests.backends.e2e_util import new_compiles
+
+    capturepass.register_capability(scale, overlap="serialize", resources=("ws",))
+    declared.append(scale)
+
+    @region
+    def block(x, w):
+        return torch.ops.cptest_caps.scale(x @ w).relu()
+
+    def fn(x, w, wg):
+        y = block(x, w)
+        with capturepass.lane("shared"):
+            s = torch.mm(torch.mm(x, wg).relu(), wg)
+        return block(y, w) + s + torch.mm(x, wg).sin()
+
+    args = [torch.randn(8, 8) for _ in range(3)]
+    compiled = torch.compile(fn, backend="capturepass", options={"policy": "hints"})
+    with new_compiles() as records:
+        torch.testing.assert_close(compiled(*args), fn(*args))
+    (record,) = records
+    gm = record.graph
+    calls = [n for n in gm.graph.nodes if str(n.target) == "invoke_subgraph"]
+    assert len(calls) == 2
+    for node in calls:
+        cap = meta.info(node).capability
+        assert (cap.capturable, cap.overlap, cap.resources) == (True, "serialize", ("ws",))
+        assert cap.reason.startswith("invoke_subgraph subgraph: %") and cap.reason.endswith("declared overlap=serialize")
+        assert meta.graph_info(gm).lane_name(meta.lane_of(node)) == "main"
+
+
+@torch.library.custom_op(f"{NS}::effectful", mutates_args=())
+def effectful(x: torch.Tensor, tag: str) -> torch.Tensor:
+    """A custom op with an ordered effect: AOT autograd wraps it in with_effects."""
+    return x * 2
+
+
+@effectful.register_fake
+def _(x: torch.Tensor, tag: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_with_effects_answers_for_the_wrapped_op(declared):
+    if not hasattr(effectful, "register_effect"):
+        pytest.skip("this torch cannot declare an effect on a custom op")
+    from torch._library.effects import EffectType
+
+    from tests.backends.e2e_util import new_compiles
+
+    effectful.register_effect(EffectType.ORDERED)
+    seen: list[CallInfo] = []
+
+    def launch_plan(call: CallInfo) -> dict:
+        seen.append(call)
+        return {"overlap": "serialize", "reason": f"tag={call.arg('tag')}"}
+
+    capturepass.register_capability(effectful, overlap=launch_plan)
+    declared.append(effectful)
+
+    def fn(x):
+        return torch.ops.cptest_caps.effectful(x.sin(), "a").cos()
+
+    x = torch.randn(4, 8)
+    with new_compiles() as records:
+        torch.testing.assert_close(torch.compile(fn, backend="capturepass", options={"inner": "eager"})(x), fn(x))
+    (node,) = [n for n in records[0].graph.graph.nodes if str(n.target) == "with_effects"]
+    cap = meta.info(node).capability
+    assert (cap.overlap, cap.reason, cap.source) == ("serialize", "tag=a", "launch-plan")
+    (call,) = seen
+    assert (call.op, call.shapes, call.arg_names) == (f"{NS}::effectful", ((4, 8),), ("x", "tag"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -161,3 +162,159 @@ def test_show_lists_external_streams_and_their_joins(tmp_path, capsys):
     (graph,) = json.loads(capsys.readouterr().out)["graphs"]
     assert graph["external"] == [{"name": "comm", "relation": "both", "joins": 2},
                                  {"name": "offload", "relation": "before", "joins": 1}]
+
+
+# -- malformed dumps: one line naming the file and the field, exit status 2 ----------------------
+
+
+def _graph_doc(dump_dir: str) -> dict:
+    (graph_dir,) = os.listdir(dump_dir)
+    with open(os.path.join(dump_dir, graph_dir, "graph.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _compute_index(doc: dict) -> int:
+    return next(i for i, n in enumerate(doc["nodes"]) if n["effect"] == "compute" and "cost" in n)
+
+
+def _with(doc: dict, edit) -> dict:
+    doc = json.loads(json.dumps(doc))
+    edit(doc)
+    return doc
+
+
+def _malformed(name: str, doc: dict) -> tuple[bytes, str]:
+    """The bytes of a malformed graph.json and the field the error must name (``""``: the file)."""
+    i = _compute_index(doc)
+    cases = {
+        "top-level-list": (json.dumps([doc]).encode(), "top level"),
+        "lanes-not-a-list": (json.dumps(_with(doc, lambda d: d.update(lanes=5))).encode(), "lanes"),
+        "node-is-a-string": (json.dumps(_with(doc, lambda d: d["nodes"].__setitem__(1, "node"))).encode(),
+                             "nodes[1]"),
+        "args-not-strings": (json.dumps(_with(doc, lambda d: d["nodes"][i].update(args=[1]))).encode(),
+                             f"nodes[{i}].args[0]"),
+        "non-utf8": (b'{"graph": "\xff\xfe"}', ""),
+        "pickle": (pickle.dumps({"graph": "inference", "nodes": []}), ""),
+        "huge-lane": (json.dumps(_with(doc, lambda d: d["nodes"][i].update(lane=10**12))).encode(),
+                      f"nodes[{i}].lane"),
+        "lane-past-the-lanes": (json.dumps(_with(doc, lambda d: d["nodes"][i].update(lane=len(d["lanes"])))).encode(),
+                                f"nodes[{i}].lane"),
+        "infinite-cost": (json.dumps(_with(doc, lambda d: d["nodes"][i]["cost"].update(flops="INF"))).encode()
+                          .replace(b'"INF"', b"1e999"), f"nodes[{i}].cost.flops"),
+        "infinity-literal": (json.dumps(_with(doc, lambda d: d["nodes"][i]["cost"].update(bytes=float("inf")))).encode(),
+                             f"nodes[{i}].cost.bytes"),
+        "huge-int-cost": (json.dumps(_with(doc, lambda d: d["nodes"][i]["cost"].update(bytes=10**400))).encode(),
+                          f"nodes[{i}].cost.bytes"),
+        "missing-nodes": (json.dumps(_with(doc, lambda d: d.pop("nodes"))).encode(), "nodes"),
+        "missing-effect": (json.dumps(_with(doc, lambda d: d["nodes"][i].pop("effect"))).encode(),
+                           f"nodes[{i}].effect"),
+        "unknown-effect": (json.dumps(_with(doc, lambda d: d["nodes"][i].update(effect="teleport"))).encode(),
+                           f"nodes[{i}].effect"),
+        "break-not-an-object": (json.dumps(_with(doc, lambda d: d.update(breaks=["x"]))).encode(), "breaks[0]"),
+        "capability-flag-not-a-bool": (
+            json.dumps(_with(doc, lambda d: d["nodes"][i]["capability"].update(resident_grid="yes"))).encode(),
+            f"nodes[{i}].capability.resident_grid"),
+        "deeply-nested": (b"[" * 100_000 + b"]" * 100_000, ""),
+        "empty": (b"", ""),
+    }
+    return cases[name]
+
+
+MALFORMED = ["top-level-list", "lanes-not-a-list", "node-is-a-string", "args-not-strings", "non-utf8", "pickle",
+             "huge-lane", "lane-past-the-lanes", "infinite-cost", "infinity-literal", "huge-int-cost",
+             "missing-nodes", "missing-effect", "unknown-effect", "break-not-an-object",
+             "capability-flag-not-a-bool", "deeply-nested", "empty"]
+FLAGS = [[], ["--json"], ["--html", "out.html"], ["--trace", "out.json"]]
+
+
+def _assert_one_line_exit_2(argv: list[str], capsys, path: str, field: str) -> None:
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    prefix = f"capturepass show: {path!r}: " + (f"{field}: " if field else "")
+    assert lines[0].startswith(prefix), (lines[0], prefix)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["text", "json", "html", "trace"])
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_graph_json_names_file_and_field(dump_dir, tmp_path, capsys, case, flags):
+    """Regression: these ended in TypeError, UnicodeDecodeError, MemoryError or OverflowError."""
+    data, field = _malformed(case, _graph_doc(dump_dir))
+    bad = tmp_path / "000_inference"
+    bad.mkdir()
+    (bad / "graph.json").write_bytes(data)
+    flags = [str(tmp_path / f) if f.startswith("out.") else f for f in flags]
+    _assert_one_line_exit_2(["show", str(tmp_path), *flags], capsys, str(bad / "graph.json"), field)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["text", "json", "html", "trace"])
+def test_dump_dir_that_is_a_file_exits_2(tmp_path, capsys, flags):
+    path = tmp_path / "dump"
+    path.write_text("{}")
+    flags = [str(tmp_path / f) if f.startswith("out.") else f for f in flags]
+    assert cli.main(["show", str(path), *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"capturepass show: {str(path)!r}: is a file, not a dump directory (give the folder that holds graph.json)\n"
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["text", "json", "html", "trace"])
+def test_dump_dir_without_graph_json_exits_2(tmp_path, capsys, flags):
+    (tmp_path / "000_inference").mkdir()
+    (tmp_path / "000_inference" / "001_read_hints.txt").write_text("# after read_hints\n")
+    flags = [str(tmp_path / f) if f.startswith("out.") else f for f in flags]
+    _assert_one_line_exit_2(["show", str(tmp_path), *flags], capsys, str(tmp_path), "")
+
+
+def test_nan_costs_are_accepted(dump_dir, tmp_path, capsys):
+    """The printer writes NaN for a cost without a size hint: that is a valid dump."""
+    doc = _graph_doc(dump_dir)
+    doc["nodes"][_compute_index(doc)]["cost"]["flops"] = float("nan")
+    (tmp_path / "graph.json").write_text(json.dumps(doc))
+    assert cli.main(["show", str(tmp_path), "--trace", str(tmp_path / "t.json")]) == 0
+    assert capsys.readouterr().out.startswith("graph ")
+
+
+def test_unwritable_output_exits_2(dump_dir, tmp_path, capsys):
+    out = tmp_path / "a-directory"
+    out.mkdir()
+    assert cli.main(["show", dump_dir, "--html", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith(f"capturepass show: {out}: cannot be written")
+
+
+def test_malformed_dump_prints_no_traceback_from_the_command_line(tmp_path):
+    (tmp_path / "graph.json").write_bytes(pickle.dumps({"graph": "inference"}))
+    proc = _run_module("show", str(tmp_path), "--html", str(tmp_path / "out.html"))
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith(f"capturepass show: {str(tmp_path / 'graph.json')!r}: is not UTF-8 text")
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("doc, problem", [
+    ({}, "lanes: must be a list of strings"),
+    ({"lanes": 5, "kernels": 3}, "lanes: must be a list of strings"),
+    ({"lanes": ["main"], "mode": "eager", "lanes_from": "streams", "runs": 1, "kernels": [{"lane": 10**12}]},
+     "kernels[0].name: must be a string"),
+    ({"lanes": ["main"], "mode": "eager", "lanes_from": "streams", "runs": 1,
+      "kernels": [{"lane": 0, "name": "k", "stream": 7, "run": 0, "start": 0.0, "dur": float("inf")}]},
+     "kernels[0].dur: must be a finite number"),
+])
+def test_malformed_measured_json_is_not_used_and_the_note_says_why(dump_dir, tmp_path, capsys, doc, problem):
+    """A measured.json the trace cannot read falls back to the estimates, naming the field."""
+    import shutil
+
+    from capturepass.measure.records import FORMAT
+
+    shutil.copytree(dump_dir, tmp_path / "dump")
+    (graph_dir,) = os.listdir(tmp_path / "dump")
+    (tmp_path / "dump" / graph_dir / "measured.json").write_text(json.dumps({"format": FORMAT, **doc}))
+    out = tmp_path / "trace.json"
+    assert cli.main(["show", str(tmp_path / "dump"), "--trace", str(out)]) == 0
+    note = capsys.readouterr().out.splitlines()[-1]
+    assert f"cost-model estimates (nominal device) for {graph_dir} (measured.json is malformed: {problem})" in note
+    assert json.loads(out.read_text())["otherData"]["times"] == "estimated (nominal device)"

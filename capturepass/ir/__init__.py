@@ -8,6 +8,8 @@ one frozen record under ``node.meta["capturepass"]`` (``meta.py``); nothing
 outside this package reads or writes that key. Sync, release and retention
 points are real nodes calling ``capturepass::`` ops (``ops.py``), placed in
 program order, so the graph itself is the schedule. ``printer.py`` renders the
-deterministic one-line-per-node dump; ``verify.py`` re-derives happens-before
-from the sync nodes present and checks every invariant.
+deterministic one-line-per-node dump and ``graph.json``, which ``graph_json.py``
+reads back, validated; ``verify.py`` re-derives happens-before from the sync
+nodes present and checks every invariant. ``hops.py`` knows higher-order ops:
+their subgraph modules, and the op a functionalization or effect wrapper calls.
 """

@@ -143,10 +143,56 @@ def load_measurement(graph_dir: str) -> tuple[dict[str, Any] | None, str | None]
         return None, f"{MEASURED_FILE} unreadable ({exc})"
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         return None, f"{MEASURED_FILE} is not a {FORMAT} document"
+    problem = _malformed(m)
+    if problem is not None:
+        return None, f"{MEASURED_FILE} is malformed: {problem}"
     digest = graph_digest(os.path.join(graph_dir, "graph.json"))
     if m.get("graph_sha256") and digest and m["graph_sha256"] != digest:
         return None, f"{MEASURED_FILE} measured another compile (graph.json changed since)"
     return m, None
+
+
+def _is_number(x: Any) -> bool:
+    return not isinstance(x, bool) and (isinstance(x, int) or isinstance(x, float) and math.isfinite(x))
+
+
+def _malformed(m: dict[str, Any]) -> str | None:
+    """The first field of a measurement document :func:`measurement_events` could not read, if any.
+
+    A ``measured.json`` is read back from a dump folder, where anything may have been written:
+    a field of the wrong type would otherwise end ``capturepass show --trace`` in a traceback.
+    """
+    lanes = m.get("lanes")
+    if not isinstance(lanes, list) or not all(isinstance(x, str) for x in lanes):
+        return "lanes: must be a list of strings"
+    for key in ("mode", "lanes_from"):
+        if not isinstance(m.get(key), str):
+            return f"{key}: must be a string"
+    if not _is_number(m.get("runs")):
+        return "runs: must be a number"
+    kernels = m.get("kernels")
+    if not isinstance(kernels, list):
+        return "kernels: must be a list"
+    for i, k in enumerate(kernels):
+        if not isinstance(k, dict):
+            return f"kernels[{i}]: must be an object"
+        lane = k.get("lane")
+        if lane is not None and (isinstance(lane, bool) or not isinstance(lane, int)):
+            return f"kernels[{i}].lane: must be an integer or null"
+        if not isinstance(k.get("name"), str):
+            return f"kernels[{i}].name: must be a string"
+        for key in ("stream", "run", "start", "dur"):
+            if not _is_number(k.get(key)):
+                return f"kernels[{i}].{key}: must be a finite number"
+        if not isinstance(k.get("nodes") or [], list):
+            return f"kernels[{i}].nodes: must be a list"
+    spans = m.get("spans", [])
+    if not isinstance(spans, list):
+        return "spans: must be a list"
+    for i, sp in enumerate(spans):
+        if not isinstance(sp, dict) or not all(_is_number(sp.get(key)) for key in ("run", "start", "end")):
+            return f"spans[{i}]: must be an object of finite numbers run, start and end"
+    return None
 
 
 def save_measurement(m: dict[str, Any], graph_dir: str) -> str:

@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 
 from capturepass.backends import inner as inner_compilers
-from capturepass.errors import EmitError
-from capturepass.ir import analysis, meta
+from capturepass.errors import EmitError, is_dynamo_signal
+from capturepass.ir import analysis, hops, meta
 from capturepass.ir.meta import Effect, LaneId
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
 from capturepass.runtime.layouts import ExactLayouts
@@ -163,17 +163,30 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
 
 
 def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
-    """A standalone graph for one region: external inputs become placeholders."""
+    """A standalone graph for one region: external values become placeholders.
+
+    Modules named by ``get_attr`` (subgraphs of higher-order ops) stay ``get_attr`` nodes, on a
+    root that holds them; tensor constants are placeholders like any other outside value.
+    """
     members = set(region.nodes)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs: list[fx.Node] = []
+    modules: dict[str, torch.nn.Module] = {}
 
     def arg(n: fx.Node) -> fx.Node:
         if n in env:
             return env[n]
         if n in members:
             raise EmitError(f"region on {region.lane}: %{n.name} is used before it is computed")
+        module = hops.module_attr(n)
+        if module is not None:
+            # A higher-order op (cond, while_loop, invoke_subgraph) names its subgraphs by
+            # get_attr and Inductor lowers them from the graph's root module: the module
+            # travels with the region, never as a runtime argument (which has no example value).
+            modules[n.target] = module
+            env[n] = graph.get_attr(n.target)
+            return env[n]
         ph = graph.placeholder(n.name)
         ph.meta["val"] = n.meta.get("val")
         env[n] = ph
@@ -188,7 +201,7 @@ def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.Gra
         env[node] = new
     outputs = [n for n in region.nodes if n in needed_outside]
     graph.output(tuple(env[n] for n in outputs))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
+    gm = fx.GraphModule(modules if modules else torch.nn.Module(), graph)
     return gm, inputs, outputs
 
 
@@ -219,6 +232,8 @@ class Emit(Pass):
             try:
                 fn = inner_compilers.compile_region(rgm, example, compiler)
             except Exception as exc:
+                if is_dynamo_signal(exc):
+                    raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
                 names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
                 raise EmitError(
                     f"the {compiler} compiler failed on region {i} (lane {region.lane}: {names}...): "

@@ -362,3 +362,47 @@ def test_training_step_with_inductor_regions(tmp_path):
     graphs = _train_and_compare("inductor", str(tmp_path), steps=1)
     _check_training_graphs(graphs, str(tmp_path))
     assert {r.compiler for g in graphs for r in g.program.regions} >= {"inductor"}
+
+
+def test_float_argument_that_changes_value_restarts_dynamo():
+    """Regression: Dynamo's ``TensorifyScalarRestartAnalysis`` (a changed Python float that
+    should become a tensor), raised while Inductor compiled a region, was wrapped into an
+    ``EmitError`` and the second call failed instead of restarting the analysis."""
+
+    def fn(x, s):
+        return (x * s).sin() + s
+
+    compiled = torch.compile(fn, backend="capturepass")
+    x = torch.randn(8)
+    with new_compiles() as records:
+        for s in (2.5, 3.5, 4.5):
+            torch.testing.assert_close(compiled(x, s), fn(x, s))
+    assert records, "capturepass compiled nothing"
+
+
+@pytest.mark.parametrize("name", ["RestartAnalysis", "TensorifyScalarRestartAnalysis", "SkipFrame", "Unsupported"])
+def test_dynamo_signals_reach_dynamo_unwrapped(monkeypatch, name):
+    """A Dynamo control-flow exception raised inside a region's compile is not an EmitError."""
+    from torch._dynamo import exc as dynamo_exc
+
+    from capturepass.backends import inner
+    from capturepass.errors import is_dynamo_signal
+
+    kind = getattr(dynamo_exc, name, None)
+    if kind is None:
+        pytest.skip(f"this torch has no torch._dynamo.exc.{name}")
+    signal = kind.__new__(kind)  # constructors differ between these classes and torch versions
+    Exception.__init__(signal, "from the inner compiler")
+    assert is_dynamo_signal(signal)
+    assert not is_dynamo_signal(RuntimeError("a real failure"))
+
+    def raising(gm, example_inputs, compiler):
+        raise signal
+
+    monkeypatch.setattr(inner, "compile_region", raising)
+    from capturepass.backends.dynamo import capturepass_backend
+
+    gm = torch.fx.symbolic_trace(lambda x: (x.sin(),))
+    with pytest.raises(kind) as info:
+        capturepass_backend(gm, [torch.randn(4)], {"inner": "eager"})
+    assert info.value is signal

@@ -248,3 +248,110 @@ def test_dynamo_stream_region_becomes_a_lane(policy, inner_graphs):
     _assert_untagged(regions)
     assert regions and all(any(g is r for g in inner_graphs) for r in regions)
     _assert_untagged(inner_graphs)
+
+
+# -- one hint object, entered again and inside itself --------------------------------------------
+
+
+def _dump_lanes(dump_dir) -> dict[str, str]:
+    """``{node name: lane name}`` of every compute node, read back from the dump's graph.json."""
+    import os
+
+    from capturepass.ir import graph_json
+
+    (graph_dir,) = os.listdir(dump_dir)
+    doc = graph_json.load(os.path.join(dump_dir, graph_dir, "graph.json"))
+    return {n["name"]: doc["lanes"][n["lane"]] for n in doc["nodes"] if n["effect"] == "compute"}
+
+
+class _Reused(nn.Module):
+    """One hint object entered twice in a row, and once inside itself, then left back to main."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        aux = capturepass.lane("aux")
+        with aux:
+            h = torch.relu(self.a(x))
+        t = torch.tanh(self.b(x))
+        with aux:
+            s = torch.sigmoid(h)
+            with aux:  # re-entered while open
+                e = torch.exp(s)
+            c = torch.cos(e)  # still inside the first entry
+        return torch.sin(c) + t
+
+
+def test_one_hint_object_entered_twice_and_inside_itself(tmp_path):
+    """Regression: a second ``with`` of one hint object raised AttributeError."""
+    gm = _run(_Reused(), policy="hints", dump_dir=str(tmp_path)).graph
+    lanes = _dump_lanes(tmp_path)
+    expected = {"relu": "aux", "sigmoid": "aux", "exp": "aux", "cos": "aux", "tanh": "main", "sin": "main"}
+    assert {k: lanes[k] for k in expected} == expected
+    assert meta.graph_info(gm).lanes == ("main", "aux")
+    assert_cross_lane_reads_ordered(gm)
+    assert_main_joins(gm)
+
+
+AUX_HINT = capturepass.lane("aux")
+
+
+@AUX_HINT
+def _hinted_inner(x):
+    return torch.sigmoid(x)
+
+
+@AUX_HINT
+def _hinted_outer(x):
+    return torch.relu(_hinted_inner(x))  # the same hint object, entered inside itself
+
+
+class _DecoratedTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _hinted_outer(self.a(x)) + torch.tanh(self.b(x)) + _hinted_inner(x)
+
+
+def test_one_hint_object_decorating_two_functions_that_nest(tmp_path):
+    _run(_DecoratedTwice(), policy="hints", dump_dir=str(tmp_path))
+    lanes = _dump_lanes(tmp_path)
+    hinted = {n: lane for n, lane in lanes.items() if n.startswith(("sigmoid", "relu"))}
+    assert sorted(hinted) == ["relu", "sigmoid", "sigmoid_1"] and set(hinted.values()) == {"aux"}
+    assert lanes["tanh"] == "main"
+
+
+def test_a_hint_object_made_outside_is_reusable_and_says_when_dynamo_skips_it(caplog):
+    """Dynamo cannot enter a context manager made outside the compiled code: it runs the frame
+    eagerly (no compile); the hint says so instead of leaving the lanes silently missing."""
+    hint = capturepass.lane("outside")
+
+    def fn(x):
+        with hint:
+            y = torch.relu(x)
+        with hint:
+            with hint:
+                z = torch.sigmoid(y)
+        return z + torch.tanh(x)
+
+    x = torch.randn(4, 8)
+    expected = fn(x)  # eagerly, twice in a row and nested: no AttributeError
+    torch.testing.assert_close(fn(x), expected)
+    assert hint._open == []
+    with caplog.at_level("WARNING", logger="capturepass"), new_compiles() as graphs:
+        torch.testing.assert_close(compile_eager(fn)(x), expected)
+    assert graphs == []
+    warnings = [r.getMessage() for r in caplog.records if "runs eagerly inside a compiled function" in r.getMessage()]
+    assert warnings == [
+        "capturepass: the hint capturepass.lane('outside') runs eagerly inside a compiled function: Dynamo "
+        "cannot enter a context manager made outside the compiled code, so it ran that frame without compiling "
+        "it (no lanes). Write `with capturepass.lane('outside'):` inside the function, or use the hint as a "
+        "decorator."
+    ]
+    assert hint._open == []

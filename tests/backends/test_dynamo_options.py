@@ -35,6 +35,7 @@ BAD_OPTIONS = [
     pytest.param({"max_aux_lanes": True}, ("'max_aux_lanes'", "non-negative int", "True"), id="lanes-bool"),
     pytest.param({"verify": "yes"}, ("'verify'", "True or False"), id="verify"),
     pytest.param({"dump_dir": 3}, ("'dump_dir'", "path"), id="dump-dir"),
+    pytest.param({"dump_dir": ""}, ("'dump_dir'", "empty path", "None"), id="dump-dir-empty"),
 ]
 
 
@@ -133,3 +134,29 @@ def test_explicit_dump_dir_wins_over_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(DUMP_DIR_ENV, str(env_dir))
     assert Options.from_mapping({"dump_dir": str(opt_dir)}).dump_dir == str(opt_dir)
     assert Options.from_mapping({"dump_dir": None}).dump_dir is None
+
+
+def test_empty_dump_dir_is_refused_and_writes_nothing(tmp_path, monkeypatch):
+    """Regression: ``dump_dir=""`` wrote the dumps into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as info:
+        torch.compile(lambda x: x.sin(), backend="capturepass", options={"inner": "eager", "dump_dir": ""})(
+            torch.randn(3)
+        )
+    _assert_message(unwrap(info.value), ("'dump_dir'", "empty path"))
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", json.dumps({"dump_dir": ""}))
+    with pytest.raises(capturepass.OptionError, match="'dump_dir' is an empty path"):
+        Options.from_mapping({})
+    assert os.listdir(tmp_path) == []
+
+
+def test_empty_dump_dir_variable_counts_as_unset(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(DUMP_DIR_ENV, "")
+    assert Options.from_mapping({}).dump_dir is None
+    x = torch.randn(4)
+    with new_compiles() as graphs:
+        torch.testing.assert_close(torch.compile(lambda x: x.cos(), backend="capturepass",
+                                                 options={"inner": "eager"})(x), x.cos())
+    assert [g.dump_dir for g in graphs] == [None]
+    assert os.listdir(tmp_path) == []

@@ -9,6 +9,7 @@ freed before the nodes that precede its free point on its allocating lane.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from expecttest import assert_expected_inline
 
@@ -236,3 +237,80 @@ def forward(self, x_1):
     assert _position(lines, f"region_{_region_of(program, 'exp')} =") < _position(
         lines, f"region_{_region_of(program, 'cos')} ="
     )
+
+
+# -- higher-order ops: their subgraphs travel with the region ----------------------------------------
+
+
+def _cond_fn(x, y):
+    def true_fn(x):
+        return x.sin() + 1
+
+    def false_fn(x):
+        return x.cos() - 1
+
+    return torch.cond(x.sum() > 0, true_fn, false_fn, (x,)) * y
+
+
+def _while_fn(x, n):
+    from torch._higher_order_ops import while_loop
+
+    def cond_fn(i, acc):
+        return i < n.sum()
+
+    def body_fn(i, acc):
+        return i + 1, acc * 1.5 + 1
+
+    i, acc = while_loop(cond_fn, body_fn, (torch.zeros((), dtype=torch.int64), x))
+    return acc + i
+
+
+def _nested_region_fn():
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None:
+        pytest.skip("this torch has no torch.compiler.nested_compile_region")
+
+    @region
+    def block(x, w):
+        return torch.relu(x @ w) + 1
+
+    def fn(x, w):
+        return block(block(x, w), w) * 2
+
+    return fn
+
+
+def _hop_calls(name: str):
+    """The function and two calls with different inputs (for cond: one per branch)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
+    if name == "cond":
+        return _cond_fn, [(x.abs() + 0.1, y), (-x.abs() - 0.1, y)]
+    if name == "while_loop":
+        return _while_fn, [(x[0], torch.tensor([2])), (x[1], torch.tensor([5]))]
+    return _nested_region_fn(), [(x, y), (y, x)]
+
+
+_SUBGRAPH_OP = {"cond": "cond", "while_loop": "while_loop", "nested_compile_region": "invoke_subgraph"}
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+@pytest.mark.parametrize("hop", ["cond", "while_loop", "nested_compile_region"])
+def test_higher_order_op_subgraphs_reach_the_inner_compiler(hop, inner):
+    """Regression: regions took a HOP's subgraph modules as runtime arguments without an
+    example value, and Inductor failed with ``'NoneType' object is not callable``."""
+    from tests.backends.e2e_util import new_compiles
+
+    fn, calls = _hop_calls(hop)
+    compiled = torch.compile(fn, backend="capturepass", options={"inner": inner})
+    with new_compiles() as records:
+        for args in calls:
+            torch.testing.assert_close(compiled(*args), fn(*args))
+    (record,) = records  # one graph: the second call ran it again, without a recompile
+    (region,) = [r for r in record.program.regions
+                 if any(str(n.target) == _SUBGRAPH_OP[hop] for n in r.graph.graph.nodes
+                        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator))]
+    assert region.compiler == inner
+    attrs = [n for n in region.graph.graph.nodes if n.op == "get_attr"]
+    assert attrs and all(isinstance(region.graph.get_submodule(n.target), torch.fx.GraphModule) for n in attrs)
+    assert not [n for n in region.inputs if n.op == "get_attr"]  # no module is a runtime argument
