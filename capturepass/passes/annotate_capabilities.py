@@ -4,7 +4,9 @@ Asks the capability registry (``capturepass.capabilities``) about each op
 call, with the node's concrete shapes, and the cost model
 (``capturepass.ir.cost``) for its FLOPs and bytes. Later passes read only the
 answers: ``assign_streams`` keeps non-capturable and serializing ops on the main
-lane, ``partition`` turns non-capturable ops into breaks.
+lane, ``partition`` turns non-capturable ops into breaks. A node the runtime
+saw fail under a real capture (``PassContext.not_capturable``) is answered not
+capturable, with the failure as its reason, and the decision is recorded.
 
 Before::
 
@@ -16,6 +18,8 @@ After::
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.fx as fx
@@ -53,9 +57,15 @@ class AnnotateCapabilities(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         device = graph_device(gm)
         query = ctx.registry.query
+        forced = ctx.not_capturable
         estimator = cost.Estimator()
         for node in analysis.compute_nodes(gm.graph):
             cap = query(node, device)
+            why = forced.get(node.name)
+            if why is not None:
+                if cap.capturable:
+                    cap = dataclasses.replace(cap, capturable=False, reason=why, source="capture")
+                meta.add_decision(gm, f"%{node.name} ({node.target}): {why}: made a break")
             alias = analysis.aliases_input(node) is not None
             meta.update(node, self.name, capability=cap, cost=estimator.estimate(node, alias))
             if not cap.capturable:
