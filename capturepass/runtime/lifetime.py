@@ -79,7 +79,10 @@ def _safe() -> bool:
 def watch(executor: "Executor", instance: tuple, tensors: list[torch.Tensor]) -> list[weakref.finalize]:
     """Finalizers that release ``executor``'s owners of ``instance`` when any of ``tensors`` dies."""
     ref = weakref.ref(executor)
-    return [weakref.finalize(t, _died, ref, instance) for t in tensors]
+    finalizers = [weakref.finalize(t, _died, ref, instance) for t in tensors]
+    for f in finalizers:
+        f.atexit = False  # at interpreter exit there is nothing to release into
+    return finalizers
 
 
 def _died(ref: "weakref.ref[Executor]", instance: tuple) -> None:
