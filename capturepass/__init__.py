@@ -16,6 +16,8 @@ Public API:
   custom ops whose storage a capture bakes in;
 - :func:`resource_pool` / :class:`Workspaces` / :func:`profiling_capture` /
   :func:`external_stream`: engine resources that follow graph ownership (docs/resources.md);
+- :func:`release`: releases one model's owners (graphs, pools, leases, workspaces,
+  channels, retained objects) in every compiled graph (docs/runtime.md);
 - :func:`trace`: a measured run of compiled graphs on a GPU, lane by lane, as a Chrome trace;
 - :class:`Options`, :class:`CapturePassError` and its subclasses;
 - for vLLM (docs/vllm.md): :func:`backend` (``"capturepass.backend"``) and
@@ -39,6 +41,7 @@ from capturepass.ir.meta import Capability
 from capturepass.measure import trace
 from capturepass.options import Options
 from capturepass.runtime.external import external_stream
+from capturepass.runtime.lifetime import release
 from capturepass.runtime.pools import ChannelKey, ResourcePool, register_pool, resource_pool, unregister_pool
 from capturepass.runtime.profiling import profiling_capture
 from capturepass.runtime.resources import retain, suspend_retention, weak_ref, workspace
@@ -84,6 +87,7 @@ __all__ = [
     "lane",
     "post_grad_pass",
     "register_capability",
+    "release",
     "retain",
     "trace",
     "workspace",

@@ -27,16 +27,24 @@ CUDA graph (it communicates across what would be segments). A breakable
 partition is then refused with an error naming the op and the break, and a
 graph asked to be ``breakable`` without any break is captured monolithic.
 
-Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe`` and host
-synchronisations (ops whose output size or value depends on data) are not
-capturable; aten and prims ops are overlap-safe; any other custom op is
-serialized (the conservative answer), with one log line naming it.
+Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe``, host
+synchronisations (ops whose output size or value depends on data: ``.item()``,
+``.tolist()``, ``nonzero``, any op that binds a data-dependent size) and copies
+between host and device memory are not capturable; aten and prims ops are
+overlap-safe; any other custom op is serialized (the conservative answer), with
+one log line naming it.
 
 A functionalization or effect wrapper (``auto_functionalized``,
-``auto_functionalized_v2``, ``with_effects``) answers for the op it wraps; a
-higher-order op with subgraphs answers for the ops of its subgraphs, and is not
-capturable when its control flow reads a tensor on the host (``cond``,
-``while_loop``).
+``auto_functionalized_v2``, ``with_effects``: a custom op that mutates its
+arguments reaches the graph so) answers for the op it wraps; a higher-order op
+with subgraphs answers for the ops of its subgraphs, and is not capturable when
+its control flow reads a tensor on the host (``cond``, ``while_loop``).
+
+Some ops cannot be told apart before they run: an opaque custom op that calls
+``.tolist()`` inside. When a capture fails on one, the runtime finds it and the
+registry *learns* that it cannot be captured (:meth:`CapabilityRegistry.learn`):
+from then on every graph compiled in the process treats it as a break, and
+no other owner has to fail on it again.
 """
 
 from __future__ import annotations
@@ -202,6 +210,7 @@ class CapabilityRegistry:
 
     def __init__(self) -> None:
         self._decls: dict[str, _Declaration] = {}
+        self._learned: dict[str, str] = {}  # op -> why it failed under capture
         self._cache: dict[tuple, Capability] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -239,11 +248,41 @@ class CapabilityRegistry:
             self._decls.pop(name, None)
             self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
 
+    def learn(self, op: Any, reason: str) -> bool:
+        """Records that ``op`` failed under a real capture; returns whether it was news.
+
+        Every later query of the op answers "not capturable" with ``reason``
+        (source ``"capture"``), whatever was declared: the op has shown that it
+        synchronizes with the host or otherwise breaks a capture.
+        """
+        name = op_qualname(op)
+        with self._lock:
+            new = name not in self._learned
+            self._learned[name] = reason
+            self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
+        return new
+
+    def learned(self) -> dict[str, str]:
+        """Ops learned not capturable (op name -> reason)."""
+        with self._lock:
+            return dict(self._learned)
+
+    def forget_learned(self, op: Any | None = None) -> None:
+        """Forgets what was learned about ``op`` (or about every op)."""
+        with self._lock:
+            if op is None:
+                self._learned.clear()
+            else:
+                self._learned.pop(op_qualname(op), None)
+
     def key(self) -> str:
-        """A digest of every declaration, for cache keys: it changes when any capability does."""
+        """A digest of every declaration and learned fact, for cache keys: it changes when any
+        capability does."""
         digest = hashlib.sha256()
         for name in sorted(self._decls):
             digest.update(f"{name}={self._decls[name].digest()};".encode())
+        for name in sorted(self._learned):
+            digest.update(f"{name}!capture;".encode())
         return digest.hexdigest()[:16]
 
     def query(self, node: fx.Node, graph_device: torch.device | None = None) -> Capability:
@@ -270,8 +309,13 @@ class CapabilityRegistry:
         name = target._schema.name
         decl = self._decls.get(name)
         if decl is not None:
-            return self._declared(node, name, decl, target, args, kwargs)
-        return self._default(node, name, target, graph_device)
+            cap = self._declared(node, name, decl, target, args, kwargs)
+        else:
+            cap = self._default(node, name, target, graph_device)
+        learned = self._learned.get(name)
+        if learned is not None and cap.capturable:
+            cap = dataclasses.replace(cap, capturable=False, reason=learned, source="capture")
+        return cap
 
     def _higher_order(self, node: fx.Node, graph_device: torch.device | None) -> Capability:
         wrapped = hops.wrapped_call(node)
@@ -347,9 +391,17 @@ class CapabilityRegistry:
             isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in node.args
         ):
             return Capability(capturable=False, reason=f"host sync: {name} reads a tensor value on the host")
+        if node.meta.get("unbacked_bindings"):
+            # The op binds a size or value only known once it ran (a data-dependent output).
+            return Capability(capturable=False, reason=f"host sync: an output size of {name} depends on data")
         dev = _first_tensor_device(node)
-        if graph_device is not None and graph_device.type == "cuda" and dev is not None and dev.type == "cpu":
-            return Capability(capturable=False, reason=f"CPU op {name} in a CUDA graph")
+        if graph_device is not None and graph_device.type == "cuda":
+            if dev is not None and dev.type == "cpu":
+                return Capability(capturable=False, reason=f"CPU op {name} in a CUDA graph")
+            crossing = _host_device_copy(node)
+            if crossing is not None:
+                return Capability(capturable=False, reason=f"{crossing} copy by {name}: pageable host memory "
+                                  "cannot be copied inside a CUDA graph capture")
         ns = name.split("::", 1)[0]
         if ns in _SAFE_NAMESPACES:
             return _ATEN_OP
@@ -367,6 +419,36 @@ class CapabilityRegistry:
 
 # The default answer for most nodes: one shared record (records are frozen).
 _ATEN_OP = Capability(reason="aten op")
+
+# Higher-order ops that stand for the custom op in their first argument (a custom op with
+# ``mutates_args`` reaches the functional graph wrapped in one).
+def op_of(node: fx.Node) -> torch._ops.OpOverload | None:
+    """The op overload ``node`` runs: its target, or the op a functionalization or effect
+    wrapper calls (``auto_functionalized``, ``auto_functionalized_v2``, ``with_effects``)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        wrapped = hops.wrapped_call(node)
+        if wrapped is not None:
+            return wrapped[0]
+    return None
+
+
+def _host_device_copy(node: fx.Node) -> str | None:
+    """``"host-to-device"`` / ``"device-to-host"`` when ``node`` moves a tensor between CPU and CUDA."""
+    ins = [a.meta.get("val") for a in node.all_input_nodes]
+    ins = [v for v in ins if isinstance(v, torch.Tensor)]
+    val = node.meta.get("val")
+    outs = [v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)]
+    # A 0-dim CPU tensor beside CUDA tensors is a host scalar of the launch, not a copy.
+    host_in = any(v.device.type == "cpu" and v.dim() > 0 for v in ins)
+    device_in = any(v.device.type == "cuda" for v in ins)
+    if host_in and any(v.device.type == "cuda" for v in outs):
+        return "host-to-device"
+    if device_in and any(v.device.type == "cpu" for v in outs):
+        return "device-to-host"
+    return None
 
 # id(op) -> (op, its tag names); the op is kept so that its id is never reused meanwhile.
 _TAG_NAMES: dict[int, tuple[torch._ops.OpOverload, frozenset[str]]] = {}

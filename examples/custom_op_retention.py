@@ -29,6 +29,7 @@ import torch.nn as nn
 import capturepass
 from capturepass.backends.dynamo import last_compiled
 from capturepass.cli import summarize_dir
+from capturepass.runtime.owner import retained_kind
 
 RETAIN_CALLS: list[bool] = []
 
@@ -99,8 +100,9 @@ def main() -> None:
     print(summarize_dir(dump))
     (graph,) = [g for g in last_compiled() if g.dump_dir and g.dump_dir.startswith(dump)]
     for owner in graph.executor.owners:
+        # Static inputs are retained by their storage (the model can still be collected).
         print(f"owner {owner.name}: {owner.num_retained} object(s) retained: "
-              + ", ".join(sorted({type(o).__name__ for objs in owner.retained.values() for o in objs})))
+              + ", ".join(sorted({retained_kind(o) for objs in owner.retained.values() for o in objs})))
     retained_by_op = sum(RETAIN_CALLS)
     print(f"capturepass.retain called {len(RETAIN_CALLS)} time(s) by the op (compiled and eager calls), "
           f"returned True {retained_by_op} time(s)")

@@ -723,3 +723,106 @@ def test_with_effects_answers_for_the_wrapped_op(declared):
     assert (cap.overlap, cap.reason, cap.source) == ("serialize", "tag=a", "launch-plan")
     (call,) = seen
     assert (call.op, call.shapes, call.arg_names) == (f"{NS}::effectful", ((4, 8),), ("x", "tag"))
+
+
+# -- host syncs and copies found before capture; ops learned after a failed capture -------------------
+
+
+@torch.library.custom_op(f"{NS}::ragged", mutates_args=())
+def ragged(x: torch.Tensor) -> torch.Tensor:
+    """A custom op whose output size depends on its input's values."""
+    return x[x > 0]
+
+
+@ragged.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    n = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty(n)
+
+
+@torch.library.custom_op(f"{NS}::host_mutate", mutates_args=("x",))
+def host_mutate(x: torch.Tensor) -> None:
+    """A custom op that mutates its argument (it reaches the graph functionalized)."""
+    x.add_(1)
+
+
+@host_mutate.register_fake
+def _(x: torch.Tensor) -> None:
+    return None
+
+
+def test_an_op_that_binds_a_data_dependent_size_is_not_capturable():
+    gm = aten_graph(lambda x: torch.ops.cptest_caps.ragged(x) * 2, torch.randn(8), tracing_mode="symbolic")
+    cap = REGISTRY.query(_only_call(gm, f"{NS}::ragged"))
+    assert (cap.capturable, cap.reason) == (False, f"host sync: an output size of {NS}::ragged depends on data")
+
+
+def _one_op_graph(op, arg_device: str, out_device: str, **kwargs) -> fx.Node:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        val_in = torch.empty(4, 4, device=arg_device)
+        val_out = torch.empty(4, 4, device=out_device)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = val_in
+    node = graph.call_function(op, (x,), kwargs)
+    node.meta["val"] = val_out
+    graph.output(node)
+    return node
+
+
+@pytest.mark.parametrize(
+    ("arg_device", "out_device", "what"),
+    [("cuda", "cpu", "device-to-host"), ("cpu", "cuda", None)],
+)
+def test_copies_between_host_and_device_are_not_capturable(arg_device, out_device, what):
+    node = _one_op_graph(torch.ops.aten._to_copy.default, arg_device, out_device, device=torch.device(out_device))
+    cap = REGISTRY.query(node, torch.device("cuda", 0))
+    assert cap.capturable is False
+    if what is None:  # a host tensor read by a device graph: the first-input rule names it
+        assert cap.reason == "CPU op aten::_to_copy in a CUDA graph"
+    else:
+        assert cap.reason == (f"{what} copy by aten::_to_copy: pageable host memory cannot be copied inside a "
+                              "CUDA graph capture")
+    same = _one_op_graph(torch.ops.aten._to_copy.default, "cuda", "cuda", dtype=torch.float16)
+    assert REGISTRY.query(same, torch.device("cuda", 0)).capturable is True
+
+
+def test_a_functionalized_custom_op_is_answered_as_the_op_it_wraps(declared):
+    from capturepass.backends.dynamo import last_compiled
+    from capturepass.ir import meta
+
+    declared.append(host_mutate)
+    capturepass.register_capability(host_mutate, capturable=False)
+
+    def fn(x):
+        torch.ops.cptest_caps.host_mutate(x)
+        return x * 2
+
+    compiled = torch.compile(fn, backend="capturepass", options={"inner": "eager", "cudagraphs": "breakable"})
+    x = torch.randn(4)
+    want = x + 1
+    torch.testing.assert_close(compiled(x), want * 2)
+    torch.testing.assert_close(x, want)
+    graph = [g for g in last_compiled() if g.name == "inference"][-1].graph
+    (wrapper,) = [n for n in graph.graph.nodes if "auto_functionalized" in str(n.target)]
+    cap = meta.info(wrapper).capability
+    assert (cap.capturable, cap.source) == (False, "registry")
+    assert [b.node for b in meta.graph_info(graph).breaks] == [wrapper.name]
+
+
+def test_learned_ops_are_not_capturable_and_change_the_key(declared):
+    before = REGISTRY.key()
+    node = _scale_node()
+    assert REGISTRY.query(node).capturable is True
+    try:
+        assert REGISTRY.learn(scale, f"{NS}::scale failed under CUDA graph capture (RuntimeError: sync)") is True
+        assert REGISTRY.learn(f"{NS}::scale", "again") is False
+        cap = REGISTRY.query(node)
+        assert (cap.capturable, cap.reason, cap.source) == (False, "again", "capture")
+        assert REGISTRY.learned() == {f"{NS}::scale": "again"}
+        assert REGISTRY.key() != before
+    finally:
+        REGISTRY.forget_learned(scale)
+    assert REGISTRY.key() == before and REGISTRY.query(node).capturable is True

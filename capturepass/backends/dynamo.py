@@ -14,11 +14,21 @@ importing capturepass. The backend
 
 The backward graph runs on one lane and is not captured (``policy="off"``,
 ``cudagraphs="none"``); it is verified and dumped like the forward.
+
+Before the ATen-stage passes run, the backend keeps a copy of the graph as AOT
+autograd produced it, and gives the :class:`~capturepass.runtime.executor.Executor`
+a ``rebuild`` callback: when a capture fails on an op that no capability
+declared non-capturable, the executor names the node, and the callback re-runs
+the pipeline on a fresh copy with that node a break (in the tracing context of
+the original compile, so that Inductor sees the same shape environment), dumps
+it again, and returns the new program.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import dataclasses
 import itertools
 import logging
@@ -90,6 +100,39 @@ def _static_input_indices() -> frozenset[int]:
         return frozenset()
 
 
+def _pristine_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that the passes run on leaves as it is: its own nodes, and node
+    metadata copied one level deep (passes replace capturepass's records and pop hint tags
+    out of ``meta["custom"]``; fake values are shared, never changed)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, env.__getitem__)
+        new.meta = {k: (copy.deepcopy(v) if k == "custom" else v) for k, v in node.meta.items()}
+        env[node] = new
+    out = fx.GraphModule(gm, graph)
+    meta.set_graph_info(out, meta.graph_info(gm))
+    return out
+
+
+def _tracing(tc: Any) -> contextlib.AbstractContextManager:
+    """The tracing context of the original compile, re-entered for a rebuild (Inductor reads its shape environment)."""
+    if tc is None:
+        return contextlib.nullcontext()
+    from torch._guards import tracing
+
+    return tracing(tc)
+
+
+def _tracing_context() -> Any:
+    try:
+        from torch._guards import TracingContext
+
+        return TracingContext.try_get()
+    except ImportError:  # pragma: no cover
+        return None
+
+
 def _on_cuda(example_inputs: list[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
@@ -154,20 +197,38 @@ def _aten_compiler(
         dump_dir = None
         if opts.dump_dir is not None:
             dump_dir = os.path.join(os.fspath(opts.dump_dir), f"{compile_id:03d}_{kind}")
-        passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
-        ctx = PassContext(options=graph_opts, registry=REGISTRY, example_inputs=list(example_inputs))
-        observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
-        dumps = observer.run(passes, gm, ctx)
-        observer.write(list(front_dumps) + dumps, gm)
-        program = ctx.artifacts["program"]
-        _last_compiled.append(
-            CompiledGraph(kind, gm, program, ctx.counters, observer.timings, dump_dir)
-        )
+        # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
+        pristine = _pristine_copy(gm) if graph_opts.resolved_cudagraphs(on_cuda) != "none" else None
+        examples = list(example_inputs)
+
+        def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str]) -> tuple[Any, PassContext, Observer]:
+            passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
+            ctx = PassContext(options=graph_opts, registry=REGISTRY, example_inputs=examples,
+                              not_capturable=dict(not_capturable))
+            observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
+            dumps = observer.run(passes, graph, ctx)
+            observer.write(list(front_dumps) + dumps, graph)
+            return ctx.artifacts["program"], ctx, observer
+
+        program, ctx, observer = run_passes(gm, {})
+        record = CompiledGraph(kind, gm, program, ctx.counters, observer.timings, dump_dir)
+        _last_compiled.append(record)
         gi = meta.graph_info(gm)
         log.info(
             "capturepass: compiled %s graph: %d lane(s), %d segment(s), %d region(s)",
             kind, len(gi.lanes), len(gi.segments), len(program.regions),
         )
+        rebuild = None
+        if pristine is not None:
+            tc = _tracing_context()
+
+            def rebuild(not_capturable: dict[str, str]) -> Any:
+                graph = _pristine_copy(pristine)
+                with _tracing(tc):
+                    new, new_ctx, new_observer = run_passes(graph, not_capturable)
+                record.graph, record.program = graph, new
+                record.counters, record.timings = new_ctx.counters, new_observer.timings
+                return new
 
         executor = Executor(
             program,
@@ -175,6 +236,7 @@ def _aten_compiler(
             static_outputs=opts.static_outputs,
             capture_sizes=opts.capture_sizes if kind != "backward" else (),
             check_replay=opts.check_replay,
+            rebuild=rebuild,
         )
         # Weakly: this record must not keep captured graphs and their pools alive.
         _last_compiled[-1]._executor = weakref.ref(executor)

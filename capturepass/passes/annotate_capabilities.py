@@ -7,7 +7,9 @@ the graph writes (``GraphInfo.mutated_inputs``, from the ops' schemas: see
 ``capturepass.ir.effects``), so that the runtime can make every write reach the
 caller. Later passes read only the
 answers: ``assign_streams`` keeps non-capturable and serializing ops on the main
-lane, ``partition`` turns non-capturable ops into breaks.
+lane, ``partition`` turns non-capturable ops into breaks. A node the runtime
+saw fail under a real capture (``PassContext.not_capturable``) is answered not
+capturable, with the failure as its reason, and the decision is recorded.
 
 Before::
 
@@ -19,6 +21,8 @@ After::
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.fx as fx
@@ -56,9 +60,15 @@ class AnnotateCapabilities(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         device = graph_device(gm)
         query = ctx.registry.query
+        forced = ctx.not_capturable
         estimator = cost.Estimator()
         for node in analysis.compute_nodes(gm.graph):
             cap = query(node, device)
+            why = forced.get(node.name)
+            if why is not None:
+                if cap.capturable:
+                    cap = dataclasses.replace(cap, capturable=False, reason=why, source="capture")
+                meta.add_decision(gm, f"%{node.name} ({node.target}): {why}: made a break")
             alias = analysis.aliases_input(node) is not None
             meta.update(node, self.name, capability=cap, cost=estimator.estimate(node, alias))
             if not cap.capturable:

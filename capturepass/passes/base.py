@@ -56,6 +56,9 @@ class PassContext:
             and ``capturepass show``.
         example_inputs: the graph's example inputs (fake tensors) if known.
         artifacts: what a pass hands to the backend (the emitted program).
+        not_capturable: nodes (by name) that failed under a real capture, with the
+            reason; ``annotate_capabilities`` makes them breaks (the runtime
+            rebuilds a graph this way after a capture failed on one op).
     """
 
     options: "Options"
@@ -63,6 +66,7 @@ class PassContext:
     counters: dict[str, Counter] = dataclasses.field(default_factory=dict)
     example_inputs: list | None = None
     artifacts: dict = dataclasses.field(default_factory=dict)
+    not_capturable: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def count(self, pass_name: str, key: str, n: int = 1) -> None:
         """Adds ``n`` to a counter of ``pass_name``."""

@@ -227,7 +227,11 @@ class Emit(Pass):
         for i, region in enumerate(regions):
             rgm, inputs, outputs = _region_graph(region, needed[id(region)])
             kernels = _has_kernel(region)
-            compiler = ctx.options.inner if kernels else "eager"
+            # NOTE: a break runs eagerly between captured segments, outside any graph: the inner
+            # compiler would only wrap its one op in a fallback call, and tracing an opaque op
+            # alone can fail (torch 2.11's Inductor raised "Attempting to use FunctionalTensor on
+            # its own" on transformers' grouped_mm_fallback as a region of its own).
+            compiler = ctx.options.inner if kernels and not region.eager_break else "eager"
             example = [n.meta.get("val") for n in inputs]
             try:
                 fn = inner_compilers.compile_region(rgm, example, compiler)

@@ -8,18 +8,28 @@ Modes, per graph:
   instance and input shape (an instance is the set of addresses of the static
   inputs: Dynamo serves every instance of a module class with one compiled
   graph, and a target and a draft model must still never share an owner).
-  The first call with a shape warms the program up on a side stream,
-  clears cuBLAS's workspaces (so that the graphs allocate and own theirs: a
-  graph that recorded a workspace it did not own is corrupted when the
-  workspace is freed), and captures every segment into its own CUDA graph, all
-  in one private pool on one capture stream; breaks run eagerly between
-  segments. Calls then copy new input values into the static input buffers and
-  replay. A new shape gets a new owner, up to ``max_captures``; beyond it the
-  program runs uncaptured, and says so once.
+  The first call with a shape is the warm-up, eager, and returns its results;
+  then every segment is captured into its own CUDA graph, all in one private
+  pool on one capture stream (``runtime.replay``). Calls then copy new input
+  values into the static input buffers, replay, and copy the inputs the graph
+  writes back to the caller's tensors. A new shape gets a new owner, up to
+  ``max_captures``; beyond it the program runs uncaptured, and says so once.
 - called while a capture that capturepass did not start is in progress (an
-  engine capturing around the model): the program runs without starting its
-  own capture, forking from and joining to the capturing stream, with events of
-  a scope reserved for outer captures.
+  engine capturing around the model), in any mode: the program runs without
+  starting its own capture, forking from and joining to the capturing stream,
+  with events of a scope reserved for outer captures; ``capturepass.retain``
+  ties objects to the callable's owner there.
+
+A capture that fails on one op becomes a break, not a crash: the failed capture
+is ended and discarded (``runtime.capture``), the failing segment is probed node
+by node for the op that cannot be captured (an opaque custom op that calls
+``.tolist()``, say), the registry learns it (for every graph compiled later),
+and the backend's ``rebuild`` callback re-runs the passes with that node a
+break. The call returns the warm-up's results; the next call captures the new
+program. Where no break can help (no single op fails alone, the op needs a
+monolithic graph, the rebuild fails), the graph runs uncaptured from then on,
+with the reason logged (``Executor.uncaptured_reason``). Errors of the model's
+own code are raised by the warm-up, as eager raises them.
 
 While an owner captures, its workspaces and every engine workspace manager
 made with ``lock_on_capture=True`` are locked (a request that would grow one
@@ -37,6 +47,10 @@ memory). Static inputs need no check: their addresses are part of the key.
 Outputs of a replay live in the owner's pool and would be overwritten by the
 next replay, so they are copied out unless ``static_outputs=True`` (for callers
 that consume them before the next call, as engines do).
+
+Owners die with their model: the executor watches each instance's static input
+tensors and releases that instance's owners when the model is collected
+(``runtime.lifetime``); ``capturepass.release(model)`` does it explicitly.
 """
 
 from __future__ import annotations
@@ -45,25 +59,59 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from capturepass.errors import CapturePassError, ResourceError
-from capturepass.runtime import context, pools, profiling
+from capturepass.capabilities import REGISTRY
+from capturepass.errors import CapturePassError
+from capturepass.ir import analysis
+from capturepass.runtime import capture, context, lifetime, pools, profiling
 from capturepass.runtime.owner import GraphOwner
 from capturepass.runtime.program import Program
+from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
 from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
 
+_Snapshot = Snapshot  # the name tests and tools have imported from here
+_Capture = Capture
 
-def _clear_cublas_workspaces() -> None:
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+# A graph is rebuilt at most this many times for ops that failed under capture; then it
+# runs uncaptured (a graph of many such ops is better off eager).
+MAX_REBUILDS = 8
+
+_warned_ops: set[str] = set()
+
+
+def mutated_inputs(program: Program) -> frozenset[int]:
+    """Placeholder positions the graph writes in place.
+
+    A position is written when its placeholder is the storage root of an argument that an
+    op's schema marks written (``alias_info.is_write``): the ``aten.copy_`` that AOT autograd
+    emits for every input mutation, and any mutating op left in the graph.
+    """
+    known = getattr(program.info, "mutated_inputs", None)
+    if known is not None:
+        return frozenset(known)
+    positions = {node: i for i, node in enumerate(program.inputs)}
+    graph = program.inputs[0].graph if program.inputs else None
+    written: set[int] = set()
+    for node in graph.nodes if graph is not None else ():
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for k, formal in enumerate(schema.arguments):
+            if formal.alias_info is None or not formal.alias_info.is_write:
+                continue
+            arg = node.args[k] if k < len(node.args) else node.kwargs.get(formal.name)
+            if isinstance(arg, fx.Node):
+                root = analysis.storage_root(arg)
+                if root in positions:
+                    written.add(positions[root])
+    return frozenset(written)
 
 
 def _shape_key(args: Sequence[Any]) -> tuple:
@@ -108,180 +156,6 @@ def _args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any
     return out
 
 
-class _Capture:
-    """One capture shape: its owner, graphs and static buffers."""
-
-    def __init__(self, program: Program, owner: GraphOwner, static_outputs: bool) -> None:
-        self.program = program
-        self.owner = owner
-        self.static_outputs = static_outputs
-        self.eager_lanes = owner.lanes("eager")
-        self.eager = program.bind(owner, self.eager_lanes)
-        self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
-        self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, buffer)
-        self.seg_out: dict[int, list[torch.Tensor]] = {}
-        self.uncaptured: set[int] = set()
-        self.snapshot: _Snapshot | None = None
-
-    def capture(self, args: Sequence[Any]) -> None:
-        program, owner = self.program, self.owner
-        device = owner.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with context.running(owner), torch.cuda.stream(stream):
-            self.eager(*args)  # warm-up: autotuning, lazy init, cuBLAS handles
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        _clear_cublas_workspaces()
-        owner.pool = torch.cuda.graph_pool_handle()
-        owner.capture_stream = stream
-        # External joins run outside the graphs, around each segment's replay.
-        bound = program.bind(owner, owner.lanes("capture:0"), externals=False)
-        env = bound.initial_env(args)
-        for i, (node, arg) in enumerate(zip(program.inputs, args)):
-            if not isinstance(arg, torch.Tensor):
-                continue
-            if i in program.static_inputs:
-                continue  # read in place: its address is part of this capture's key
-            buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
-            buf.copy_(arg)
-            self.inputs[i] = buf
-            env[node] = buf
-        breaks_out: set[fx.Node] = set()
-        reason = f"capture of {owner.name}"
-        with context.running(owner), owner.workspaces.locked(reason), locked_for_capture(reason), \
-                pools.entered_for_capture(owner.name, stream):
-            for p, piece in enumerate(program.pieces):
-                if piece.kind == "break" or not piece.has_kernels:
-                    # Breaks run eagerly; a segment without a kernel (only views and host
-                    # scalar math) has nothing to capture.
-                    bound.run_piece(p, env)
-                    breaks_out.update(piece.live_out)
-                    self.uncaptured.add(p)
-                    continue
-                staged = []
-                for node in piece.live_in:
-                    if node in breaks_out and isinstance(env[node], torch.Tensor):
-                        buf = env[node].clone()
-                        env[node] = buf
-                        staged.append((node, buf))
-                self.seg_in[p] = staged
-                graph = torch.cuda.CUDAGraph()
-                owner.graphs[piece.segment] = graph
-                owner.capturing = piece.segment
-                try:
-                    with torch.cuda.graph(graph, pool=owner.pool, stream=stream):
-                        bound.run_piece(p, env)
-                finally:
-                    owner.capturing = None
-                self.seg_out[p] = [env[n] for n in piece.live_out]
-        torch.cuda.synchronize(device)
-        self.snapshot = _Snapshot.of(self)
-
-    def replay(self, args: Sequence[Any], check: bool = False) -> Any:
-        program = self.program
-        if check and self.snapshot is not None:
-            self.snapshot.check(self, args)
-        # Static inputs are where the capture saw them: their addresses are part of the key.
-        for i, buf in self.inputs.items():
-            arg = args[i]
-            if arg.data_ptr() != buf.data_ptr():
-                buf.copy_(arg)
-        env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
-        env.update(program.constants)
-        graphs = self.owner.graphs
-        with context.running(self.owner):
-            for p, piece in enumerate(program.pieces):
-                if piece.kind == "break" or p in self.uncaptured:
-                    self.eager.run_piece(p, env)
-                    continue
-                for node, buf in self.seg_in[p]:
-                    value = env[node]
-                    if value.shape != buf.shape or value.stride() != buf.stride():
-                        log.warning(
-                            "capturepass: %s: segment %s reads %%%s with shape %s, captured with %s; "
-                            "running the segment uncaptured from now on",
-                            self.owner.name, piece.segment, node.name, tuple(value.shape), tuple(buf.shape),
-                        )
-                        self.uncaptured.add(p)
-                        self.eager.run_piece(p, env)
-                        break
-                    buf.copy_(value)
-                else:
-                    joins = piece.external_joins
-                    for name, into in joins:
-                        if into:
-                            self.eager_lanes.join_external(name, True)
-                    graphs[piece.segment].replay()
-                    for name, into in joins:
-                        if not into:
-                            self.eager_lanes.join_external(name, False)
-                    for node, value in zip(piece.live_out, self.seg_out[p]):
-                        env[node] = value
-        out = self.eager.result(env)
-        if self.static_outputs:
-            return out
-        static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
-        return fx.node.map_aggregate(
-            out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
-        )
-
-
-def _storage_of(obj: Any) -> tuple[int, int] | None:
-    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
-        st = obj.untyped_storage()
-        return st.data_ptr(), st.nbytes()
-    return None
-
-
-@dataclasses.dataclass
-class _Snapshot:
-    """What a capture baked in: its input buffers' addresses and the storage of every retained tensor.
-
-    Static inputs need no entry: their addresses are part of the capture's key, so a call
-    whose parameters moved never replays this capture.
-    """
-
-    buffer_ptrs: dict[int, int]
-    retained: dict[int, list[tuple[int, str, tuple[int, int] | None]]]
-
-    @classmethod
-    def of(cls, cap: "_Capture") -> "_Snapshot":
-        retained = {
-            seg: [(id(o), type(o).__name__, _storage_of(o)) for o in objs]
-            for seg, objs in cap.owner.retained.items()
-        }
-        return cls({i: b.data_ptr() for i, b in cap.inputs.items()}, retained)
-
-    def check(self, cap: "_Capture", args: Sequence[Any]) -> None:
-        owner = cap.owner
-        names = [n.name for n in cap.program.inputs]
-        for i, ptr in self.buffer_ptrs.items():
-            if cap.inputs[i].data_ptr() != ptr:
-                raise ResourceError(
-                    f"check_replay: the static buffer of input {i} (%{names[i]}) of {owner.name} moved since capture"
-                )
-        for seg, entries in self.retained.items():
-            objs = owner.retained.get(seg, [])
-            if len(objs) != len(entries):
-                raise ResourceError(
-                    f"check_replay: segment {seg} of {owner.name} retained {len(entries)} object(s) at capture, "
-                    f"{len(objs)} now"
-                )
-            for k, (obj, (oid, tname, storage)) in enumerate(zip(objs, entries)):
-                if id(obj) != oid:
-                    raise ResourceError(
-                        f"check_replay: retained object {k} ({tname}) of segment {seg} of {owner.name} "
-                        "was replaced since capture"
-                    )
-                if _storage_of(obj) != storage:
-                    raise ResourceError(
-                        f"check_replay: retained {tname} {k} of segment {seg} of {owner.name} changed storage "
-                        f"since capture ({storage} -> {_storage_of(obj)}: resized or set_ to other memory); "
-                        "the graph still uses the old address"
-                    )
-
-
 @dataclasses.dataclass
 class _EagerOwner:
     """The owner of one model instance's uncaptured runs, and its bound programs."""
@@ -300,6 +174,13 @@ class Executor:
         static_outputs: return replay outputs without copying them.
         capture_sizes: batch sizes to capture on the first call.
         check_replay: check at every replay that baked-in addresses are unchanged.
+        rebuild: re-runs the passes on the graph as it was before them, with the named
+            nodes made breaks (``{node name: reason}``), and returns the new program;
+            without it a capture that fails on one op turns capture off for this graph.
+
+    Attributes:
+        uncaptured_reason: why this graph stopped capturing, if it did.
+        not_capturable: nodes made breaks after they failed under capture (name -> reason).
     """
 
     def __init__(
@@ -309,23 +190,35 @@ class Executor:
         static_outputs: bool = False,
         capture_sizes: Sequence[int] = (),
         check_replay: bool = False,
+        rebuild: Callable[[dict[str, str]], Program] | None = None,
     ) -> None:
-        self.program = program
         self.check_replay = check_replay
         self.capture_sizes = tuple(capture_sizes)
-        info = program.info
-        self.captured = info.captured and info.on_cuda
         self.max_captures = max_captures
         self.static_outputs = static_outputs
-        self._captures: dict[tuple, _Capture] = {}
+        self._captures: dict[tuple, Capture] = {}
         # Owners of uncaptured runs, per model instance (the addresses of the static inputs).
         self._eager_owners: dict[tuple, _EagerOwner] = {}
         self._profile_owners: dict[tuple, _EagerOwner] = {}
-        self._warned_bound = False
+        self._watchers: dict[tuple, list] = {}  # instance -> finalizers of its static inputs
         self._uncaptured_depth = 0
-        self._static_positions = tuple(sorted(program.static_inputs))
-        self._lock = threading.Lock()
+        self._rebuild = rebuild
+        self._rebuilds = 0
+        self.not_capturable: dict[str, str] = {}
+        self.uncaptured_reason: str | None = None
+        self._lock = threading.RLock()
         self.closed = False
+        self._adopt(program)
+        lifetime.register(self)
+
+    def _adopt(self, program: Program) -> None:
+        self.program = program
+        info = program.info
+        self.captured = info.captured and info.on_cuda and self.uncaptured_reason is None
+        self._on_cuda = info.on_cuda
+        self._static_positions = tuple(sorted(program.static_inputs))
+        self._written = mutated_inputs(program)
+        self._warned_bound = False
 
     # -- owners --------------------------------------------------------------------------------
     def _device(self, args: Sequence[Any]) -> torch.device | None:
@@ -348,6 +241,13 @@ class Executor:
             args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
         )
 
+    def _watch(self, instance: tuple, args: Sequence[Any]) -> None:
+        """Releases the owners of ``instance`` when one of its static input tensors is collected."""
+        if not instance or instance in self._watchers:
+            return
+        tensors = [args[i] for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+        self._watchers[instance] = lifetime.watch(self, instance, tensors)
+
     def _eager_owner_for(self, args: Sequence[Any]) -> "_EagerOwner":
         instance = self._instance(args)
         rec = self._eager_owners.get(instance)
@@ -362,6 +262,7 @@ class Executor:
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=info.captured)
             rec = self._eager_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
+            self._watch(instance, args)
         return rec
 
     def _eager_program(self, args: Sequence[Any]) -> Any:
@@ -395,12 +296,18 @@ class Executor:
     def _call(self, args: list[Any]) -> Any:
         if self.closed:
             raise CapturePassError(f"this compiled {self.program.info.name} graph was closed; compile it again")
+        if lifetime.PENDING:
+            lifetime.drain()
+        # An engine capturing around us comes first, whatever our own mode: its graph must
+        # receive our lanes' forks and joins, and retain what our ops retain.
+        if self._on_cuda and torch.cuda.is_current_stream_capturing():
+            return self._run_in_outer_capture(args)
         if not self.captured or self._uncaptured_depth:
             return self._run_eager(args)
-        if torch.cuda.is_current_stream_capturing():
-            return self._run_in_outer_capture(args)
         if self.capture_sizes and not self._captures:
             self._precapture(args)
+            if not self.captured:
+                return self._run_eager(args)
         key = (self._instance(args), _shape_key(args))
         cap = self._captures.get(key)
         if cap is not None:
@@ -414,27 +321,48 @@ class Executor:
                     self.program.info.name, self.max_captures,
                 )
             return self._run_eager(args)
-        return self.capture(args, key).replay(args)
+        try:
+            return self._capture_new(args, key, real=True)[1]
+        except CaptureFailure as failure:
+            self._capture_failed(failure)
+            return failure.outputs  # the warm-up was this call
 
-    def capture(self, args: Sequence[Any], key: tuple | None = None) -> _Capture:
-        """Captures the program for the shapes (and model instance) of ``args``, kept for later calls."""
+    def capture(self, args: Sequence[Any], key: tuple | None = None) -> Capture | None:
+        """Captures the program for the shapes (and model instance) of ``args``, kept for later calls.
+
+        The warm-up runs on copies of the inputs the graph writes: this is not a call, and
+        leaves no visible effect. A capture that fails on one op makes it a break and
+        captures the rebuilt program; returns ``None`` when the graph stopped capturing.
+        """
         key = (self._instance(args), _shape_key(args)) if key is None else key
-        with self._lock:
+        while self.captured:
+            program = self.program
+            try:
+                return self._capture_new(args, key, real=False)[0]
+            except CaptureFailure as failure:
+                self._capture_failed(failure)
+                if self.program is program:
+                    break
+        return None
+
+    def _capture_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        with self._lock, lifetime.capturing():
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
-            cap = _Capture(self.program, owner, self.static_outputs)
+            cap = Capture(self.program, owner, self.static_outputs, self._written)
             prof = profiling.active()
             try:
-                cap.capture(args)
-            except Exception:
+                out = cap.run(args, real)
+            except BaseException:
                 owner.close()
                 raise
             self._captures[key] = cap
+            self._watch(key[0], args)
             if prof is not None:
                 prof.adopt(owner, lambda: self._forget(key, cap))
-        return cap
+        return cap, out
 
-    def _forget(self, key: tuple, cap: "_Capture") -> None:
+    def _forget(self, key: tuple, cap: Capture) -> None:
         if self._captures.get(key) is cap:
             del self._captures[key]
 
@@ -451,11 +379,82 @@ class Executor:
                 return
             key = (self._instance(sized), _shape_key(sized))
             if key not in self._captures and len(self._captures) < self.max_captures:
-                self.capture(sized, key)
+                if self.capture(sized, key) is None:
+                    return
 
+    # -- captures that fail ------------------------------------------------------------------------
+    def _capture_failed(self, failure: CaptureFailure) -> None:
+        """Makes the op a failed capture stumbled on a break (or turns capture off, saying why)."""
+        program = self.program
+        piece = program.pieces[failure.piece]
+        error = failure.error
+        where = f"segment {piece.segment} of the {program.info.name} graph"
+        culprits = self._learned_in(piece)
+        if not culprits:
+            found = capture.first_failing_node(program, failure.piece, failure.env, failure.device)
+            if found is None:
+                self._stop_capturing(
+                    f"capturing {where} failed ({type(error).__name__}: {error}), and no single op of it fails "
+                    "when captured alone, so no break can help"
+                )
+                return
+            if found.opaque:
+                REGISTRY.learn(found.op, found.reason)
+            if found.op not in _warned_ops:
+                _warned_ops.add(found.op)
+                log.warning("capturepass: %s cannot be captured (%s: %s); %%%s runs eagerly as a break between "
+                            "captured segments from now on", found.op, type(found.error).__name__,
+                            str(found.error).strip().splitlines()[0] if str(found.error).strip() else "",
+                            found.node)
+            culprits = [(found.node, found.reason)]
+        self.not_capturable.update(culprits)
+        if self._rebuild is None:
+            self._stop_capturing(f"%{culprits[0][0]} failed under capture ({culprits[0][1]}), and this graph "
+                                 "cannot be rebuilt with it as a break")
+            return
+        if self._rebuilds >= MAX_REBUILDS:
+            self._stop_capturing(f"{MAX_REBUILDS} ops failed under capture, the last %{culprits[0][0]}")
+            return
+        self._rebuilds += 1
+        try:
+            rebuilt = self._rebuild(dict(self.not_capturable))
+        except Exception as exc:  # noqa: BLE001 - e.g. the op requires a monolithic graph
+            self._stop_capturing(f"%{culprits[0][0]} failed under capture, and rebuilding the graph with it as a "
+                                 f"break failed ({type(exc).__name__}: {exc})")
+            return
+        self._release_all()
+        self._adopt(rebuilt)
+        log.info("capturepass: %s graph rebuilt with %s as break(s); the next call captures it",
+                 program.info.name, ", ".join(f"%{n}" for n, _ in culprits))
+
+    def _learned_in(self, piece: Any) -> list[tuple[str, str]]:
+        """Nodes of ``piece`` whose op the registry learned not capturable after this program was built."""
+        learned = REGISTRY.learned()
+        if not learned:
+            return []
+        found = []
+        for step in piece.steps:
+            if step.kind != "region":
+                continue
+            for node in step.payload.graph.graph.nodes:
+                if node.op == "call_function" and node.name not in self.not_capturable:
+                    why = learned.get(capture.op_name(node))
+                    if why is not None:
+                        found.append((node.name, why))
+        return found
+
+    def _stop_capturing(self, reason: str) -> None:
+        self.uncaptured_reason = reason
+        self.captured = False
+        log.warning("capturepass: the %s graph runs uncaptured from now on: %s", self.program.info.name, reason)
+        for cap in self._captures.values():
+            cap.owner.close()
+        self._captures.clear()
+
+    # -- uncaptured runs -------------------------------------------------------------------------
     def _run_eager(self, args: Sequence[Any]) -> Any:
         prof = profiling.active()
-        if prof is not None and self.program.info.captured and not self.captured:
+        if prof is not None and self.program.info.captured and not self.program.info.on_cuda:
             return self._run_profiled_on_host(args, prof)
         rec = self._eager_owner_for(args)
         with context.running(rec.owner):
@@ -471,6 +470,7 @@ class Executor:
             owner = GraphOwner(info.name, len(info.lanes), None, captured=True)
             rec = self._profile_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
             prof.adopt(owner, lambda: self._profile_owners.pop(instance, None))
+            self._watch(instance, args)
         with context.running(rec.owner):
             return rec.program(*args)
 
@@ -491,6 +491,7 @@ class Executor:
         finally:
             owner.capturing = None
 
+    # -- release ---------------------------------------------------------------------------------
     @property
     def num_captures(self) -> int:
         """How many capture shapes are held."""
@@ -504,14 +505,46 @@ class Executor:
         self._captures.clear()
         self._warned_bound = False
 
+    def release_instance(self, instance: tuple, why: str = "released") -> bool:
+        """Closes every owner of one model instance; ``False`` if the callable is busy capturing
+        on another thread (try again later)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            n = self._release(lambda inst: inst == instance)
+        finally:
+            self._lock.release()
+        if n:
+            log.info("capturepass: %s graph: released %d owner(s) of a model instance: %s",
+                     self.program.info.name, n, why)
+        return True
+
+    def release_addresses(self, addresses: set[int]) -> int:
+        """Closes every owner of the model instances whose static inputs live at any of
+        ``addresses``; returns how many."""
+        with self._lock:
+            return self._release(lambda inst: not addresses.isdisjoint(inst))
+
+    def _release(self, match: Callable[[tuple], bool]) -> int:
+        n = 0
+        for key in [k for k in self._captures if match(k[0])]:
+            self._captures.pop(key).owner.close()
+            n += 1
+        for table in (self._eager_owners, self._profile_owners):
+            for instance in [i for i in table if match(i)]:
+                table.pop(instance).owner.close()
+                n += 1
+        for instance in [i for i in self._watchers if match(i)]:
+            for finalizer in self._watchers.pop(instance):
+                finalizer.detach()
+        return n
+
+    def _release_all(self) -> None:
+        self._release(lambda inst: True)
+
     def close(self) -> None:
         """Synchronizes and releases every owner (graphs, pools, leases, retained objects)."""
-        for cap in self._captures.values():
-            cap.owner.close()
-        self._captures.clear()
-        for rec in self._eager_owners.values():
-            rec.owner.close()
-        self._eager_owners.clear()
+        self._release_all()
         self.closed = True
 
     def __del__(self) -> None:

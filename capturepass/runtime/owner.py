@@ -11,10 +11,17 @@ workspace, a channel or a retained object is never valid for another owner.
 On a machine without CUDA nothing is captured, but the bookkeeping runs as on a
 GPU: when the graph's mode is a capturing one, a segment's first run stands for
 its capture and retains the segment's storage owners until ``close()``.
+
+A segment's own retention (the static inputs and constants it reads, listed by
+``insert_retention``) keeps each tensor's *storage* (:class:`HeldStorage`), not
+the tensor: a replay can never read freed memory, and yet the parameters do not
+outlive their model, whose death releases the owner (``Executor`` watches them).
+Objects a custom op passes to ``capturepass.retain`` are kept as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -36,6 +43,34 @@ _live: "weakref.WeakSet[GraphOwner]" = weakref.WeakSet()
 _lock = threading.Lock()
 
 _HAS_RETAIN_OBJECT = hasattr(torch.cuda.CUDAGraph, "retain_object")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HeldStorage:
+    """The storage of a tensor a capture reads in place, held without the tensor itself.
+
+    Attributes:
+        storage: the tensor's untyped storage (keeps the memory at its address).
+        kind: the tensor's type name (``"Parameter"``, ``"Tensor"``), for messages.
+    """
+
+    storage: Any
+    kind: str
+
+    def __repr__(self) -> str:
+        return f"<storage of a {self.kind}: {self.storage.nbytes()} bytes at {self.storage.data_ptr():#x}>"
+
+
+def hold(obj: Any) -> Any:
+    """What an owner keeps for ``obj``: a strided tensor's storage, anything else itself."""
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        return HeldStorage(obj.untyped_storage(), type(obj).__name__)
+    return obj
+
+
+def retained_kind(obj: Any) -> str:
+    """A retained object's kind, for messages: the tensor type of a held storage, else the type."""
+    return obj.kind if isinstance(obj, HeldStorage) else type(obj).__name__
 
 
 class GraphOwner:
@@ -116,7 +151,7 @@ class GraphOwner:
             return  # replays and eager runs retain nothing new; -1 is a capture around us
         if segment in self.retained and self.device is None:
             return  # host: the first run stood for the capture
-        self.keep(segment, list(objs) + [self._resource_obj(h) for h in resources])
+        self.keep(segment, [hold(o) for o in objs] + [self._resource_obj(h) for h in resources])
 
     def keep(self, segment: int, objs: list[Any]) -> None:
         """Ties ``objs`` to the capture of ``segment`` (``CUDAGraph.retain_object`` where torch has it)."""
@@ -172,10 +207,11 @@ class GraphOwner:
             self.pool = None
             self.capture_stream = None
             self.streams = []
-            if had_graphs:
+            if had_graphs or self.device is not None and self.num_lanes > 1:
                 # cuBLAS caches a workspace per (handle, stream); the one our capture
-                # allocated lives in our pool and would pin it past close. Dropping the
-                # cache is what every capture does before capturing (as cudagraph trees do).
+                # allocated lives in our pool and would pin it past close, and those of our
+                # auxiliary streams outlive the streams' use. Dropping the cache is what
+                # every capture does before capturing (as cudagraph trees do).
                 clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
                 if clear is not None:
                     clear()

@@ -1,0 +1,293 @@
+"""Capturing a segment without surprises: the capture mode, failures that end cleanly, probes.
+
+- Every capture runs in the *thread-local* capture mode where torch offers it
+  (``capture_error_mode="thread_local"``, feature-detected). In torch's default
+  global mode a potentially unsafe CUDA call from *any* thread during the
+  capture (an allocation, a synchronization of its own work) fails and
+  invalidates the capture (``cudaErrorStreamCaptureUnsupported``); in the
+  thread-local mode other threads' eager work neither breaks the capture nor is
+  broken by it, while this thread's unsafe calls still fail.
+- A capture that fails (an op raised, or the capture was invalidated) is ended
+  and discarded by :func:`segment`, with every auxiliary lane joined first:
+  ending a capture while a lane is still forked fails with
+  ``cudaErrorStreamCaptureUnjoined`` and hides the op's own error, which is
+  re-raised instead. When the end itself fails (the capture was invalidated),
+  torch's ``CUDAGraph.capture_end`` raises at ``cudaStreamEndCapture``, before it
+  stops routing the capture stream's allocations to the pool and before the CUDA
+  generator leaves capture mode: torch 2.11's generator state keeps a
+  ``capturing_`` flag that only ``capture_epilogue`` clears, and every later
+  ``torch.randn`` on the device then fails with "Offset increment outside graph
+  capture". :func:`_discard_failed` ends the routing, releases the pool's
+  reference and walks the generator through one trivial capture, whose prologue
+  and epilogue put it back (newer torch keys capture state by capture id and
+  drops it in ``CUDAGraph.reset``; the trivial capture is then harmless).
+- :func:`first_failing_node` probes a segment whose capture failed: it runs the
+  segment's region graphs node by node, eagerly, and captures each node alone
+  in a throwaway capture; the first node that fails is the culprit. Opaque
+  custom ops (namespaces other than aten and prims, and the wrappers of
+  functionalized custom ops) are probed first, then every other node with a
+  kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import operator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.capabilities import op_of
+from capturepass.ir import analysis
+
+if TYPE_CHECKING:
+    from capturepass.runtime.program import Program, RegionSpec
+
+log = logging.getLogger("capturepass")
+
+
+def _mode_kwargs() -> dict[str, str]:
+    try:
+        params = inspect.signature(torch.cuda.CUDAGraph.capture_begin).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return {}
+    return {"capture_error_mode": "thread_local"} if "capture_error_mode" in params else {}
+
+
+MODE_KWARGS = _mode_kwargs()
+
+
+def _capturing(stream: torch.cuda.Stream) -> bool:
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def clear_cublas_workspaces() -> None:
+    """Drops cuBLAS's cached workspaces (one per handle and stream)."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+@contextlib.contextmanager
+def segment(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream,
+            forked: Sequence[torch.cuda.Stream] = ()) -> Iterator[None]:
+    """Captures the block into ``graph`` on ``stream``, in the thread-local capture mode.
+
+    Args:
+        graph: a fresh CUDA graph.
+        pool: the memory pool handle to capture into.
+        stream: the capture stream (made current inside the block).
+        forked: streams the block may fork from the capture (joined before a failed
+            capture is ended).
+
+    On an exception in the block the capture is ended and discarded (the graph is
+    reset, the pool reference released, the generator and allocator restored) and
+    the exception propagates. If ending a capture that raised nothing fails, the
+    same clean-up runs and torch's error propagates.
+    """
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, **MODE_KWARGS)
+        try:
+            yield
+        except BaseException:
+            _abort(graph, pool, stream, forked)
+            raise
+        try:
+            graph.capture_end()
+        except Exception:
+            _discard_failed(graph, pool, stream.device)
+            raise
+
+
+def _abort(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream,
+           forked: Sequence[torch.cuda.Stream]) -> None:
+    for s in forked:
+        try:
+            if _capturing(s):
+                event = torch.cuda.Event()
+                event.record(s)
+                stream.wait_event(event)
+        except Exception:  # noqa: BLE001 - an invalidated capture refuses joins; ending it tears forks down
+            pass
+    try:
+        graph.capture_end()
+    except Exception:  # noqa: BLE001 - invalidated: the capture ended all the same
+        _discard_failed(graph, pool, stream.device)
+    else:
+        graph.reset()
+
+
+def _discard_failed(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
+    """Cleans up after ``capture_end`` raised (see the module doc)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None and pool is not None:
+        try:
+            end(index, pool)
+        except Exception:  # noqa: BLE001 - this torch stopped the routing before it failed
+            pass
+    try:
+        graph.reset()
+    except Exception:  # noqa: BLE001
+        pass
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if release is not None and pool is not None:
+        try:
+            release(index, pool)
+        except Exception:  # noqa: BLE001 - the pool was already released
+            pass
+    try:
+        _restore_generator(device)
+    except Exception as exc:  # noqa: BLE001
+        log.error("capturepass: could not take the CUDA generator of %s out of capture mode after a failed "
+                  "capture (%s: %s); random ops on it may fail", device, type(exc).__name__, exc)
+
+
+def _restore_generator(device: torch.device) -> None:
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(**MODE_KWARGS)
+        try:
+            torch.zeros(1, device=device)  # one kernel: an empty capture only warns
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph.reset()
+
+
+def fails_alone(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                device: torch.device) -> BaseException | None:
+    """The error ``fn(*args, **kwargs)`` raises when captured alone in a throwaway capture, or ``None``."""
+    graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "the CUDA Graph is empty" for ops without a kernel
+            with segment(graph, pool, stream):
+                fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the probe's answer
+        return exc
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
+    graph.reset()
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Culprit:
+    """The node a probe found failing under capture.
+
+    Attributes:
+        node: its name in the annotated graph.
+        op: its op's qualified name (the op a functionalization wrapper wraps), or
+            the target's name for a plain callable.
+        opaque: whether it is an opaque custom op (learned per op, not per node).
+        error: what it raised under capture.
+    """
+
+    node: str
+    op: str
+    opaque: bool
+    error: BaseException
+
+    @property
+    def reason(self) -> str:
+        """The break reason shown in dumps and logs."""
+        first = str(self.error).strip().splitlines()[0] if str(self.error).strip() else ""
+        return f"{self.op} failed under CUDA graph capture ({type(self.error).__name__}: {first[:200]})"
+
+
+def is_opaque(node: fx.Node) -> bool:
+    """Whether ``node`` calls an opaque custom op (or a wrapper of one, or a plain callable)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace not in ("aten", "prims")
+    return True
+
+
+def op_name(node: fx.Node) -> str:
+    """The qualified op name of ``node`` (its wrapped op for a functionalization wrapper)."""
+    op = op_of(node)
+    if op is not None:
+        return op._schema.name
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _has_kernel(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return is_opaque(node) or (analysis.aliases_input(node) is None and analysis.carries_tensor(node))
+
+
+def first_failing_node(program: "Program", index: int, env: dict[fx.Node, Any],
+                       device: torch.device) -> Culprit | None:
+    """Probes piece ``index`` of ``program`` node by node; the first node that fails captured alone.
+
+    Args:
+        program: the program whose capture failed.
+        index: the failing piece.
+        env: values of every annotated-graph node the piece reads (from the warm-up; the
+            caller substitutes copies for inputs the graph writes, since each node runs
+            eagerly here once).
+        device: the CUDA device.
+
+    Returns:
+        the culprit, or ``None`` when every node captures alone (or the eager run of the
+        piece itself fails here, which leaves the probe without an answer).
+    """
+    specs = [s.payload for s in program.pieces[index].steps if s.kind == "region"]
+    try:
+        for opaque in (True, False):
+            try:
+                found = _probe(specs, env, device, opaque)
+            except Exception as exc:  # noqa: BLE001 - the probe is inconclusive, not the call
+                log.info("capturepass: probing piece %d failed eagerly (%s: %s)", index, type(exc).__name__, exc)
+                return None
+            if found is not None:
+                return found
+        return None
+    finally:
+        clear_cublas_workspaces()  # probes made workspaces inside throwaway pools
+
+
+def _probe(specs: list["RegionSpec"], env: dict[fx.Node, Any], device: torch.device, opaque: bool) -> Culprit | None:
+    values = dict(env)
+    for spec in specs:
+        local: dict[fx.Node, Any] = {}
+        inputs = iter(spec.inputs)
+        outs: Any = ()
+        for node in spec.graph.graph.nodes:
+            if node.op == "placeholder":
+                local[node] = values[next(inputs)]
+            elif node.op == "get_attr":
+                obj: Any = spec.graph
+                for part in str(node.target).split("."):
+                    obj = getattr(obj, part)
+                local[node] = obj
+            elif node.op == "output":
+                outs = fx.node.map_arg(node.args[0], local.__getitem__)
+            else:
+                args = fx.node.map_arg(node.args, local.__getitem__)
+                kwargs = fx.node.map_arg(node.kwargs, local.__getitem__)
+                result = node.target(*args, **kwargs)
+                if _has_kernel(node) and is_opaque(node) == opaque:
+                    error = fails_alone(node.target, args, kwargs, device)
+                    if error is not None:
+                        return Culprit(node.name, op_name(node), is_opaque(node), error)
+                local[node] = result
+        for node, value in zip(spec.outputs, outs):
+            values[node] = value
+    return None

@@ -1,0 +1,140 @@
+"""Owners die with their model.
+
+Dynamo keeps a compiled callable (its ``Executor``) in the code cache of the
+module class's ``forward`` until ``torch._dynamo.reset()``, which drops every
+other model's compiled code too. The owners inside it are per model *instance*
+(the addresses of the static inputs, its parameters and buffers), so they can
+go with the instance:
+
+- the owners keep the *storage* of what their captures read in place
+  (``owner.HeldStorage``), never the parameter objects, so a replay can never
+  read freed memory and the model can still be collected;
+- the executor watches the static input tensors of every instance it serves
+  (``weakref.finalize``); when one of them is collected, the owners of that
+  instance are released (graphs, pools, leases, workspaces, channels, retained
+  objects). A release synchronizes the owner's streams, which is not allowed
+  while a capture is in progress on this thread (or, for captures capturepass
+  makes, on any thread): it is then deferred to the next call of a compiled
+  graph, or to the end of the capture;
+- :func:`release` releases one model's owners explicitly (engines call it when
+  they drop a model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from capturepass.errors import CapturePassError
+
+if TYPE_CHECKING:
+    from capturepass.runtime.executor import Executor
+
+_executors: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+_lock = threading.Lock()
+_capturing = 0
+# (executor, instance) pairs whose model died while a release was not allowed.
+PENDING: list[tuple["weakref.ref[Executor]", tuple]] = []
+
+
+def register(executor: "Executor") -> None:
+    """Makes ``executor`` findable by :func:`release`."""
+    with _lock:
+        _executors.add(executor)
+
+
+def live_executors() -> list["Executor"]:
+    """Every executor not yet collected."""
+    with _lock:
+        return list(_executors)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Marks a capture in progress: releases wait until it ends."""
+    global _capturing
+    with _lock:
+        _capturing += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _capturing -= 1
+        if PENDING:
+            drain()
+
+
+def _safe() -> bool:
+    if _capturing:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def watch(executor: "Executor", instance: tuple, tensors: list[torch.Tensor]) -> list[weakref.finalize]:
+    """Finalizers that release ``executor``'s owners of ``instance`` when any of ``tensors`` dies."""
+    ref = weakref.ref(executor)
+    finalizers = [weakref.finalize(t, _died, ref, instance) for t in tensors]
+    for f in finalizers:
+        f.atexit = False  # at interpreter exit there is nothing to release into
+    return finalizers
+
+
+def _died(ref: "weakref.ref[Executor]", instance: tuple) -> None:
+    with _lock:
+        PENDING.append((ref, instance))
+    if _safe():
+        drain()
+
+
+def drain() -> None:
+    """Releases the owners of every instance that died (when no capture is in progress)."""
+    if not _safe():
+        return
+    with _lock:
+        todo = list(PENDING)
+        PENDING.clear()
+    keep = []
+    for ref, instance in todo:
+        executor = ref()
+        if executor is not None and not executor.release_instance(instance, "its model was collected"):
+            keep.append((ref, instance))  # the executor is busy (capturing): next time
+    if keep:
+        with _lock:
+            PENDING.extend(keep)
+
+
+def _static_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for t in itertools.chain(module.parameters(), module.buffers()) if t.layout == torch.strided]
+
+
+def release(obj: Any) -> int:
+    """Releases every owner capturepass holds for a model: its graphs, pools, leases, workspaces,
+    channels and retained objects, in every compiled graph of the process.
+
+    Args:
+        obj: the model (an ``nn.Module``), or what ``torch.compile`` returned for it.
+
+    Returns:
+        how many owners were released. The compiled callable stays usable: a later
+        call with the model captures again.
+
+    Raises:
+        CapturePassError: ``obj`` is not a module nor a compiled module.
+    """
+    module = getattr(obj, "_orig_mod", obj)
+    if not isinstance(module, torch.nn.Module):
+        raise CapturePassError(
+            f"capturepass.release takes a model (torch.nn.Module) or the module torch.compile returned, "
+            f"got {type(obj).__name__}"
+        )
+    addresses = {t.data_ptr() for t in _static_tensors(module)} - {0}
+    released = 0
+    for executor in live_executors():
+        released += executor.release_addresses(addresses)
+    return released

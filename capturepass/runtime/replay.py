@@ -1,0 +1,329 @@
+"""One capture shape: the first call (warm-up and capture), and the replays after it.
+
+The first call of a shape *is* the warm-up: the program runs eagerly on the
+caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
+results are what the call returns; then every segment is captured into its own
+CUDA graph in the owner's private pool, on one capture stream, in the
+thread-local capture mode (``runtime.capture``). Capturing runs no kernel, and
+breaks (non-capturable ops) do not run again during the capture: the segments
+after a break are captured reading copies of the break's outputs from the
+warm-up. So a call's visible effects (a buffer bumped in place, a cache written
+at positions, a custom op's ``mutates_args``) happen once, the first call
+included.
+
+Later calls copy the values of non-static inputs into the capture's static
+input buffers and replay; breaks run eagerly between segment replays, reading
+the same buffers, their outputs copied into the next segment's staged buffers.
+Inputs the graph writes in place are written in the buffers, so they are copied
+back to the caller's tensors after the replay (static inputs, parameters and
+buffers of the module, are read and written in place: their addresses are part
+of the capture's key).
+
+A segment that reads a value its capture baked in but that changes at replay
+(a break's output of another shape or stride, or a host scalar such as a size
+or an ``.item()``) runs uncaptured from then on, and the log says so.
+
+Captures that are not a call (``capture_sizes``) warm up on copies of the
+inputs the graph writes, so that they leave no visible effect either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.errors import CapturePassError, ResourceError
+from capturepass.runtime import capture, context, pools
+from capturepass.runtime.owner import GraphOwner, HeldStorage
+from capturepass.runtime.program import Program
+from capturepass.runtime.workspaces import locked_for_capture
+
+log = logging.getLogger("capturepass")
+
+
+class CaptureFailure(Exception):
+    """A segment failed to capture; the capture was ended and discarded.
+
+    Attributes:
+        piece: the index of the failing piece.
+        error: what its capture raised.
+        outputs: the warm-up's results (the call's own results when the warm-up was the call).
+        env: values of every node the failing piece reads, for a probe (inputs the graph
+            writes replaced by copies).
+        device: the CUDA device.
+    """
+
+    def __init__(self, piece: int, error: BaseException, outputs: Any, env: dict[fx.Node, Any],
+                 device: torch.device) -> None:
+        super().__init__(f"capturing piece {piece} failed: {type(error).__name__}: {error}")
+        self.piece = piece
+        self.error = error
+        self.outputs = outputs
+        self.env = env
+        self.device = device
+
+
+class Capture:
+    """One capture shape: its owner, graphs and static buffers.
+
+    Args:
+        program: the program to capture.
+        owner: the owner of the graphs, pool and buffers.
+        static_outputs: return replayed outputs without copying them out of the pool.
+        written: input positions the graph writes in place.
+    """
+
+    def __init__(self, program: Program, owner: GraphOwner, static_outputs: bool, written: frozenset[int]) -> None:
+        self.program = program
+        self.owner = owner
+        self.static_outputs = static_outputs
+        self.written = written
+        self.eager_lanes = owner.lanes("eager")
+        self.eager = program.bind(owner, self.eager_lanes)
+        self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
+        self.input_nodes: list[tuple[fx.Node, torch.Tensor]] = []
+        self.copy_back: tuple[int, ...] = ()  # written inputs that have a buffer
+        self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, staged buffer)
+        self.seg_scalars: dict[int, list[tuple[fx.Node, Any]]] = {}  # piece -> (host value, as captured)
+        self.seg_out: dict[int, list[torch.Tensor]] = {}
+        self.uncaptured: set[int] = set()
+        self.snapshot: Snapshot | None = None
+
+    # -- the first call ---------------------------------------------------------------------------
+    def run(self, args: Sequence[Any], real: bool) -> Any:
+        """Warms up, then captures every segment; returns the warm-up's results.
+
+        Args:
+            args: the call's arguments.
+            real: the warm-up is the call itself (its effects are the call's); otherwise
+                it runs on copies of the inputs the graph writes.
+
+        Raises:
+            CaptureFailure: a segment failed to capture (not an error of capturepass's own).
+        """
+        program, owner = self.program, self.owner
+        device = owner.device
+        for i, (node, arg) in enumerate(zip(program.inputs, args)):
+            if isinstance(arg, torch.Tensor) and i not in program.static_inputs:
+                # Filled before the warm-up, which may write the caller's tensor.
+                buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
+                buf.copy_(arg)
+                self.inputs[i] = buf
+                self.input_nodes.append((node, buf))
+        self.copy_back = tuple(i for i in sorted(self.written) if i in self.inputs)
+        warm_args = list(args)
+        if not real:
+            for i in self.written:
+                if i < len(args) and isinstance(args[i], torch.Tensor):
+                    warm_args[i] = args[i].clone()
+        env = self.eager.initial_env(warm_args)
+        with context.running(owner):
+            for p in range(len(program.pieces)):
+                self.eager.run_piece(p, env)
+        out = self.eager.result(env)
+        torch.cuda.synchronize(device)
+        capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
+        self._capture(args, env, out)
+        torch.cuda.synchronize(device)
+        self.snapshot = Snapshot.of(self)
+        return out
+
+    def _capture(self, args: Sequence[Any], warm: dict[fx.Node, Any], out: Any) -> None:
+        program, owner = self.program, self.owner
+        device = owner.device
+        owner.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        owner.capture_stream = stream
+        # External joins run outside the graphs, around each segment's replay.
+        bound = program.bind(owner, owner.lanes("capture:0"), externals=False)
+        env = bound.initial_env(args)
+        for node, buf in self.input_nodes:
+            env[node] = buf
+        fresh: set[fx.Node] = set()  # values computed anew at every call outside the graphs
+        reason = f"capture of {owner.name}"
+        with context.running(owner), owner.workspaces.locked(reason), locked_for_capture(reason), \
+                pools.entered_for_capture(owner.name, stream):
+            for p, piece in enumerate(program.pieces):
+                if piece.kind == "break":
+                    for node in piece.live_out:
+                        env[node] = warm[node]  # the warm-up ran it: it does not run twice
+                    fresh.update(piece.live_out)
+                    self.uncaptured.add(p)
+                    continue
+                if not piece.has_kernels:
+                    # Only views and host scalar math: nothing to capture, no effect to repeat.
+                    bound.run_piece(p, env)
+                    fresh.update(piece.live_out)
+                    self.uncaptured.add(p)
+                    continue
+                staged, scalars = [], []
+                for node in piece.live_in:
+                    if node not in fresh:
+                        continue
+                    value = env[node]
+                    if isinstance(value, torch.Tensor):
+                        buf = value.clone()
+                        env[node] = buf
+                        staged.append((node, buf))
+                    else:
+                        scalars.append((node, value))
+                graph = torch.cuda.CUDAGraph()
+                owner.graphs[piece.segment] = graph
+                owner.capturing = piece.segment
+                try:
+                    with capture.segment(graph, owner.pool, stream, owner.streams):
+                        bound.run_piece(p, env)
+                except CapturePassError:
+                    owner.graphs.pop(piece.segment, None)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the capture failed: the executor decides
+                    owner.graphs.pop(piece.segment, None)
+                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device) from exc
+                finally:
+                    owner.capturing = None
+                self.seg_in[p] = staged
+                self.seg_scalars[p] = scalars
+                self.seg_out[p] = [env[n] for n in piece.live_out]
+
+    def _probe_env(self, warm: dict[fx.Node, Any], args: Sequence[Any]) -> dict[fx.Node, Any]:
+        env = dict(warm)
+        for i, node in enumerate(self.program.inputs):
+            if i in self.inputs:
+                env[node] = self.inputs[i]  # still the call's input values: nothing ran in the capture
+            elif i in self.written and i < len(args) and isinstance(args[i], torch.Tensor):
+                env[node] = args[i].clone()
+        return env
+
+    # -- replays ----------------------------------------------------------------------------------
+    def replay(self, args: Sequence[Any], check: bool = False) -> Any:
+        """Copies the inputs in, replays the segments (breaks in between), copies written inputs back."""
+        program = self.program
+        if check and self.snapshot is not None:
+            self.snapshot.check(self, args)
+        # Static inputs are where the capture saw them: their addresses are part of the key.
+        for i, buf in self.inputs.items():
+            arg = args[i]
+            if arg.data_ptr() != buf.data_ptr():
+                buf.copy_(arg)
+        env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
+        env.update(program.constants)
+        for node, buf in self.input_nodes:
+            env[node] = buf  # breaks read and write what the segments read and write
+        graphs = self.owner.graphs
+        with context.running(self.owner):
+            for p, piece in enumerate(program.pieces):
+                if piece.kind == "break" or p in self.uncaptured or not self._stage(p, piece, env):
+                    self.eager.run_piece(p, env)
+                    continue
+                joins = piece.external_joins
+                for name, into in joins:
+                    if into:
+                        self.eager_lanes.join_external(name, True)
+                graphs[piece.segment].replay()
+                for name, into in joins:
+                    if not into:
+                        self.eager_lanes.join_external(name, False)
+                for node, value in zip(piece.live_out, self.seg_out[p]):
+                    env[node] = value
+        for i in self.copy_back:
+            arg, buf = args[i], self.inputs[i]
+            if arg.data_ptr() != buf.data_ptr():
+                arg.copy_(buf)
+        env.update(zip(program.inputs, args))  # an input returned as is is the caller's tensor
+        out = self.eager.result(env)
+        if self.static_outputs:
+            return out
+        static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
+        return fx.node.map_aggregate(
+            out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
+        )
+
+    def _stage(self, p: int, piece: Any, env: dict[fx.Node, Any]) -> bool:
+        """Copies a segment's fresh inputs into its staged buffers; ``False`` if it must run uncaptured."""
+        staged = self.seg_in[p]
+        for node, buf in staged:
+            value = env[node]
+            if value.shape != buf.shape or value.stride() != buf.stride():
+                return self._fall_back(p, piece, f"reads %{node.name} with shape {tuple(value.shape)} and stride "
+                                       f"{value.stride()}, captured with {tuple(buf.shape)} and {buf.stride()}")
+        for node, captured in self.seg_scalars[p]:
+            if env[node] != captured:
+                return self._fall_back(p, piece, f"reads the host value %{node.name} = {env[node]!r}, captured "
+                                       f"with {captured!r}")
+        for node, buf in staged:
+            buf.copy_(env[node])
+        return True
+
+    def _fall_back(self, p: int, piece: Any, why: str) -> bool:
+        log.warning("capturepass: %s: segment %s %s; running the segment uncaptured from now on",
+                    self.owner.name, piece.segment, why)
+        self.uncaptured.add(p)
+        return False
+
+
+def _storage_of(obj: Any) -> tuple[int, int] | None:
+    if isinstance(obj, HeldStorage):
+        return obj.storage.data_ptr(), obj.storage.nbytes()
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+        st = obj.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    return None
+
+
+def _kind(obj: Any) -> str:
+    return obj.kind if isinstance(obj, HeldStorage) else type(obj).__name__
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """What a capture baked in: its input buffers' addresses and the storage of every retained tensor.
+
+    Static inputs need no entry: their addresses are part of the capture's key, so a call
+    whose parameters moved never replays this capture.
+    """
+
+    buffer_ptrs: dict[int, int]
+    retained: dict[int, list[tuple[int, str, tuple[int, int] | None]]]
+
+    @classmethod
+    def of(cls, cap: Any) -> "Snapshot":
+        retained = {
+            seg: [(id(o), _kind(o), _storage_of(o)) for o in objs]
+            for seg, objs in cap.owner.retained.items()
+        }
+        return cls({i: b.data_ptr() for i, b in cap.inputs.items()}, retained)
+
+    def check(self, cap: Any, args: Sequence[Any]) -> None:
+        """Raises :class:`ResourceError` naming the first buffer or retained object that moved."""
+        owner = cap.owner
+        names = [n.name for n in cap.program.inputs]
+        for i, ptr in self.buffer_ptrs.items():
+            if cap.inputs[i].data_ptr() != ptr:
+                raise ResourceError(
+                    f"check_replay: the static buffer of input {i} (%{names[i]}) of {owner.name} moved since capture"
+                )
+        for seg, entries in self.retained.items():
+            objs = owner.retained.get(seg, [])
+            if len(objs) != len(entries):
+                raise ResourceError(
+                    f"check_replay: segment {seg} of {owner.name} retained {len(entries)} object(s) at capture, "
+                    f"{len(objs)} now"
+                )
+            for k, (obj, (oid, tname, storage)) in enumerate(zip(objs, entries)):
+                if id(obj) != oid:
+                    raise ResourceError(
+                        f"check_replay: retained object {k} ({tname}) of segment {seg} of {owner.name} "
+                        "was replaced since capture"
+                    )
+                if _storage_of(obj) != storage:
+                    raise ResourceError(
+                        f"check_replay: retained {tname} {k} of segment {seg} of {owner.name} changed storage "
+                        f"since capture ({storage} -> {_storage_of(obj)}: resized or set_ to other memory); "
+                        "the graph still uses the old address"
+                    )
