@@ -63,11 +63,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from capturepass.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
-from capturepass.ir import analysis
 from capturepass.runtime import capture, context, lifetime, pools, profiling
 from capturepass.runtime.owner import GraphOwner
 from capturepass.runtime.program import Program
@@ -87,31 +85,10 @@ _warned_ops: set[str] = set()
 
 
 def mutated_inputs(program: Program) -> frozenset[int]:
-    """Placeholder positions the graph writes in place.
-
-    A position is written when its placeholder is the storage root of an argument that an
-    op's schema marks written (``alias_info.is_write``): the ``aten.copy_`` that AOT autograd
-    emits for every input mutation, and any mutating op left in the graph.
-    """
-    known = getattr(program.info, "mutated_inputs", None)
-    if known is not None:
-        return frozenset(known)
-    positions = {node: i for i, node in enumerate(program.inputs)}
-    graph = program.inputs[0].graph if program.inputs else None
-    written: set[int] = set()
-    for node in graph.nodes if graph is not None else ():
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None:
-            continue
-        for k, formal in enumerate(schema.arguments):
-            if formal.alias_info is None or not formal.alias_info.is_write:
-                continue
-            arg = node.args[k] if k < len(node.args) else node.kwargs.get(formal.name)
-            if isinstance(arg, fx.Node):
-                root = analysis.storage_root(arg)
-                if root in positions:
-                    written.add(positions[root])
-    return frozenset(written)
+    """Placeholder positions the graph writes (an input, a buffer or a view of one updated in
+    place; functionalization's write-back ``copy_``): ``GraphInfo.mutated_inputs``, which
+    ``annotate_capabilities`` reads from the ops' schemas (``capturepass.ir.effects``)."""
+    return program.info.mutated_inputs
 
 
 def _shape_key(args: Sequence[Any]) -> tuple:
