@@ -279,3 +279,18 @@ class LaneLayout:
         """The program index of the last node of lane number ``lane`` in ``segment`` (-1 if none)."""
         positions = self._by_lane.get((segment, lane))
         return positions[-1] if positions else -1
+
+
+def external_owners(gm: fx.GraphModule) -> set[fx.Node]:
+    """Inputs and constants whose storage a capture would bake in without owning it."""
+    gi = meta.graph_info(gm)
+    owners: set[fx.Node] = set()
+    index = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if index in gi.static_inputs:
+                owners.add(node)
+            index += 1
+        elif node.op == "get_attr":
+            owners.add(node)
+    return owners

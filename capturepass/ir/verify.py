@@ -538,9 +538,7 @@ class _Checker:
     def check_retention(self) -> None:
         if not self.gi.captured:
             return
-        from capturepass.passes.insert_retention import external_owners
-
-        external = external_owners(self.gm)
+        external = analysis.external_owners(self.gm)
         needed: dict[fx.Node, fx.Node] = {}
         resources: dict = {}
         retained: set = set()

@@ -28,24 +28,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from capturepass.ir import meta, ops
+from capturepass.ir import analysis, meta, ops
 from capturepass.ir.meta import MAIN_LANE, Effect
 from capturepass.passes.base import BOUND, RETAINED, SYNCED, Pass, PassContext
-
-
-def external_owners(gm: fx.GraphModule) -> set[fx.Node]:
-    """Inputs and constants whose storage a capture would bake in without owning it."""
-    gi = meta.graph_info(gm)
-    owners: set[fx.Node] = set()
-    index = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            if index in gi.static_inputs:
-                owners.add(node)
-            index += 1
-        elif node.op == "get_attr":
-            owners.add(node)
-    return owners
 
 
 class InsertRetention(Pass):
@@ -59,7 +44,7 @@ class InsertRetention(Pass):
         gi = meta.graph_info(gm)
         if not gi.captured:
             return
-        external = external_owners(gm)
+        external = analysis.external_owners(gm)
         values: list[fx.Node] = []
         resources: list = []
         seg = 0

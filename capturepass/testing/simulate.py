@@ -390,9 +390,7 @@ class _Plan:
         """Static inputs and constants read by a captured segment that does not retain them."""
         if not meta.graph_info(gm).captured:
             return set()
-        from capturepass.passes.insert_retention import external_owners
-
-        external = external_owners(gm)
+        external = analysis.external_owners(gm)
         out: set[fx.Node] = set()
         used: set[fx.Node] = set()
         retained: set[fx.Node] = set()
