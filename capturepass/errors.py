@@ -51,6 +51,13 @@ class ResourceError(CapturePassError):
     the message names the resource, the owner and the lane or slot at fault."""
 
 
+class TraceError(CapturePassError):
+    """A measured trace cannot be recorded (no CUDA, no capturepass graph ran, no kernels seen)."""
+
+
+class SimulationError(CapturePassError):
+    """The simulated program cannot finish (a deadlock) or cannot be simulated."""
+
 
 class DumpError(CapturePassError):
     """A dump (``graph.json`` and its folder) cannot be read back.

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.errors import CapturePassError
+
 try:
     from torch._dynamo.aot_compile_types import SerializableCallable
 except ImportError:  # pragma: no cover - torch without AOT compile: a plain base
@@ -160,7 +162,7 @@ class CapturePassFunction(SerializableCallable):  # type: ignore[misc]
 
         state = pickle.loads(data)
         if state.get("format") != FORMAT:
-            raise ValueError(f"capturepass: saved artifact has format {state.get('format')!r}, expected {FORMAT}")
+            raise CapturePassError(f"capturepass: saved artifact has format {state.get('format')!r}, expected {FORMAT}")
         fake_mode = FakeTensorMode(shape_env=ShapeEnv())
         gm = _load_graph(state["graph"], fake_mode)
         gm.recompile()

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from capturepass.errors import CapturePassError
+from capturepass.errors import TraceError
 PREFIX = "capturepass.trace/"
 FORMAT = "capturepass-measured/1"  # the measurement documents build_measurements makes
 # Profiler timestamps are microseconds with nanosecond digits; two kernels of one lane
@@ -25,10 +25,6 @@ _DEVICE_CATS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memse
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _RANGE_CATS = ("cpu_op", "user_annotation")
 _GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
-
-
-class TraceError(CapturePassError):
-    """A measured trace cannot be recorded (no CUDA, no capturepass graph ran, no kernels seen)."""
 
 
 # -- plain records ------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class Lanes(abc.ABC):
     def lease_handle(self, lease: LeaseId | None) -> int:
         """The integer handle of ``lease`` in this runtime (its event made on first use)."""
         if lease is None:
-            raise ValueError("an event without a lease cannot run (lease_events did not run)")
+            raise ResourceError("an event without a lease cannot run (lease_events did not run)")
         handle = self._handles.get(lease)
         if handle is None:
             handle = self._handles[lease] = self.new_event(lease.role)

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.errors import SimulationError
 from capturepass.ir import analysis, effects, meta
 from capturepass.ir.meta import Effect
 
@@ -80,10 +81,6 @@ def seeded_rng() -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0x5EED)
         yield
-
-
-class SimulationError(RuntimeError):
-    """The simulated program cannot finish (a deadlock) or cannot be simulated."""
 
 
 @dataclasses.dataclass(frozen=True, order=True)
