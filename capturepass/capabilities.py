@@ -63,11 +63,11 @@ import torch.fx as fx
 
 from capturepass.errors import CapabilityError, is_dynamo_signal
 from capturepass.ir import hops
-from capturepass.ir.meta import Capability
+from capturepass.ir.meta import Capability, Overlap
 
 log = logging.getLogger("capturepass")
 
-OVERLAP_CHOICES = ("safe", "join", "serialize")
+OVERLAP_CHOICES = tuple(level.value for level in Overlap)
 
 _SAFE_NAMESPACES = ("aten", "prims", "capturepass")
 # Ops that return a Python scalar read from tensor metadata, not from device memory.
@@ -220,7 +220,7 @@ class CapabilityRegistry:
         op: Any,
         *,
         capturable: bool = True,
-        overlap: OverlapSpec = "safe",
+        overlap: OverlapSpec = Overlap.SAFE,
         resources: tuple[str, ...] = (),
         monolithic: bool = False,
     ) -> None:
@@ -238,7 +238,8 @@ class CapabilityRegistry:
                 f"or a callable taking a CallInfo; got {overlap!r}"
             )
         with self._lock:
-            self._decls[name] = _Declaration(capturable, overlap, tuple(resources), monolithic)
+            level = overlap if callable(overlap) else Overlap(overlap)
+            self._decls[name] = _Declaration(capturable, level, tuple(resources), monolithic)
             self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
 
     def unregister(self, op: Any) -> None:
@@ -365,10 +366,10 @@ class CapabilityRegistry:
                 f"(node %{node.name}, shapes {call.shapes})"
             ) from exc
         cap = _to_capability(answer, name, decl)
-        if call.dynamic and cap.overlap != "serialize":
+        if call.dynamic and cap.overlap != Overlap.SERIALIZE:
             cap = dataclasses.replace(
                 cap,
-                overlap="serialize",
+                overlap=Overlap.SERIALIZE,
                 reason=f"{cap.reason}; serialized: the launch plan was asked at the traced sizes {call.shapes}, "
                 "but the shape is dynamic (compile with static shapes, or declare the overlap directly)",
             )
@@ -414,7 +415,7 @@ class CapabilityRegistry:
                 name,
                 name,
             )
-        return Capability(overlap="serialize", reason=f"undeclared custom op {name}", source="default")
+        return Capability(overlap=Overlap.SERIALIZE, reason=f"undeclared custom op {name}", source="default")
 
 
 # The default answer for most nodes: one shared record (records are frozen).
@@ -524,7 +525,7 @@ def _call_info(name: str, target: torch._ops.OpOverload, args: tuple, kwargs: Ma
     )
 
 
-_OVERLAP_RANK = {level: i for i, level in enumerate(OVERLAP_CHOICES)}
+_OVERLAP_RANK = {level: i for i, level in enumerate(Overlap)}
 
 
 def _combine(hop: str | None, inner: list[tuple[fx.Node, Capability]]) -> Capability:
@@ -542,7 +543,7 @@ def _combine(hop: str | None, inner: list[tuple[fx.Node, Capability]]) -> Capabi
         resources.extend(r for r in c.resources if r not in resources)
     resident = [c for _, c in inner if c.resident_grid]
     ctas = [c.ctas for c in resident if c.ctas is not None]
-    decisive = [(n, c) for n, c in inner if not c.capturable or c.overlap == overlap and overlap != "safe"]
+    decisive = [(n, c) for n, c in inner if not c.capturable or c.overlap == overlap and overlap != Overlap.SAFE]
     if decisive:
         n, c = decisive[0]
         reason, source = f"{hop} subgraph: %{n.name}: {c.reason}", c.source
@@ -599,11 +600,12 @@ def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:
         )
     if cap.overlap not in OVERLAP_CHOICES:
         raise CapabilityError(f"the launch-plan callable of {name} answered overlap={cap.overlap!r}")
-    if cap.resident_grid and not cap.barrier_free and cap.overlap != "serialize":
+    cap = dataclasses.replace(cap, overlap=Overlap(cap.overlap))
+    if cap.resident_grid and not cap.barrier_free and cap.overlap != Overlap.SERIALIZE:
         # A grid barrier waits for every CTA; work on another lane holding multiprocessors
         # can keep some from ever starting, also work started after the launch ("join").
         # Never overlap it, whatever the plan claimed.
-        cap = dataclasses.replace(cap, overlap="serialize", reason=f"{cap.reason}; grid barrier: serialized")
+        cap = dataclasses.replace(cap, overlap=Overlap.SERIALIZE, reason=f"{cap.reason}; grid barrier: serialized")
     return dataclasses.replace(cap, source="launch-plan", reason=cap.reason or "launch plan")
 
 
@@ -614,7 +616,7 @@ def register_capability(
     op: Any,
     *,
     capturable: bool = True,
-    overlap: OverlapSpec = "safe",
+    overlap: OverlapSpec = Overlap.SAFE,
     resources: tuple[str, ...] = (),
     monolithic: bool = False,
 ) -> None:
@@ -640,7 +642,7 @@ def register_capability(
 def capability(
     *,
     capturable: bool = True,
-    overlap: OverlapSpec = "safe",
+    overlap: OverlapSpec = Overlap.SAFE,
     resources: tuple[str, ...] = (),
     monolithic: bool = False,
 ) -> Callable[[Any], Any]:

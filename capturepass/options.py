@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from capturepass.errors import OptionError
+from capturepass.ir.meta import CaptureMode
 
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
-CUDAGRAPH_MODES = ("monolithic", "breakable", "none")
+CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
 
 DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
 VERIFY_ENV = "CAPTUREPASS_VERIFY"
@@ -157,11 +158,11 @@ class Options:
         if not isinstance(self.verify, bool):
             raise OptionError(f"option 'verify' must be True or False, got {self.verify!r}")
 
-    def resolved_cudagraphs(self, on_cuda: bool) -> str:
+    def resolved_cudagraphs(self, on_cuda: bool) -> CaptureMode:
         """The capture mode for a graph whose tensors live on CUDA (or not)."""
         if self.cudagraphs is not None:
-            return self.cudagraphs
-        return "monolithic" if on_cuda else "none"
+            return CaptureMode(self.cudagraphs)
+        return CaptureMode.MONOLITHIC if on_cuda else CaptureMode.NONE
 
     def key(self) -> str:
         """A stable digest of the options that change generated code."""

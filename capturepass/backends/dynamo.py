@@ -45,7 +45,7 @@ from capturepass.backends import inner as inner_compilers
 from capturepass.capabilities import REGISTRY
 from capturepass.errors import OptionError
 from capturepass.ir import meta
-from capturepass.ir.meta import Break, GraphInfo, OwnerId
+from capturepass.ir.meta import Break, BreakSource, CaptureMode, GraphInfo, OwnerId
 from capturepass.options import Options
 from capturepass.passes.base import PassContext
 from capturepass.passes.observer import Observer
@@ -178,7 +178,7 @@ def _aten_compiler(
     def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         graph_opts = opts
         if kind == "backward":
-            graph_opts = dataclasses.replace(opts, policy="off", cudagraphs="none")
+            graph_opts = dataclasses.replace(opts, policy="off", cudagraphs=CaptureMode.NONE)
         on_cuda = _on_cuda(example_inputs)
         with _lock:
             owner = OwnerId(next(_owner_ids))
@@ -190,7 +190,7 @@ def _aten_compiler(
                 cudagraphs=graph_opts.resolved_cudagraphs(on_cuda),
                 on_cuda=on_cuda,
                 static_inputs=_static_input_indices() if kind != "backward" else frozenset(),
-                breaks=tuple(Break(node="", reason=r, source="dynamo") for r in upstream),
+                breaks=tuple(Break(node="", reason=r, source=BreakSource.DYNAMO) for r in upstream),
                 external=graph_opts.external_streams,
             ),
         )
@@ -198,7 +198,7 @@ def _aten_compiler(
         if opts.dump_dir is not None:
             dump_dir = os.path.join(os.fspath(opts.dump_dir), f"{compile_id:03d}_{kind}")
         # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
-        pristine = _pristine_copy(gm) if graph_opts.resolved_cudagraphs(on_cuda) != "none" else None
+        pristine = _pristine_copy(gm) if graph_opts.resolved_cudagraphs(on_cuda) != CaptureMode.NONE else None
         examples = list(example_inputs)
 
         def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str]) -> tuple[Any, PassContext, Observer]:

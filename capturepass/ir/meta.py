@@ -47,11 +47,66 @@ class Effect(enum.Enum):
 SYNC_EFFECTS = frozenset({Effect.RECORD, Effect.WAIT})
 
 
-class EventRole(str, enum.Enum):
+class _StrEnum(str, enum.Enum):
+    """A closed set of names that prints, formats, reprs and serializes as its plain value.
+
+    Members compare equal to their values (``Overlap.SAFE == "safe"``), so records
+    read back from JSON and options given as strings need no conversion to be compared,
+    and messages and dumps read as before.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    # NOTE: Enum hashes a member by its name; a member must hash as the string it equals, or a
+    # dict keyed by one misses the other.
+    __hash__ = str.__hash__
+
+
+class EventRole(_StrEnum):
     """Why an event exists; the event pool keeps one free list per role."""
 
     FORK = "fork"  # recorded on the capture lane (main), waited on by an auxiliary lane
     JOIN = "join"  # recorded on an auxiliary lane, waited on by main or another auxiliary lane
+    IN = "in"  # a join_external into the main lane: main waits for an external stream
+    OUT = "out"  # a join_external out of the main lane: an external stream waits for main
+    EXTERNAL = "external"  # the pooled event of an external join
+
+
+class Overlap(_StrEnum):
+    """How an op may run beside work on other lanes (``Capability.overlap``)."""
+
+    SAFE = "safe"  # beside any other lane
+    JOIN = "join"  # other lanes' independent work first; every lane joined before it starts
+    SERIALIZE = "serialize"  # nothing beside it, before or after its start
+
+
+class CaptureMode(_StrEnum):
+    """How a graph's segments are captured (``GraphInfo.cudagraphs``)."""
+
+    MONOLITHIC = "monolithic"  # one CUDA graph for the whole graph
+    BREAKABLE = "breakable"  # one CUDA graph per segment, breaks run eagerly between them
+    NONE = "none"  # not captured
+
+
+class Stage(_StrEnum):
+    """Which graph a pass runs on."""
+
+    DYNAMO = "dynamo"  # Dynamo's torch-level graph, before AOT autograd
+    ATEN = "aten"  # the functional ATen graph
+
+
+class BreakSource(_StrEnum):
+    """Who cut the graph where a :class:`Break` is."""
+
+    PARTITION = "partition"  # a non-capturable op capturepass runs eagerly between segments
+    DYNAMO = "dynamo"  # a Dynamo graph break, before capturepass saw the graph
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -103,7 +158,7 @@ class LeaseId:
     """An event lease: a pooled event object, owned by exactly one graph owner."""
 
     owner: OwnerId
-    role: str
+    role: EventRole
     index: int
 
     def __str__(self) -> str:
@@ -149,7 +204,7 @@ class Capability:
     """
 
     capturable: bool = True
-    overlap: str = "safe"
+    overlap: Overlap = Overlap.SAFE
     reason: str = ""
     resources: tuple[str, ...] = ()
     source: str = "default"
@@ -187,7 +242,7 @@ class NodeInfo:
     capability: Capability | None = None
     cost: Cost | None = None
     event: EventId | None = None
-    role: str | None = None
+    role: EventRole | None = None
     lease: LeaseId | None = None
     owner: OwnerId | None = None
     segment: SegmentId | None = None
@@ -205,7 +260,7 @@ class Break:
 
     node: str
     reason: str
-    source: str = "partition"
+    source: BreakSource = BreakSource.PARTITION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +292,7 @@ class GraphInfo:
     name: str = "graph"
     owner: OwnerId = OwnerId(0)
     lanes: tuple[str, ...] = (MAIN_LANE_NAME,)
-    cudagraphs: str = "none"
+    cudagraphs: CaptureMode = CaptureMode.NONE
     on_cuda: bool = False
     static_inputs: frozenset[int] = frozenset()
     segments: tuple[SegmentId, ...] = ()
@@ -256,7 +311,7 @@ class GraphInfo:
     @property
     def captured(self) -> bool:
         """Whether segments become CUDA graphs."""
-        return self.cudagraphs != "none"
+        return self.cudagraphs != CaptureMode.NONE
 
 
 _DEFAULT_INFO = NodeInfo()

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.fx.node import has_side_effect
 
 from capturepass.ir import meta
-from capturepass.ir.meta import MAIN_LANE, Effect, EventId, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId
 
 _lib = torch.library.Library("capturepass", "FRAGMENT")
 _lib.define("record(int event, int lane) -> ()")
@@ -51,7 +51,7 @@ CAPTUREPASS_OPS = frozenset({record, wait, release, retain, join_external})
 
 
 def insert_record(
-    graph: fx.Graph, after: fx.Node, lane: LaneId, event: EventId, role: str, by: str, why: str
+    graph: fx.Graph, after: fx.Node, lane: LaneId, event: EventId, role: EventRole, by: str, why: str
 ) -> fx.Node:
     """Inserts ``capturepass.record`` of ``event`` on ``lane`` right after ``after``."""
     with graph.inserting_after(after):
@@ -61,7 +61,7 @@ def insert_record(
 
 
 def insert_wait(
-    graph: fx.Graph, before: fx.Node, lane: LaneId, event: EventId, role: str, by: str, why: str
+    graph: fx.Graph, before: fx.Node, lane: LaneId, event: EventId, role: EventRole, by: str, why: str
 ) -> fx.Node:
     """Inserts ``capturepass.wait`` of ``event`` on ``lane`` right before ``before``."""
     with graph.inserting_before(before):
@@ -98,7 +98,7 @@ def insert_join_external(
     with graph.inserting_before(before):
         node = graph.call_function(join_external, (stream, MAIN_LANE.index, into))
     meta.create(node, by, effect=Effect.EXTERNAL, lane=MAIN_LANE, external=name,
-                role="in" if into else "out", why=why)
+                role=EventRole.IN if into else EventRole.OUT, why=why)
     return node
 
 

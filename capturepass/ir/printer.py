@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.ir import effects, meta
-from capturepass.ir.meta import Effect, GraphInfo, NodeInfo
+from capturepass.ir.meta import BreakSource, Effect, GraphInfo, NodeInfo, Overlap
 
 _POINTER = re.compile(r"0x[0-9a-fA-F]+")
 
@@ -160,7 +160,7 @@ def node_attrs(node: fx.Node, gi: GraphInfo, canon: _Canon, settings: PrintSetti
     if settings.capability and cap is not None:
         if not cap.capturable:
             attrs.append("capturable=no")
-        if cap.overlap != "safe":
+        if cap.overlap != Overlap.SAFE:
             attrs.append(f"overlap={cap.overlap}")
         if cap.monolithic:
             attrs.append("monolithic")
@@ -235,7 +235,7 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
             current_segment = None
         lines.append(indent + _POINTER.sub("0x?", format_node(node, gi, canon, settings)))
     for brk in gi.breaks:
-        if brk.source != "partition":
+        if brk.source != BreakSource.PARTITION:
             lines.append(f"# {brk.source} break: {brk.reason}")
     for line in gi.decisions:
         lines.append(f"# decision: {line}")

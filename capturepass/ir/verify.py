@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from capturepass.errors import VerificationError
 from capturepass.ir import analysis, effects, meta, printer
-from capturepass.ir.meta import MAIN_LANE, Effect, EventId, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId, Overlap
 
 CONTEXT_LINES = 5
 
@@ -226,7 +226,7 @@ class _Checker:
             if eff is not Effect.COMPUTE:
                 continue
             cap = rec.capability
-            serializes = cap is not None and cap.overlap != "safe"
+            serializes = cap is not None and cap.overlap != Overlap.SAFE
             if synced:
                 li = lane.index
                 if li != 0 and li not in forked:
@@ -250,7 +250,7 @@ class _Checker:
                         if count[other] > clock[li][other]:
                             raise fail(
                                 self.gm, "serialize", node,
-                                ("is serialized" if cap.overlap == "serialize" else "must start with every lane joined")
+                                ("is serialized" if cap.overlap == Overlap.SERIALIZE else "must start with every lane joined")
                                 + f" ({cap.reason}) but lane s{other} may still be running work issued before it",
                             )
             self.issue(lane, node)
@@ -258,7 +258,7 @@ class _Checker:
             if synced:
                 if self.written:
                     self.note_storage(node, lane)
-                if serializes and cap.overlap == "serialize":  # "join": lanes may resume beside it
+                if serializes and cap.overlap == Overlap.SERIALIZE:  # JOIN: lanes may resume beside it
                     barrier = (count[0], node)
                 self.check_frees(node, frees, order)
         if "leased" in props:
@@ -397,7 +397,7 @@ class _Checker:
             )
         if lane != MAIN_LANE:
             raise fail(self.gm, "external-join", node, f"joins external stream {name!r} on {lane}; joins run on s0")
-        if rec.role == "in":
+        if rec.role == EventRole.IN:
             if seg_work:
                 raise fail(
                     self.gm, "external-join", node,
@@ -651,7 +651,7 @@ class _Checker:
 
 def cap_serializes(rec: meta.NodeInfo) -> bool:
     """Whether a node's capability makes it a barrier for later work on other lanes."""
-    return rec.capability is not None and rec.capability.overlap == "serialize"
+    return rec.capability is not None and rec.capability.overlap == Overlap.SERIALIZE
 
 
 def verify(gm: fx.GraphModule, properties: Iterable[str] | None = None) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.hints import HINT_KEY
+from capturepass.ir.meta import Stage
 from capturepass.passes.base import HINTS, Pass, PassContext
 
 
@@ -67,7 +68,7 @@ class AbsorbStreams(Pass):
     """Turns Dynamo stream annotations into lane hints and strips them."""
 
     name = "absorb_streams"
-    stage = "dynamo"
+    stage = Stage.DYNAMO
     ensures = ()
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:

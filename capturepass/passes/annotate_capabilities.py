@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.ir import analysis, cost, effects, meta
+from capturepass.ir.meta import Overlap
 from capturepass.passes.base import CAPABILITIES, HINTS, Pass, PassContext
 
 
@@ -73,7 +74,7 @@ class AnnotateCapabilities(Pass):
             meta.update(node, self.name, capability=cap, cost=estimator.estimate(node, alias))
             if not cap.capturable:
                 ctx.count(self.name, "not_capturable")
-            if cap.overlap != "safe":
+            if cap.overlap != Overlap.SAFE:
                 ctx.count(self.name, "serialized")
         mutated = effects.mutated_inputs(gm)
         if mutated:

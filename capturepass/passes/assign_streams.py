@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from capturepass.errors import CapturePassError
 from capturepass.ir import analysis, cost, effects, meta
-from capturepass.ir.meta import MAIN_LANE, LaneId
+from capturepass.ir.meta import MAIN_LANE, CaptureMode, LaneId, Overlap
 from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
 
 log = logging.getLogger("capturepass")
@@ -51,7 +51,7 @@ SYNC_PENALTY_S = 3e-6
 
 def _pinned_to_main(node: fx.Node) -> bool:
     cap = meta.info(node).capability
-    return cap is not None and (not cap.capturable or cap.overlap != "safe")
+    return cap is not None and (not cap.capturable or cap.overlap != Overlap.SAFE)
 
 
 def _is_free(node: fx.Node) -> bool:
@@ -119,8 +119,8 @@ class AssignStreams(Pass):
         lane_names = [lane_names[i] for i in keep]
 
         mode = meta.graph_info(gm).cudagraphs
-        breaks = [n for n in nodes if not meta.info(n).capability.capturable] if mode != "none" else []
-        whole = [n for n in nodes if meta.info(n).capability.monolithic] if mode != "none" else []
+        breaks = [n for n in nodes if not meta.info(n).capability.capturable] if mode != CaptureMode.NONE else []
+        whole = [n for n in nodes if meta.info(n).capability.monolithic] if mode != CaptureMode.NONE else []
         if whole and breaks:
             first, brk = whole[0], breaks[0]
             raise CapturePassError(
@@ -129,15 +129,15 @@ class AssignStreams(Pass):
                 f"graph can only be captured breakable (cudagraphs={mode!r}); make %{brk.name}'s op capturable, "
                 "move it out of the compiled region, or compile with cudagraphs='none'"
             )
-        if whole and mode == "breakable":
+        if whole and mode == CaptureMode.BREAKABLE:
             msg = (
                 f"cudagraphs=breakable switched to monolithic: %{whole[0].name} requires the whole forward "
                 "in one CUDA graph (and the graph has no break)"
             )
             log.info("capturepass: %s", msg)
             meta.add_decision(gm, msg)
-            mode = "monolithic"
-        if breaks and mode == "monolithic":
+            mode = CaptureMode.MONOLITHIC
+        if breaks and mode == CaptureMode.MONOLITHIC:
             first = breaks[0]
             msg = (
                 f"cudagraphs=monolithic switched to breakable: %{first.name} is not capturable "
@@ -145,7 +145,7 @@ class AssignStreams(Pass):
             )
             log.warning("capturepass: %s", msg)
             meta.add_decision(gm, msg)
-            mode = "breakable"
+            mode = CaptureMode.BREAKABLE
         meta.update_graph(gm, lanes=tuple(lane_names), cudagraphs=mode)
 
         brk_set = set(breaks)
@@ -176,12 +176,12 @@ class AssignStreams(Pass):
         gated = [
             n for n in gm.graph.nodes
             if meta.effect_of(n) is meta.Effect.COMPUTE and meta.info(n).capability is not None
-            and (meta.info(n).capability.overlap != "safe" or meta.info(n).capability.resident_grid)
+            and (meta.info(n).capability.overlap != Overlap.SAFE or meta.info(n).capability.resident_grid)
         ]
         has_effects = bool(gated) and effects.has_effects(gm.graph)
         for launch in gated:
             cap = meta.info(launch).capability
-            if cap.overlap == "serialize":
+            if cap.overlap == Overlap.SERIALIZE:
                 meta.add_decision(gm, f"%{launch.name}: {cap.reason}: serialized, no other lane runs beside it")
                 continue
             later: list[fx.Node] = []
@@ -221,7 +221,7 @@ class AssignStreams(Pass):
             names = ", ".join(f"%{n.name}" for n in moved[:6]) + (", ..." if len(moved) > 6 else "")
             what = f"enqueued {len(moved)} node(s) of other lanes before it ({names})" if moved else (
                 "nothing on other lanes to enqueue before it")
-            if cap.overlap == "join":
+            if cap.overlap == Overlap.JOIN:
                 meta.add_decision(gm, f"%{launch.name}: {cap.reason}: joined; {what}; every lane joins before it starts")
             else:
                 meta.add_decision(gm, f"%{launch.name}: {cap.reason}: may overlap; {what}")
@@ -267,7 +267,7 @@ class AssignStreams(Pass):
                 # beside a serialized one, while other lanes may resume beside a joined one.
                 start = max([ready.get(lane, 0.0) for lane in ready] + [finish[p] for p in preds] + [0.0])
                 end = start + t
-                joined = meta.info(node).capability.overlap == "join"
+                joined = meta.info(node).capability.overlap == Overlap.JOIN
                 for lane in list(ready) + [MAIN_LANE]:
                     ready[lane] = end if not joined or lane == MAIN_LANE else start
                 finish[node], where[node] = end, MAIN_LANE

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch.fx as fx
 
+from capturepass.ir.meta import Stage
+
 if TYPE_CHECKING:
     from capturepass.capabilities import CapabilityRegistry
     from capturepass.options import Options
@@ -77,7 +79,7 @@ class Pass:
     """Base class of every capturepass pass."""
 
     name: ClassVar[str] = ""
-    stage: ClassVar[str] = "aten"
+    stage: ClassVar[Stage] = Stage.ATEN
     requires: ClassVar[tuple[str, ...]] = ()
     ensures: ClassVar[tuple[str, ...]] = ()
 

@@ -56,7 +56,7 @@ import dataclasses
 import torch.fx as fx
 
 from capturepass.ir import analysis, effects, meta, ops
-from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId, Overlap
 from capturepass.passes.base import LANES, SYNCED, Pass, PassContext
 
 Clock = tuple[int, ...]
@@ -129,12 +129,12 @@ class _Walker:
         role = EventRole.FORK if point.lane == MAIN_LANE else EventRole.JOIN
         if point.after is not None:
             anchor = point.after
-            ops.insert_record(self.graph, anchor, point.lane, event, role.value, self.by, why)
+            ops.insert_record(self.graph, anchor, point.lane, event, role, self.by, why)
         else:
             assert point.before is not None
             with self.graph.inserting_before(point.before):
                 node = self.graph.call_function(ops.record, (event.index, point.lane.index))
-            meta.create(node, self.by, effect=Effect.RECORD, lane=point.lane, event=event, role=role.value, why=why)
+            meta.create(node, self.by, effect=Effect.RECORD, lane=point.lane, event=event, role=role, why=why)
         self.records[key] = event
         self.ctx.count(self.by, "records")
         return event
@@ -154,7 +154,7 @@ class _Walker:
             point = self.point(a, s)
             event = self._record(point, why)
             role = EventRole.FORK if a == MAIN_LANE.index else EventRole.JOIN
-            ops.insert_wait(self.graph, before, lane, event, role.value, self.by, why)
+            ops.insert_wait(self.graph, before, lane, event, role, self.by, why)
             self.ctx.count(self.by, "waits")
             mine = self.clock[li]
             for i, v in enumerate(point.clock):
@@ -243,14 +243,14 @@ class InsertSyncs(Pass):
                     _need(need, 0, seg_start.seq, seg_start.label)
                 if barrier is not None:
                     _need(need, 0, barrier[0], barrier[1])
-            serialize = rec.capability is not None and rec.capability.overlap != "safe"
+            serialize = rec.capability is not None and rec.capability.overlap != Overlap.SAFE
             if serialize:
                 for other in range(1, w.nlanes):
                     if w.count[other] > w.clock[lane.index][other]:
                         _need(need, other, w.count[other], f"{rec.capability.overlap} %{node.name}")
             w.require(lane, need, node)
             w.issue(lane, node)
-            if serialize and rec.capability.overlap == "serialize":
+            if serialize and rec.capability.overlap == Overlap.SERIALIZE:
                 # "join" stops here: lanes may run beside the launch once it has started.
                 barrier = (w.count[0], f"serialize %{node.name}")
             releases.after(w, node, i, self.name)

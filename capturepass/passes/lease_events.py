@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from capturepass.errors import VerificationError
 from capturepass.ir import meta
-from capturepass.ir.meta import Effect, EventId, LeaseId
+from capturepass.ir.meta import Effect, EventId, EventRole, LeaseId
 from capturepass.passes.base import LEASED, SYNCED, Pass, PassContext
 
 
@@ -40,13 +40,13 @@ class LeaseEvents(Pass):
         nodes = list(gm.graph.nodes)
         record_at: dict[EventId, int] = {}
         last_wait: dict[EventId, int] = {}
-        role_of: dict[EventId, str] = {}
+        role_of: dict[EventId, EventRole] = {}
         syncs: list[fx.Node] = []  # the records and waits, in program order
         for i, node in enumerate(nodes):
             rec = meta.info(node)
             if rec.effect is Effect.RECORD:
                 record_at[rec.event] = i
-                role_of[rec.event] = rec.role or "fork"
+                role_of[rec.event] = rec.role or EventRole.FORK
                 syncs.append(node)
             elif rec.effect is Effect.WAIT:
                 last_wait[rec.event] = i

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from capturepass.ir import meta, verify
-from capturepass.ir.meta import Break, Effect, SegmentId
+from capturepass.ir.meta import Break, BreakSource, Effect, SegmentId
 from capturepass.passes.base import PARTITIONED, RETAINED, SYNCED, Pass, PassContext
 
 
@@ -44,7 +44,7 @@ class Partition(Pass):
         gi = meta.graph_info(gm)
         owner = gi.owner
         segments: list[SegmentId] = []
-        breaks = [b for b in gi.breaks if b.source != "partition"]
+        breaks = [b for b in gi.breaks if b.source != BreakSource.PARTITION]
         current: SegmentId | None = None
         for node in gm.graph.nodes:
             rec = meta.record_of(node)

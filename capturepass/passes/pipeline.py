@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from capturepass.errors import PipelineError
+from capturepass.ir.meta import Stage
 from capturepass.passes.absorb_streams import AbsorbStreams
 from capturepass.passes.annotate_capabilities import AnnotateCapabilities
 from capturepass.passes.assign_streams import AssignStreams
@@ -39,7 +40,7 @@ PIPELINE: tuple[type[Pass], ...] = (
     Emit,
 )
 
-STAGES = ("dynamo", "aten")
+STAGES = tuple(Stage)
 
 
 def build_pipeline(passes: Sequence[Pass], disabled: Iterable[str] = ()) -> list[Pass]:

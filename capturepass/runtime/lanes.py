@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from capturepass.errors import ResourceError
-from capturepass.ir.meta import LeaseId
+from capturepass.ir.meta import EventRole, LeaseId
 from capturepass.runtime import external
 from capturepass.runtime.events import POOL, EventPool
 
@@ -164,7 +164,7 @@ class CudaLanes(Lanes):
             )
         event = self._external.get((name, into))
         if event is None:
-            event = self._external[(name, into)] = self.pool.acquire(self.owner, self.scope, "external")
+            event = self._external[(name, into)] = self.pool.acquire(self.owner, self.scope, EventRole.EXTERNAL)
         if into:
             event.record(ext)
             main.wait_event(event)

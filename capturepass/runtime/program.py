@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.ir import meta
-from capturepass.ir.meta import GraphInfo, LaneId
+from capturepass.ir.meta import EventRole, GraphInfo, LaneId
 from capturepass.runtime import context
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Piece:
     def external_joins(self) -> tuple[tuple[str, bool], ...]:
         """``(stream name, into)`` of the piece's external joins, in program order (computed once:
         the runtime asks at every replay)."""
-        return tuple((meta.info(s.payload).external, meta.info(s.payload).role == "in")
+        return tuple((meta.info(s.payload).external, meta.info(s.payload).role == EventRole.IN)
                      for s in self.steps if s.kind == "external")
 
     @property
@@ -273,7 +273,7 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             graph.call_function(lanes.release, tuple(env[a] for a in node.all_input_nodes))
         elif step.kind == "external":
             if externals:
-                graph.call_function(lanes.join_external, (rec.external, rec.role == "in"))
+                graph.call_function(lanes.join_external, (rec.external, rec.role == EventRole.IN))
         elif step.kind == "retain":
             seg = rec.segment.index if rec.segment is not None else -1
             handles = tuple(owner.resource_handle(r) for r in rec.resources)

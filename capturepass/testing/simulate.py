@@ -58,7 +58,7 @@ import torch.fx as fx
 
 from capturepass.errors import SimulationError
 from capturepass.ir import analysis, effects, meta
-from capturepass.ir.meta import Effect
+from capturepass.ir.meta import Effect, Overlap
 
 __all__ = ["Race", "SimResult", "SimulationError", "Report", "serial", "simulate", "explore", "same", "seeded_rng"]
 
@@ -765,11 +765,11 @@ class _Sim:
             if s_acc.lane != acc.lane and not _Memory._before(s_acc, clock) and not _Memory._before(acc, s_clock):
                 self.mem._race(s_acc, acc, -1, "serialize")
         cap = meta.info(node).capability
-        if cap is not None and cap.overlap != "safe":
+        if cap is not None and cap.overlap != Overlap.SAFE:
             for other in self.executed:
                 if other.lane != acc.lane and not _Memory._before(other, clock):
                     self.mem._race(other, acc, -1, cap.overlap)
-            if cap.overlap == "serialize":
+            if cap.overlap == Overlap.SERIALIZE:
                 self.serialized.append((acc, list(clock)))
         self.executed.append(acc)
 
