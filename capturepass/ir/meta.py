@@ -102,6 +102,25 @@ class Stage(_StrEnum):
     ATEN = "aten"  # the functional ATen graph
 
 
+class Property(_StrEnum):
+    """A named IR property: what holds of the graph from the pass that ensures it on.
+
+    Passes declare which they ``require`` and ``ensure``; the pipeline checks the order when
+    it is built, and the verifier checks each rule once its property is established.
+    """
+
+    HINTS = "hints"  # user and Dynamo lane hints are typed metadata
+    CAPABILITIES = "capabilities"  # every compute node has a capability and a cost
+    LANES = "lanes"  # every compute node has a lane; breaks are marked
+    SYNCED = "synced"  # every cross-lane dependency is ordered by a record/wait pair
+    LEASED = "leased"  # every event has a lease of its owner
+    BOUND = "bound"  # owner-bound resources are bound to owner and lane
+    RETAINED = "retained"  # captured segments retain their storage owners
+    PARTITIONED = "partitioned"  # nodes carry segment ids; breaks have reasons
+    VERIFIED = "verified"  # all of the above, checked together
+    EMITTED = "emitted"  # the plan exists; the graph is not changed after this
+
+
 class BreakSource(_StrEnum):
     """Who cut the graph where a :class:`Break` is."""
 
@@ -298,7 +317,7 @@ class GraphInfo:
     segments: tuple[SegmentId, ...] = ()
     breaks: tuple[Break, ...] = ()
     decisions: tuple[str, ...] = ()
-    properties: frozenset[str] = frozenset()
+    properties: frozenset[Property] = frozenset()
     external: tuple[tuple[str, str], ...] = ()
     mutated_inputs: frozenset[int] = frozenset()
 

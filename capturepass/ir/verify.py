@@ -45,7 +45,7 @@ import torch.fx as fx
 
 from capturepass.errors import VerificationError
 from capturepass.ir import analysis, effects, meta, printer
-from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId, Overlap
+from capturepass.ir.meta import MAIN_LANE, Effect, EventId, EventRole, LaneId, Overlap, Property
 
 CONTEXT_LINES = 5
 
@@ -147,8 +147,8 @@ class _Checker:
 
     def run(self) -> None:
         props = self.props
-        synced = "synced" in props
-        lanes = "lanes" in props
+        synced = Property.SYNCED in props
+        lanes = Property.LANES in props
         nodes = self.nodes
         self.layout = analysis.LaneLayout(nodes, self.recs)
         order = self.layout.order
@@ -261,11 +261,11 @@ class _Checker:
                 if serializes and cap.overlap == Overlap.SERIALIZE:  # JOIN: lanes may resume beside it
                     barrier = (count[0], node)
                 self.check_frees(node, frees, order)
-        if "leased" in props:
+        if Property.LEASED in props:
             self.check_leases()
-        if "retained" in props:
+        if Property.RETAINED in props:
             self.check_retention()
-        if "partitioned" in props:
+        if Property.PARTITIONED in props:
             self.check_segments()
 
     def run_joins(self) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch.fx as fx
 
-from capturepass.ir.meta import Stage
+from capturepass.ir.meta import Property, Stage
 
 if TYPE_CHECKING:
     from capturepass.capabilities import CapabilityRegistry
@@ -32,19 +32,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("capturepass")
 
-# Named IR properties, in the order the pipeline establishes them.
-HINTS = "hints"  # user and Dynamo lane hints are typed metadata
-CAPABILITIES = "capabilities"  # every compute node has a capability and a cost
-LANES = "lanes"  # every compute node has a lane; breaks are marked
-SYNCED = "synced"  # every cross-lane dependency is ordered by a record/wait pair
-LEASED = "leased"  # every event has a lease of its owner
-BOUND = "bound"  # owner-bound resources are bound to owner and lane
-RETAINED = "retained"  # captured segments retain their storage owners
-PARTITIONED = "partitioned"  # nodes carry segment ids; breaks have reasons
-VERIFIED = "verified"
-EMITTED = "emitted"
+# Named IR properties (``capturepass.ir.meta.Property``), in the order the pipeline establishes them.
+HINTS = Property.HINTS
+CAPABILITIES = Property.CAPABILITIES
+LANES = Property.LANES
+SYNCED = Property.SYNCED
+LEASED = Property.LEASED
+BOUND = Property.BOUND
+RETAINED = Property.RETAINED
+PARTITIONED = Property.PARTITIONED
+VERIFIED = Property.VERIFIED
+EMITTED = Property.EMITTED
 
-ALL_PROPERTIES = (HINTS, CAPABILITIES, LANES, SYNCED, LEASED, BOUND, RETAINED, PARTITIONED, VERIFIED, EMITTED)
+ALL_PROPERTIES = tuple(Property)
 
 
 @dataclasses.dataclass
