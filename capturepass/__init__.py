@@ -46,7 +46,7 @@ from capturepass.runtime.pools import ChannelKey, ResourcePool, register_pool, r
 from capturepass.runtime.profiling import profiling_capture
 from capturepass.runtime.resources import retain, suspend_retention, weak_ref, workspace
 from capturepass.runtime.workspaces import Workspaces
-from capturepass.vllm_plugin import post_grad_pass
+from capturepass.backends.vllm.plugin import post_grad_pass
 
 from capturepass import logs as _logs
 
@@ -56,9 +56,9 @@ _logs.register()
 def backend(gm, example_inputs, options=None, mode=None):
     """The backend under a qualified name, for vLLM's ``compilation_config={"backend": "capturepass.backend"}``.
 
-    See :func:`capturepass.vllm_plugin.backend`.
+    See :func:`capturepass.backends.vllm.plugin.backend`.
     """
-    from capturepass.vllm_plugin import backend as vllm_backend
+    from capturepass.backends.vllm.plugin import backend as vllm_backend
 
     return vllm_backend(gm, example_inputs, options, mode)
 

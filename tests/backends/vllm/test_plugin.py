@@ -12,7 +12,7 @@ import torch
 from torch._dynamo.backends import registry
 
 import capturepass
-from capturepass import vllm_plugin
+from capturepass.backends.vllm import plugin as vllm_plugin
 from capturepass.backends import dynamo
 from capturepass.errors import OptionError
 from capturepass.options import Options
@@ -41,7 +41,7 @@ def test_top_level_names_vllm_resolves():
 
 
 def test_import_capturepass_stays_light():
-    code = "import sys, capturepass; print(sorted(m for m in ('vllm', 'capturepass.vllm_compiled') if m in sys.modules))"
+    code = "import sys, capturepass; print(sorted(m for m in ('vllm', 'capturepass.backends.vllm.compiled') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

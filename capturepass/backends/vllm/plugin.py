@@ -1,4 +1,4 @@
-"""vLLM integration: the general plugin, the backend route and the pass route.
+"""vLLM's general plugin, the backend route and the pass route.
 
 Nothing here imports vLLM at import time, and nothing touches a device: this
 module is imported by ``import capturepass`` (for ``capturepass.backend`` and
@@ -12,7 +12,7 @@ Routes (docs/vllm.md):
   ``vllm.general_plugins`` entry point) or ``"capturepass.backend"`` (a
   qualified name vLLM imports, no plugin needed). Both compile with
   :func:`backend`, which returns a
-  :class:`~capturepass.vllm_compiled.CapturePassFunction`: a
+  :class:`~capturepass.backends.vllm.compiled.CapturePassFunction`: a
   ``SerializableCallable`` that vLLM's AOT compile saves and loads.
 - pass: ``compilation_config={"inductor_passes": {"post_grad_custom_post_pass":
   "capturepass.post_grad_pass"}}`` in vLLM's own mode (``VLLM_COMPILE``):
@@ -77,11 +77,11 @@ def backend(gm: Any, example_inputs: list[Any], options: dict[str, Any] | None =
     """The capturepass backend for vLLM (``"capturepass"`` with the plugin, or ``"capturepass.backend"``).
 
     Compiles like ``torch.compile(backend="capturepass")`` and returns a
-    :class:`~capturepass.vllm_compiled.CapturePassFunction`, which vLLM's AOT
+    :class:`~capturepass.backends.vllm.compiled.CapturePassFunction`, which vLLM's AOT
     compile serializes (the Dynamo graph and the options) and loads on a warm
     restart (``finalize_loading`` compiles the loaded graph again).
     """
-    from capturepass.vllm_compiled import CapturePassFunction
+    from capturepass.backends.vllm.compiled import CapturePassFunction
 
     return CapturePassFunction.compile(gm, example_inputs, options, mode)
 
