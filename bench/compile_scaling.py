@@ -31,7 +31,7 @@ time of each pass, and the ratio t(largest)/t(next largest).
 
 Part 2 compiles ``capturepass.testing.models.MoEBlock()`` (small, CPU) with
 ``backend="capturepass"`` and with ``backend="inductor"``, and compares the
-capturepass passes (all but ``emit``, from the observer's timings) with the
+capturepass passes (all but ``emit``, from the driver's timings) with the
 whole Inductor compile (first call, minus an eager call), cold (a fresh
 Inductor cache directory) and warm (a second compile on the same cache).
 """
@@ -52,14 +52,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from capturepass.capabilities import REGISTRY
-from capturepass.hints import HINT_KEY
+from capturepass.backends.compile import compile_graph
 from capturepass.ir import meta
-from capturepass.ir.meta import GraphInfo, OwnerId
-from capturepass.options import Options
-from capturepass.passes.base import PassContext
-from capturepass.passes.observer import Observer
-from capturepass.passes.pipeline import default_pipeline
+from capturepass.ir.meta import HINT_KEY, GraphInfo, OwnerId
+from capturepass.ir.options import Options
 
 aten = torch.ops.aten
 
@@ -205,23 +201,17 @@ def build_graph(n_nodes: int, shape: str = "layers", **kwargs) -> fx.GraphModule
     return fresh_copy(*build_template(shape, n_nodes, **kwargs))
 
 
-def aten_passes(upto: str = "verify") -> list:
-    passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
-    names = [p.name for p in passes]
-    return passes[: names.index(upto) + 1]
-
-
 def run_pipeline(gm: fx.GraphModule) -> tuple[float, float, dict[str, float]]:
-    """Runs the ATen passes through ``verify``; returns (seconds, CPU seconds, seconds per pass)."""
-    ctx = PassContext(options=Options.from_mapping({"policy": "auto", "inner": "eager"}), registry=REGISTRY)
-    observer = Observer(verify_each=False)
-    passes = aten_passes()
+    """Runs the ATen passes through ``verify`` with the compile driver; returns (seconds, CPU
+    seconds, seconds per pass)."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    options = Options.from_mapping({"policy": "auto", "inner": "eager"})
     gc.collect()
     cpu = time.process_time()
     start = time.perf_counter()
-    observer.run(passes, gm, ctx)
+    compiled = compile_graph(gm, vals, options, upto="verify", verify=False, record=False)
     total = time.perf_counter() - start
-    return total, time.process_time() - cpu, dict(observer.timings)
+    return total, time.process_time() - cpu, dict(compiled.timings)
 
 
 def scaling(shape: str, sizes: Sequence[int], repeat: int, hint_fraction: float, breaks_every: int) -> list[dict]:
@@ -301,7 +291,7 @@ def _fresh_cache_dir():
 
 
 def moe_ratio(repeat: int, tokens: int) -> dict:
-    from capturepass.backends.dynamo import last_compiled
+    from capturepass.backends.compile import last_compiled
     from capturepass.testing.models import MoEBlock
 
     torch.manual_seed(0)

@@ -155,7 +155,7 @@ def measure(name: str, t: int, iters: int) -> dict:
     res["compile_s_capturepass"] = time.perf_counter() - t0
     res["err"]["capturepass"] = relerr(out, ref)
     res["ms"]["capturepass"] = timed(lambda: cp(*inputs), iters)
-    from capturepass.backends.dynamo import last_compiled
+    from capturepass.backends.compile import last_compiled
 
     compiled = [c for c in last_compiled() if c.executor is not None][-1]
     ex = compiled.executor

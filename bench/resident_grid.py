@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import capturepass  # noqa: E402
-from capturepass.backends.dynamo import last_compiled  # noqa: E402
+from capturepass.backends.compile import last_compiled  # noqa: E402
 from capturepass.ir import meta  # noqa: E402
 from capturepass.testing import kernels  # noqa: E402
 

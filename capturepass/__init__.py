@@ -24,7 +24,7 @@ Public API:
   :data:`post_grad_pass` (``"capturepass.post_grad_pass"``).
 """
 
-from capturepass.capabilities import CallInfo, capability, register_capability
+from capturepass.ir.capabilities import CallInfo, capability, register_capability
 from capturepass.errors import (
     CapabilityError,
     CapturePassError,
@@ -39,7 +39,7 @@ from capturepass.errors import (
 from capturepass.hints import lane
 from capturepass.ir.meta import Capability
 from capturepass.measure import trace
-from capturepass.options import Options
+from capturepass.ir.options import Options
 from capturepass.runtime.external import external_stream
 from capturepass.runtime.lifetime import release
 from capturepass.runtime.pools import ChannelKey, ResourcePool, register_pool, resource_pool, unregister_pool

@@ -28,6 +28,18 @@ class PipelineError(CapturePassError):
     """The pass pipeline is malformed (a missing prerequisite, an unknown pass)."""
 
 
+class PassError(CapturePassError):
+    """A pass failed on an exception of its own (a bug in capturepass, or input it did not expect).
+
+    Attributes:
+        pass_name: the pass that raised.
+    """
+
+    def __init__(self, pass_name: str, exc: BaseException) -> None:
+        super().__init__(f"capturepass pass {pass_name} failed: {type(exc).__name__}: {exc}")
+        self.pass_name = pass_name
+
+
 class VerificationError(CapturePassError):
     """The verifier found a graph that violates a synchronisation invariant.
 

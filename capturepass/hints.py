@@ -20,9 +20,8 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from capturepass.errors import HintError
-from capturepass.ir.meta import MAIN_LANE_NAME
+from capturepass.ir.meta import HINT_KEY, MAIN_LANE_NAME
 
-HINT_KEY = "capturepass"
 
 log = logging.getLogger("capturepass")
 P = ParamSpec("P")

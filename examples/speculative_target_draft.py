@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
+from capturepass.backends.compile import last_compiled
 from capturepass.cli import summarize_dir
 
 

@@ -10,13 +10,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from capturepass.capabilities import REGISTRY, CapabilityRegistry
+from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
 from capturepass.ir import meta, printer
 from capturepass.ir.meta import GraphInfo, OwnerId
-from capturepass.options import Options
+from capturepass.ir.options import Options
 from capturepass.passes.base import PassContext
-from capturepass.passes.observer import Observer
-from capturepass.passes.pipeline import default_pipeline
+from capturepass.backends.compile import compile_graph
 
 _owners = itertools.count(1000)
 
@@ -57,15 +56,14 @@ def run_passes(
     verify_each: bool = True,
     **options: Any,
 ) -> PassContext:
-    """Runs the ATen-stage pipeline on ``gm`` up to and including the pass named ``upto``."""
+    """Runs the ATen-stage pipeline on ``gm`` through the compile driver, up to and including the
+    pass named ``upto``; returns the pass context (``artifacts["program"]`` once ``emit`` ran)."""
     ctx = ctx or context(**options)
-    passes = [p for p in default_pipeline(ctx.registry.key()) if p.stage == "aten"]
-    names = [p.name for p in passes]
-    if upto not in names:
-        raise ValueError(f"no pass {upto!r}; passes are {names}")
-    passes = passes[: names.index(upto) + 1]
-    Observer(verify_each=verify_each).run(passes, gm, ctx)
-    return ctx
+    compiled = compile_graph(
+        gm, [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"], ctx.options,
+        upto=upto, verify=verify_each, registry=ctx.registry, record=False,
+    )
+    return compiled.context
 
 
 def dump(gm: fx.GraphModule, **settings: Any) -> str:

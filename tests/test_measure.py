@@ -23,7 +23,7 @@ import torch
 
 import capturepass
 from capturepass import cli, measure, viewer
-from capturepass.backends.dynamo import last_compiled
+from capturepass.backends.compile import last_compiled
 from capturepass.measure import PREFIX, Activity, GraphSpec, HostRange, RegionInfo
 from capturepass.testing.models import MoEBlock
 

@@ -69,7 +69,7 @@ def dump_dir(tmp_path_factory):
             torch.testing.assert_close(torch.compile(model, backend="capturepass", options=options)(x), model(x))
         torch._dynamo.reset()
     finally:
-        capturepass.capabilities.REGISTRY.unregister(host_step)
+        capturepass.ir.capabilities.REGISTRY.unregister(host_step)
     return str(root)
 
 

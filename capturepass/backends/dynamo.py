@@ -9,8 +9,10 @@ importing capturepass. The backend
 2. hands the graph to AOT autograd, so that the remaining passes see functional
    ATen graphs with fake-tensor metadata,
 3. runs the ATen-stage pipeline on each graph AOT autograd produces
-   (inference, or forward and backward), which ends with ``emit``: the regions
-   compiled by the inner compiler and the outer program that runs them.
+   (inference, or forward and backward) through the compile driver
+   (``capturepass.backends.compile``): the passes, ``emit``'s plan, the regions
+   compiled by the inner compiler, and the outer program that runs them, which
+   an :class:`~capturepass.runtime.executor.Executor` runs and captures.
 
 The backward graph runs on one lane and is not captured (``policy="off"``,
 ``cudagraphs="none"``); it is verified and dumped like the forward.
@@ -26,36 +28,28 @@ it again, and returns the new program.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import dataclasses
 import itertools
 import logging
-import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.fx as fx
 
+from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
-from capturepass.capabilities import REGISTRY
+from capturepass.backends.compile import CompiledGraph
 from capturepass.errors import OptionError
 from capturepass.ir import meta
-from capturepass.ir.meta import Break, BreakSource, CaptureMode, GraphInfo, OwnerId
-from capturepass.options import Options
-from capturepass.passes.base import PassContext
-from capturepass.passes.observer import Observer
-from capturepass.passes.pipeline import default_pipeline
+from capturepass.ir.meta import Break, BreakSource, CaptureMode
+from capturepass.ir.options import Options
 from capturepass.runtime.executor import Executor
 
 log = logging.getLogger("capturepass")
 
 _compile_ids = itertools.count()
-_owner_ids = itertools.count()
 _seen_breaks: dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -133,113 +127,48 @@ def _tracing_context() -> Any:
         return None
 
 
-def _on_cuda(example_inputs: list[Any]) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-
-
-@dataclasses.dataclass
-class CompiledGraph:
-    """What capturepass produced for one ATen graph (kept for inspection and tests).
-
-    Attributes:
-        name: ``"inference"``, ``"forward"`` or ``"backward"``.
-        graph: the annotated ATen graph after the last pass.
-        program: the emitted outer program.
-        counters: per-pass counters.
-        timings: seconds per pass.
-        dump_dir: where its dumps were written, if anywhere.
-    """
-
-    name: str
-    graph: fx.GraphModule
-    program: Any
-    counters: dict
-    timings: dict
-    dump_dir: str | None
-    _executor: Any = None
-
-    @property
-    def executor(self) -> Any:
-        """The compiled callable's executor while it is alive (held weakly), else ``None``."""
-        return None if self._executor is None else self._executor()
-
-
-_last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
-
-
-def last_compiled() -> list[CompiledGraph]:
-    """The graphs of recent ``capturepass`` compiles in this process, oldest first (at most 32)."""
-    return list(_last_compiled)
-
-
 def _aten_compiler(
     kind: str, opts: Options, front_dumps: list[tuple[str, str]], compile_id: int, upstream: list[str]
 ) -> Callable:
-    def compile_graph(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        graph_opts = opts
-        if kind == "backward":
-            graph_opts = dataclasses.replace(opts, policy="off", cudagraphs=CaptureMode.NONE)
-        on_cuda = _on_cuda(example_inputs)
-        with _lock:
-            owner = OwnerId(next(_owner_ids))
-        meta.set_graph_info(
-            gm,
-            GraphInfo(
-                name=kind,
-                owner=owner,
-                cudagraphs=graph_opts.resolved_cudagraphs(on_cuda),
-                on_cuda=on_cuda,
-                static_inputs=_static_input_indices() if kind != "backward" else frozenset(),
-                breaks=tuple(Break(node="", reason=r, source=BreakSource.DYNAMO) for r in upstream),
-                external=graph_opts.external_streams,
-            ),
-        )
-        dump_dir = None
-        if opts.dump_dir is not None:
-            dump_dir = os.path.join(os.fspath(opts.dump_dir), f"{compile_id:03d}_{kind}")
-        # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
-        pristine = _pristine_copy(gm) if graph_opts.resolved_cudagraphs(on_cuda) != CaptureMode.NONE else None
+    def compile_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         examples = list(example_inputs)
+        graph_opts = driver.seed(
+            gm, examples, opts, kind,
+            static_inputs=_static_input_indices() if kind != "backward" else (),
+            breaks=[Break(node="", reason=r, source=BreakSource.DYNAMO) for r in upstream],
+        )
+        dump_dir = driver.dump_folder(opts.dump_dir, compile_id, kind)
+        # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
+        pristine = _pristine_copy(gm) if graph_opts.cudagraphs != CaptureMode.NONE else None
 
-        def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str]) -> tuple[Any, PassContext, Observer]:
-            passes = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten"]
-            ctx = PassContext(options=graph_opts, registry=REGISTRY, example_inputs=examples,
-                              not_capturable=dict(not_capturable))
-            observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
-            dumps = observer.run(passes, graph, ctx)
-            observer.write(list(front_dumps) + dumps, graph)
-            return ctx.artifacts["program"], ctx, observer
+        def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str], record: bool) -> CompiledGraph:
+            return driver.compile_graph(
+                graph, examples, opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
+                not_capturable=not_capturable, record=record,
+            )
 
-        program, ctx, observer = run_passes(gm, {})
-        record = CompiledGraph(kind, gm, program, ctx.counters, observer.timings, dump_dir)
-        _last_compiled.append(record)
+        compiled = run_passes(gm, {}, True)
         gi = meta.graph_info(gm)
         log.info(
             "capturepass: compiled %s graph: %d lane(s), %d segment(s), %d region(s)",
-            kind, len(gi.lanes), len(gi.segments), len(program.regions),
+            kind, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
         )
-        rebuild = None
+        rebuild: Callable[[dict[str, str]], Any] | None = None
         if pristine is not None:
             tc = _tracing_context()
 
-            def rebuild(not_capturable: dict[str, str]) -> Any:
+            def rebuild_program(not_capturable: dict[str, str]) -> Any:
                 graph = _pristine_copy(pristine)
                 with _tracing(tc):
-                    new, new_ctx, new_observer = run_passes(graph, not_capturable)
-                record.graph, record.program = graph, new
-                record.counters, record.timings = new_ctx.counters, new_observer.timings
-                return new
+                    new = run_passes(graph, not_capturable, False)
+                compiled.graph, compiled.plan, compiled.program = new.graph, new.plan, new.program
+                compiled.counters, compiled.timings = new.counters, new.timings
+                return new.program
 
-        executor = Executor(
-            program,
-            max_captures=opts.max_captures,
-            static_outputs=opts.static_outputs,
-            capture_sizes=opts.capture_sizes if kind != "backward" else (),
-            check_replay=opts.check_replay,
-            rebuild=rebuild,
-        )
-        # Weakly: this record must not keep captured graphs and their pools alive.
-        _last_compiled[-1]._executor = weakref.ref(executor)
+            rebuild = rebuild_program
+
+        executor = Executor(compiled.program, graph_opts, rebuild=rebuild)
+        compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:
             return executor(args)
@@ -249,7 +178,7 @@ def _aten_compiler(
         run.executor = executor  # type: ignore[attr-defined]
         return run
 
-    return compile_graph
+    return compile_aten
 
 
 def capturepass_backend(
@@ -260,7 +189,7 @@ def capturepass_backend(
     Args:
         gm: Dynamo's graph.
         example_inputs: its example inputs.
-        options: capturepass options (see :class:`~capturepass.options.Options`).
+        options: capturepass options (see :class:`~capturepass.ir.options.Options`).
         mode: not supported; capture is chosen with ``options={"cudagraphs": ...}``.
 
     Raises:
@@ -277,10 +206,7 @@ def capturepass_backend(
     inner_compilers.check_available(opts.inner)
     compile_id = next(_compile_ids)
     upstream = _dynamo_breaks(gm)
-    front = [p for p in default_pipeline(REGISTRY.key()) if p.stage == "dynamo"]
-    ctx = PassContext(options=opts, registry=REGISTRY, example_inputs=list(example_inputs))
-    observer = Observer(dump_dir=opts.dump_dir, verify_each=False)
-    front_dumps = observer.run(front, gm, ctx)
+    front_dumps = driver.run_front(gm, example_inputs, opts)
     return aot_autograd(
         fw_compiler=_aten_compiler("forward", opts, front_dumps, compile_id, upstream),
         bw_compiler=_aten_compiler("backward", opts, front_dumps, compile_id, upstream),

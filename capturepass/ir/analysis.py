@@ -85,6 +85,10 @@ def _write_alias_positions(target: object) -> tuple[int, ...]:
     return positions
 
 
+# id(op) -> (op, view positions, written-and-returned positions): alias_source's schema facts.
+_SOURCES: dict[int, tuple[object, tuple[int, ...], tuple[int, ...]]] = {}
+
+
 def alias_source(node: fx.Node) -> fx.Node | None:
     """The argument whose storage ``node``'s value lives in, or ``None`` for a fresh allocation.
 
@@ -92,21 +96,27 @@ def alias_source(node: fx.Node) -> fx.Node | None:
     (``add_`` returns ``self``, ``copy_`` its destination): either way the value holds
     the argument's storage, which stays allocated while the value lives.
     """
-    src = aliases_input(node)
-    if src is not None or node.op != "call_function":
-        return src
+    if node.op != "call_function":
+        return None
+    target = node.target
+    entry = _SOURCES.get(id(target))
+    if entry is None or entry[0] is not target:
+        entry = (target, _alias_positions(target), _write_alias_positions(target))
+        if isinstance(target, torch._ops.OpOverload):
+            _SOURCES[id(target)] = entry
+    _, views, writes = entry
+    if not views and not writes:
+        return None
     args = node.args
-    for i in _write_alias_positions(node.target):
+    for i in views:
         if i >= len(args):
             break
         if isinstance(args[i], fx.Node):
             return args[i]
-    if node.kwargs:
-        schema = getattr(node.target, "_schema", None)
-        for i in _write_alias_positions(node.target):
-            value = node.kwargs.get(schema.arguments[i].name)
-            if isinstance(value, fx.Node):
-                return value
+    for i in writes:
+        value = args[i] if i < len(args) else node.kwargs.get(target._schema.arguments[i].name)
+        if isinstance(value, fx.Node):
+            return value
     return None
 
 

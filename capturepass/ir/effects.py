@@ -150,7 +150,11 @@ def written_roots(nodes: Iterable[fx.Node]) -> set[Storage]:
     """Every storage some node of ``nodes`` writes (:data:`RNG` included)."""
     out: set[Storage] = set()
     for node in nodes:
-        out.update(accesses(node).writes)
+        if node.op != "call_function":
+            continue
+        written, random = _op_effects(node.target)
+        if (written or random) and meta.effect_of(node) is Effect.COMPUTE:
+            out.update(accesses(node).writes)
     return out
 
 

@@ -22,12 +22,16 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch.fx as fx
 
 META_KEY = "capturepass"
+# Where a lane hint sits in ``node.meta["custom"]`` (``torch.fx.traceback.annotate``):
+# ``{HINT_KEY: {"lane": name}}``; ``read_hints`` turns it into ``NodeInfo.hint``.
+HINT_KEY = "capturepass"
 
 
 class Effect(enum.Enum):
@@ -366,7 +370,7 @@ def shared_records() -> Iterator[None]:
 
     Records are frozen and passes only replace them, so sharing one between nodes is not
     visible to a pass; what it saves is a new record per node and pass (two objects that
-    live until the next pass replaces them) on graphs of many alike nodes. The observer
+    live until the next pass replaces them) on graphs of many alike nodes. The pass manager
     runs each pass inside it; what it remembers is dropped at the end of the block.
     """
     token = _SHARED.set(({}, []))
@@ -433,10 +437,25 @@ def update_graph(gm: fx.GraphModule, **changes: Any) -> GraphInfo:
     return gi
 
 
-def add_decision(gm: fx.GraphModule, line: str) -> None:
-    """Appends one decision line to the graph record (shown by the dump and ``show``)."""
+class Decision(str):
+    """One decision line of the graph record; ``level`` is the log level it is reported at.
+
+    A plain ``str`` everywhere else (dumps, ``graph.json``, comparisons).
+    """
+
+    level: int
+
+    def __new__(cls, text: str, level: int = logging.INFO) -> "Decision":
+        self = super().__new__(cls, text)
+        self.level = level
+        return self
+
+
+def add_decision(gm: fx.GraphModule, line: str, level: int = logging.INFO) -> None:
+    """Appends one decision line to the graph record (shown by the dump and ``show``, and logged
+    at ``level`` by the pass manager's logging instrument: a pass itself never logs)."""
     gi = graph_info(gm)
-    gm.meta[META_KEY] = dataclasses.replace(gi, decisions=gi.decisions + (line,))
+    gm.meta[META_KEY] = dataclasses.replace(gi, decisions=gi.decisions + (Decision(line, level),))
 
 
 def lane_of(node: fx.Node) -> LaneId:

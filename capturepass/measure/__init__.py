@@ -191,7 +191,7 @@ def _region_infos(program: Any) -> dict[int, RegionInfo]:
 
 
 def _graph_spec(key: int, executor: Any, uncaptured: bool) -> GraphSpec:
-    from capturepass.backends.dynamo import last_compiled
+    from capturepass.backends.compile import last_compiled
 
     info = executor.program.info
     record = next((g for g in reversed(last_compiled()) if g.executor is executor), None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from capturepass.hints import HINT_KEY
+from capturepass.ir.meta import HINT_KEY
 from capturepass.ir.meta import Stage
 from capturepass.passes.base import HINTS, Pass, PassContext
 

@@ -1,6 +1,6 @@
 """annotate_capabilities: every compute node gets a capability answer and a cost.
 
-Asks the capability registry (``capturepass.capabilities``) about each op
+Asks the capability registry (``capturepass.ir.capabilities``) about each op
 call, with the node's concrete shapes, and the cost model
 (``capturepass.ir.cost``) for its FLOPs and bytes. It also records which inputs
 the graph writes (``GraphInfo.mutated_inputs``, from the ops' schemas: see

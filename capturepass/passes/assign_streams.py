@@ -42,8 +42,6 @@ from capturepass.ir import analysis, cost, effects, meta
 from capturepass.ir.meta import MAIN_LANE, CaptureMode, LaneId, Overlap
 from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
 
-log = logging.getLogger("capturepass")
-
 # What a cross-lane edge costs the consumer: one event record and wait, plus
 # the loss of fusion across the cut (seconds, on the cost model's scale).
 SYNC_PENALTY_S = 3e-6
@@ -97,8 +95,7 @@ class AssignStreams(Pass):
             msg = (
                 f"max_aux_lanes={opts.max_aux_lanes}: hinted lane(s) {', '.join(folded)} run on the main lane"
             )
-            log.warning("capturepass: %s", msg)
-            meta.add_decision(gm, msg)
+            meta.add_decision(gm, msg, level=logging.WARNING)
 
         pinned = [n for n in nodes if _pinned_to_main(n) and meta.info(n).hint is not None]
         for node in pinned:
@@ -134,7 +131,6 @@ class AssignStreams(Pass):
                 f"cudagraphs=breakable switched to monolithic: %{whole[0].name} requires the whole forward "
                 "in one CUDA graph (and the graph has no break)"
             )
-            log.info("capturepass: %s", msg)
             meta.add_decision(gm, msg)
             mode = CaptureMode.MONOLITHIC
         if breaks and mode == CaptureMode.MONOLITHIC:
@@ -143,8 +139,7 @@ class AssignStreams(Pass):
                 f"cudagraphs=monolithic switched to breakable: %{first.name} is not capturable "
                 f"({meta.info(first).capability.reason})"
             )
-            log.warning("capturepass: %s", msg)
-            meta.add_decision(gm, msg)
+            meta.add_decision(gm, msg, level=logging.WARNING)
             mode = CaptureMode.BREAKABLE
         meta.update_graph(gm, lanes=tuple(lane_names), cudagraphs=mode)
 

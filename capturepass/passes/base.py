@@ -9,8 +9,10 @@ A pass is a callable object with
   is built that every requirement is ensured by an earlier pass;
 - ``uuid()``: a digest of the pass's source and configuration, folded into the
   torch.compile and vLLM cache keys;
-- ``run(gm, ctx)``: mutates ``gm`` in place. Passes never print: the observer
-  (``passes.observer``) times them, dumps before and after, and counts.
+- ``run(gm, ctx)``: mutates ``gm`` in place. Passes never print: they record
+  their decisions in the graph record (``meta.add_decision``), and the pass
+  manager's instruments (``passes.instruments``) time them, log the decisions,
+  verify after them and dump them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch.fx as fx
 from capturepass.ir.meta import Property, Stage
 
 if TYPE_CHECKING:
-    from capturepass.capabilities import CapabilityRegistry
-    from capturepass.options import Options
+    from capturepass.ir.capabilities import CapabilityRegistry
+    from capturepass.ir.options import Options
 
 log = logging.getLogger("capturepass")
 

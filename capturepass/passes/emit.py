@@ -1,14 +1,16 @@
-"""emit: regions compiled by the inner compiler, stitched by an outer program.
+"""emit: cuts the annotated graph into regions and steps, and hands over the plan.
 
 The annotated graph is cut into *regions*: maximal runs of one lane's nodes
 between that lane's sync points (a record after a producer, a wait before a
 consumer), segment boundaries and breaks. Each region becomes a standalone FX
-graph, stripped of every capturepass and hint tag, and is compiled by the inner
+graph, stripped of every capturepass and hint tag, to be compiled by the inner
 compiler (Inductor, eager, or Torch-TensorRT); regions without a kernel (only
-views and tuple selections) run eagerly. The outer program calls the regions in
-program order (each region at the point where its lane closes it) with the
-``capturepass::`` ops in between, now bound to the runtime of the graph owner:
-records, waits, releases and retentions by integer handle.
+views and tuple selections), and breaks, which run eagerly between segments, are
+marked for the eager compiler. The plan (``capturepass.ir.plan``) lists the
+regions in the order the outer program calls them (each at the point where its
+lane closes it), with the ``capturepass::`` ops in between: records, waits,
+releases, retentions and external joins. The backend compiles the regions; the
+runtime binds the plan to one graph owner's lanes.
 
 Before (annotated ATen graph)::
 
@@ -17,7 +19,7 @@ Before (annotated ATen graph)::
     %wait = capturepass.wait(0, 0)     {lane=s0, wait=e0, lease=l0}
     %add  = aten.add(%mm, %y)   {lane=s0}
 
-After (outer program)::
+After (the outer program the plan describes)::
 
     %r0 = region_0(%x, %w)       {lane=s1}
     %mm = getitem(%r0, 0)
@@ -29,18 +31,15 @@ After (outer program)::
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import torch
 import torch.fx as fx
 
-from capturepass.backends import inner as inner_compilers
-from capturepass.errors import EmitError, is_dynamo_signal
+from capturepass.errors import EmitError
 from capturepass.ir import analysis, hops, meta
 from capturepass.ir.meta import Effect, LaneId
+from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
-from capturepass.runtime.layouts import ExactLayouts
-from capturepass.runtime.program import Program, RegionSpec, Step
 
 
 @dataclasses.dataclass
@@ -94,7 +93,7 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             for other in _allocating_lanes(region):
                 if other in open_regions:
                     close(other)
-            steps.append(Step("region", lane=lane, payload=region))
+            steps.append(Step(StepKind.REGION, lane=lane, payload=region))
         steps.extend(deferred.pop(lane, ()))
 
     def close_all() -> None:
@@ -112,13 +111,13 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
         lane = meta.lane_of(node)
         if eff in (Effect.RECORD, Effect.WAIT):
             close(lane)
-            steps.append(Step(eff.value, lane=lane, payload=node))
+            steps.append(Step(StepKind(eff.value), lane=lane, payload=node))
             continue
         if eff in (Effect.RETAIN, Effect.EXTERNAL):
             # Retention belongs to the capture of its segment: after every region of it. An
             # external join is a segment boundary: before or after every region of it.
             close_all()
-            steps.append(Step(eff.value, lane=lane, payload=node))
+            steps.append(Step(StepKind(eff.value), lane=lane, payload=node))
             continue
         if eff is Effect.RELEASE:
             # A release only extends a lifetime; FX frees at the later of it and the last use,
@@ -126,7 +125,7 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             # run earlier than its place, though: the open region of its lane holds nodes that
             # precede it and is issued only when it closes; freeing before them would let them
             # reuse the block while another lane still reads it. So it waits for that region.
-            step = Step(eff.value, lane=lane, payload=node)
+            step = Step(StepKind(eff.value), lane=lane, payload=node)
             if lane in open_regions:
                 deferred.setdefault(lane, []).append(step)
             else:
@@ -136,7 +135,7 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
             close_all()
             region = _Region(lane, None, eager_break=True, nodes=[node])
             region_of[node] = region
-            steps.append(Step("region", lane=lane, payload=region))
+            steps.append(Step(StepKind.REGION, lane=lane, payload=region))
             continue
         if analysis.is_getitem(node) and node.args[0] in region_of:
             # Tuple selection is metadata: keep it with its producer, even across a sync.
@@ -206,7 +205,7 @@ def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.Gra
 
 
 class Emit(Pass):
-    """Compiles each region with the inner compiler and builds the outer program."""
+    """Cuts the annotated graph into regions and steps; the plan goes to ``ctx.artifacts["plan"]``."""
 
     name = "emit"
     requires = (VERIFIED,)
@@ -214,7 +213,7 @@ class Emit(Pass):
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         steps = _plan(gm)
-        regions = [s.payload for s in steps if s.kind == "region"]
+        regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         owner_of = {n: r for r in regions for n in r.nodes}
         needed: dict[int, set[fx.Node]] = {id(r): set() for r in regions}
         for node in gm.graph.nodes:
@@ -223,7 +222,7 @@ class Emit(Pass):
                 src = owner_of.get(a)
                 if src is not None and src is not mine:
                     needed[id(src)].add(a)
-        specs: dict[int, RegionSpec] = {}
+        planned: dict[int, RegionPlan] = {}
         for i, region in enumerate(regions):
             rgm, inputs, outputs = _region_graph(region, needed[id(region)])
             kernels = _has_kernel(region)
@@ -232,29 +231,12 @@ class Emit(Pass):
             # alone can fail (torch 2.11's Inductor raised "Attempting to use FunctionalTensor on
             # its own" on transformers' grouped_mm_fallback as a region of its own).
             compiler = ctx.options.inner if kernels and not region.eager_break else "eager"
-            example = [n.meta.get("val") for n in inputs]
-            try:
-                fn = inner_compilers.compile_region(rgm, example, compiler)
-            except Exception as exc:
-                if is_dynamo_signal(exc):
-                    raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
-                names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
-                raise EmitError(
-                    f"the {compiler} compiler failed on region {i} (lane {region.lane}: {names}...): "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if compiler != "eager":
-                # NOTE: a compiled region may return another layout than its fake values say, and
-                # each consumer region is compiled for (and asserts) those: keep them exact.
-                exact = ExactLayouts(fn, example, [n.meta.get("val") for n in outputs], f"region {i}")
-                if exact.needed:
-                    fn = exact
-            specs[id(region)] = RegionSpec(
+            planned[id(region)] = RegionPlan(
                 index=i,
                 lane=region.lane.index,
                 segment=region.segment,
                 eager=region.eager_break,
-                fn=fn,
+                nodes=list(region.nodes),
                 inputs=inputs,
                 outputs=outputs,
                 graph=rgm,
@@ -263,7 +245,7 @@ class Emit(Pass):
             )
             ctx.count(self.name, f"regions_{compiler}")
         for step in steps:
-            if step.kind == "region":
-                step.payload = specs[id(step.payload)]
-        ctx.artifacts["program"] = Program(gm, steps)
+            if step.kind == StepKind.REGION:
+                step.payload = planned[id(step.payload)]
+        ctx.artifacts["plan"] = Plan(gm, steps)
         ctx.count(self.name, "regions", len(regions))

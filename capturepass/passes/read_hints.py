@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from capturepass.errors import HintError
-from capturepass.hints import HINT_KEY
+from capturepass.ir.meta import HINT_KEY
 from capturepass.ir import meta
 from capturepass.ir.meta import MAIN_LANE_NAME
 from capturepass.passes.base import HINTS, Pass, PassContext

@@ -1,7 +1,7 @@
 """verify: the standalone verifier as the pipeline's last check before emission.
 
 Runs :func:`capturepass.ir.verify.verify` with every property established so
-far. With ``verify=True`` the observer also runs it after every pass, so that a
+far. With ``verify=True`` the ``VerifyEach`` instrument also runs it after every pass, so that a
 broken invariant is reported at the pass that broke it.
 """
 

@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from capturepass.capabilities import op_of
+from capturepass.ir.capabilities import op_of
 from capturepass.ir import analysis
+from capturepass.ir.plan import StepKind
 
 if TYPE_CHECKING:
     from capturepass.runtime.program import Program, RegionSpec
@@ -248,7 +249,7 @@ def first_failing_node(program: "Program", index: int, env: dict[fx.Node, Any],
         the culprit, or ``None`` when every node captures alone (or the eager run of the
         piece itself fails here, which leaves the probe without an answer).
     """
-    specs = [s.payload for s in program.pieces[index].steps if s.kind == "region"]
+    specs = [s.payload for s in program.pieces[index].steps if s.kind == StepKind.REGION]
     try:
         for opaque in (True, False):
             try:

@@ -64,8 +64,9 @@ from typing import Any
 
 import torch
 
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
+from capturepass.ir.options import Options
 from capturepass.runtime import capture, context, lifetime, pools, profiling
 from capturepass.runtime.owner import GraphOwner
 from capturepass.runtime.program import Program
@@ -147,10 +148,11 @@ class Executor:
 
     Args:
         program: the emitted program.
-        max_captures: capture shapes kept before falling back to uncaptured runs.
-        static_outputs: return replay outputs without copying them.
-        capture_sizes: batch sizes to capture on the first call.
-        check_replay: check at every replay that baked-in addresses are unchanged.
+        options: the graph's resolved options (:meth:`Options.for_graph`); the executor reads
+            ``max_captures`` (capture shapes kept before falling back to uncaptured runs),
+            ``static_outputs`` (return replay outputs without copying them), ``capture_sizes``
+            (batch sizes to capture on the first call) and ``check_replay`` (check at every
+            replay that baked-in addresses are unchanged). Defaults: :class:`Options`' own.
         rebuild: re-runs the passes on the graph as it was before them, with the named
             nodes made breaks (``{node name: reason}``), and returns the new program;
             without it a capture that fails on one op turns capture off for this graph.
@@ -163,16 +165,15 @@ class Executor:
     def __init__(
         self,
         program: Program,
-        max_captures: int = 16,
-        static_outputs: bool = False,
-        capture_sizes: Sequence[int] = (),
-        check_replay: bool = False,
+        options: Options | None = None,
         rebuild: Callable[[dict[str, str]], Program] | None = None,
     ) -> None:
-        self.check_replay = check_replay
-        self.capture_sizes = tuple(capture_sizes)
-        self.max_captures = max_captures
-        self.static_outputs = static_outputs
+        options = options if options is not None else Options()
+        self.options = options
+        self.check_replay = options.check_replay
+        self.capture_sizes = tuple(options.capture_sizes)
+        self.max_captures = options.max_captures
+        self.static_outputs = options.static_outputs
         self._captures: dict[tuple, Capture] = {}
         # Owners of uncaptured runs, per model instance (the addresses of the static inputs).
         self._eager_owners: dict[tuple, _EagerOwner] = {}

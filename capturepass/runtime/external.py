@@ -30,8 +30,6 @@ import torch
 
 from capturepass.errors import ResourceError
 
-RELATIONS = ("before", "after", "both")
-
 _bound: dict[str, Any] = {}
 _lock = threading.Lock()
 

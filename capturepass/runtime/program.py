@@ -1,7 +1,8 @@
 """The outer program: regions and ``capturepass::`` ops, run in program order.
 
-emit hands over a list of steps (region calls, records, waits, releases,
-retentions). ``Program`` groups them into *pieces*: one per capture segment,
+emit hands over a plan (``capturepass.ir.plan``: region calls, records, waits,
+releases, retentions), and the backend the compiled callable of every region.
+``Program`` groups the steps into *pieces*: one per capture segment,
 and one per break (a non-capturable region run eagerly between segments). Each
 piece becomes its own FX graph taking its live-in values and returning its
 live-out values; ``Program.bind`` generates the Python of every piece against
@@ -25,33 +26,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 
 from capturepass.ir import meta
-from capturepass.ir.meta import EventRole, GraphInfo, LaneId
+from capturepass.ir.meta import EventRole, GraphInfo
+from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
 from capturepass.runtime import context
+from capturepass.runtime.owner import GraphOwner
 
 if TYPE_CHECKING:
     from capturepass.runtime.lanes import Lanes
-    from capturepass.runtime.owner import GraphOwner
-
-
-@dataclasses.dataclass
-class Step:
-    """One step of the outer program: a region, or a ``capturepass::`` op."""
-
-    kind: str  # "region", "record", "wait", "release", "retain", "external"
-    lane: LaneId
-    payload: Any
 
 
 @dataclasses.dataclass
 class RegionSpec:
-    """One compiled region.
+    """One compiled region: its plan and the callable the backend compiled from it.
 
     Attributes:
         index: the region's number in program order.
@@ -75,6 +68,15 @@ class RegionSpec:
     graph: fx.GraphModule
     compiler: str
     kernels: bool = True
+
+    @classmethod
+    def of(cls, region: RegionPlan, fn: Callable[..., Sequence[Any]]) -> "RegionSpec":
+        """The compiled form of ``region``."""
+        return cls(
+            index=region.index, lane=region.lane, segment=region.segment, eager=region.eager, fn=fn,
+            inputs=region.inputs, outputs=region.outputs, graph=region.graph, compiler=region.compiler,
+            kernels=region.kernels,
+        )
 
 
 @dataclasses.dataclass
@@ -100,12 +102,12 @@ class Piece:
         """``(stream name, into)`` of the piece's external joins, in program order (computed once:
         the runtime asks at every replay)."""
         return tuple((meta.info(s.payload).external, meta.info(s.payload).role == EventRole.IN)
-                     for s in self.steps if s.kind == "external")
+                     for s in self.steps if s.kind == StepKind.EXTERNAL)
 
     @property
     def has_kernels(self) -> bool:
         """Whether any region of the piece launches a kernel."""
-        return any(s.kind == "region" and s.payload.kernels for s in self.steps)
+        return any(s.kind == StepKind.REGION and s.payload.kernels for s in self.steps)
 
 
 class RegionCall:
@@ -130,19 +132,23 @@ class RegionCall:
 
 
 def _uses(step: Step) -> list[fx.Node]:
-    if step.kind == "region":
+    if step.kind == StepKind.REGION:
         return list(step.payload.inputs)
-    if step.kind in ("release", "retain"):
+    if step.kind in (StepKind.RELEASE, StepKind.RETAIN):
         return list(step.payload.all_input_nodes)
     return []
 
 
 def _defs(step: Step) -> list[fx.Node]:
-    return list(step.payload.outputs) if step.kind == "region" else []
+    return list(step.payload.outputs) if step.kind == StepKind.REGION else []
 
 
 class Program:
     """A compiled graph: its pieces, regions and output, independent of any owner.
+
+    Args:
+        plan: what ``emit`` planned.
+        compiled: the compiled callable of each region, by region index.
 
     Attributes:
         info: the annotated graph's record (lanes, capture mode, owner).
@@ -154,24 +160,30 @@ class Program:
         static_inputs: input positions whose storage the caller keeps fixed.
     """
 
-    def __init__(self, gm: fx.GraphModule, steps: list[Step]) -> None:
+    def __init__(self, plan: Plan, compiled: Mapping[int, Callable[..., Sequence[Any]]]) -> None:
+        gm = plan.graph
+        steps = [
+            Step(s.kind, s.lane, RegionSpec.of(s.payload, compiled[s.payload.index])) if s.kind == StepKind.REGION
+            else s
+            for s in plan.steps
+        ]
         self.info: GraphInfo = meta.graph_info(gm)
         self.inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.constants = {n: _fetch_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self.output = out_node.args[0]
         self.static_inputs = self.info.static_inputs
-        self.regions = [s.payload for s in steps if s.kind == "region"]
+        self.regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         self.pieces = self._split(steps, out_node)
 
     @staticmethod
     def _split(steps: list[Step], out_node: fx.Node) -> list[Piece]:
         pieces: list[Piece] = []
         for step in steps:
-            if step.kind == "region" and step.payload.eager:
+            if step.kind == StepKind.REGION and step.payload.eager:
                 pieces.append(Piece("break", None, [step]))
                 continue
-            seg = step.payload.segment if step.kind == "region" else _segment_of(step.payload)
+            seg = step.payload.segment if step.kind == StepKind.REGION else _segment_of(step.payload)
             if not pieces or pieces[-1].kind != "segment":
                 pieces.append(Piece("segment", seg, []))
             pieces[-1].steps.append(step)
@@ -255,7 +267,7 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in piece.live_in}
     for step in piece.steps:
-        if step.kind == "region":
+        if step.kind == StepKind.REGION:
             spec: RegionSpec = step.payload
             runner = lanes.region_runner(spec.lane)
             if spec.eager and owner.captured:
@@ -266,15 +278,15 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             continue
         node: fx.Node = step.payload
         rec = meta.info(node)
-        if step.kind in ("record", "wait"):
+        if step.kind in (StepKind.RECORD, StepKind.WAIT):
             handle = lanes.lease_handle(rec.lease)
-            graph.call_function(lanes.record if step.kind == "record" else lanes.wait, (handle, step.lane.index))
-        elif step.kind == "release":
+            graph.call_function(lanes.record if step.kind == StepKind.RECORD else lanes.wait, (handle, step.lane.index))
+        elif step.kind == StepKind.RELEASE:
             graph.call_function(lanes.release, tuple(env[a] for a in node.all_input_nodes))
-        elif step.kind == "external":
+        elif step.kind == StepKind.EXTERNAL:
             if externals:
                 graph.call_function(lanes.join_external, (rec.external, rec.role == EventRole.IN))
-        elif step.kind == "retain":
+        elif step.kind == StepKind.RETAIN:
             seg = rec.segment.index if rec.segment is not None else -1
             handles = tuple(owner.resource_handle(r) for r in rec.resources)
             graph.call_function(owner.retain, (seg, handles) + tuple(env[a] for a in node.all_input_nodes))
@@ -323,3 +335,12 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def describe(program: Program) -> str:
+    """The outer program's generated code, bound to a throwaway host owner (handles as in the IR)."""
+    owner = GraphOwner(program.info.name, len(program.info.lanes), None, captured=False)
+    try:
+        return program.bind(owner, owner.lanes("eager")).code().strip()
+    finally:
+        owner.close()

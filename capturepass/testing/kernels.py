@@ -25,7 +25,7 @@ import math
 import torch
 
 import capturepass
-from capturepass.capabilities import CallInfo
+from capturepass.ir.capabilities import CallInfo
 
 SMALL_NUMEL = 1 << 16
 BLOCK = 1024

@@ -59,6 +59,7 @@ import torch.fx as fx
 from capturepass.errors import SimulationError
 from capturepass.ir import analysis, effects, meta
 from capturepass.ir.meta import Effect, Overlap
+from capturepass.ir.plan import StepKind
 
 __all__ = ["Race", "SimResult", "SimulationError", "Report", "serial", "simulate", "explore", "same", "seeded_rng"]
 
@@ -185,7 +186,7 @@ def _program_plan(program: Any) -> "_Plan":
     for piece in program.pieces:
         held.update(piece.live_out)
         for step in piece.steps:
-            if step.kind == "region":
+            if step.kind == StepKind.REGION:
                 for rn in step.payload.graph.graph.nodes:
                     if rn.op in ("call_function", "call_method", "call_module"):
                         node = by_name.get(rn.name)

@@ -1,7 +1,7 @@
 """Helpers of the end-to-end backend tests.
 
 They compile through ``torch.compile(..., backend="capturepass")``, collect the
-graph records the backend made (``capturepass.backends.dynamo.last_compiled``)
+graph records the backend made (``capturepass.backends.compile.last_compiled``)
 and check them with an oracle written independently of the verifier: a
 happens-before relation built only from program order per lane and the
 record/wait pairs present in the graph.
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from capturepass.backends.dynamo import CompiledGraph, last_compiled
+from capturepass.backends.compile import CompiledGraph, last_compiled
 from capturepass.ir import meta
 from capturepass.ir.meta import Effect
 

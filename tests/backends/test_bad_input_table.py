@@ -15,7 +15,7 @@ import torch
 from backends.e2e_util import compile_eager, new_compiles, unwrap
 
 import capturepass
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir import meta
 from capturepass.ir.meta import Effect
 from capturepass.testing.simulate import explore

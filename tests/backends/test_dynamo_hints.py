@@ -20,7 +20,7 @@ from backends.e2e_util import (
 
 import capturepass
 from capturepass.backends import inner as inner_compilers
-from capturepass.hints import HINT_KEY
+from capturepass.ir.meta import HINT_KEY
 from capturepass.ir import meta
 
 AUX_OPS = (torch.ops.aten.relu.default, torch.ops.aten.sigmoid.default)

@@ -13,7 +13,7 @@ from backends.e2e_util import new_compiles, unwrap
 
 import capturepass
 from capturepass.backends.dynamo import capturepass_backend
-from capturepass.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
+from capturepass.ir.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
 from capturepass.passes.pipeline import PIPELINE
 
 OPTION_NAMES = ("policy", "max_aux_lanes", "inner", "cudagraphs", "dump_dir", "verify")

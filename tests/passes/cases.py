@@ -25,10 +25,10 @@ import torch
 import torch.fx as fx
 
 import capturepass
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.passes.base import PassContext
-from capturepass.passes.observer import Observer
-from capturepass.passes.pipeline import default_pipeline
+from capturepass.backends.compile import compile_graph
+from capturepass.passes.pipeline import ATEN
 from tests.helpers import aten_graph, context, dump, run_passes
 
 N = 4
@@ -257,30 +257,32 @@ def build(name: str, upto: str, **options: Any) -> tuple[fx.GraphModule, PassCon
 
 
 def before_after(gm: fx.GraphModule, name: str, **options: Any) -> tuple[str, str, PassContext]:
-    """Runs the ATen pipeline up to the pass before ``name``, then ``name`` alone.
-
-    Every pass runs under the verifying observer.
+    """Runs the ATen pipeline up to the pass before ``name``, then ``name`` alone, through the
+    compile driver, verifying after every pass.
 
     Returns:
         The dump before ``name``, the dump after it, and the pass context.
     """
     ctx = context(**options)
-    passes = [p for p in default_pipeline(ctx.registry.key()) if p.stage == "aten"]
-    names = [p.name for p in passes]
-    index = names.index(name)
-    observer = Observer(verify_each=True)
-    observer.run(passes[:index], gm, ctx)
+    classes = list(ATEN)
+    index = [cls.name for cls in classes].index(name)
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if index:
+        compile_graph(gm, vals, ctx.options, upto=classes[index - 1].name, verify=True, registry=ctx.registry, record=False)
     before = dump(gm)
-    observer.run([passes[index]], gm, ctx)
-    return before, dump(gm), ctx
+    compiled = compile_graph(
+        gm, vals, ctx.options, passes=[classes[index]], verify=True, registry=ctx.registry, record=False
+    )
+    return before, dump(gm), compiled.context
 
 
 def run_one(gm: fx.GraphModule, name: str, **options: Any) -> tuple[str, PassContext]:
     """Runs the single ATen-stage pass ``name`` on ``gm`` (verifying); returns the dump after it."""
     ctx = context(**options)
-    (p,) = [p for p in default_pipeline(ctx.registry.key()) if p.name == name]
-    Observer(verify_each=True).run([p], gm, ctx)
-    return dump(gm), ctx
+    (cls,) = [cls for cls in ATEN if cls.name == name]
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = compile_graph(gm, vals, ctx.options, passes=[cls], verify=True, registry=ctx.registry, record=False)
+    return dump(gm), compiled.context
 
 
 def case_before_after(name: str, pass_name: str, **options: Any) -> tuple[fx.GraphModule, str, str, PassContext]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from expecttest import assert_expected_inline
 
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir import meta
 from capturepass.ir.meta import LaneId, ResourceBinding
 from tests.passes.cases import CASES, before_after, case_before_after, fused

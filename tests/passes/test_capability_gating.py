@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from expecttest import assert_expected_inline
 
 import capturepass
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir import meta
 from capturepass.ir.meta import Effect
 from capturepass.passes.annotate_capabilities import AnnotateCapabilities
@@ -184,7 +184,7 @@ def test_join_level_verifier_rejects_a_launch_that_does_not_join():
 
 
 def test_join_level_from_a_launch_plan_with_a_grid_barrier_is_serialized():
-    from capturepass.capabilities import _Declaration, _to_capability
+    from capturepass.ir.capabilities import _Declaration, _to_capability
 
     decl = _Declaration(True, lambda call: None, ())
     cap = _to_capability({"overlap": "join", "resident_grid": True, "barrier_free": False}, "ns::op", decl)

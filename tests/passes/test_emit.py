@@ -14,7 +14,7 @@ import torch
 from expecttest import assert_expected_inline
 
 import capturepass
-from capturepass.passes.observer import describe_program
+from capturepass.runtime.program import describe as describe_program
 from capturepass.runtime.executor import Executor
 from tests.helpers import aten_graph
 from tests.passes.cases import CASES, before_after, case_before_after

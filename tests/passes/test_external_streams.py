@@ -14,7 +14,7 @@ import capturepass
 from capturepass.errors import OptionError, VerificationError
 from capturepass.ir import meta, ops, verify
 from capturepass.ir.meta import Effect
-from capturepass.options import Options
+from capturepass.ir.options import Options
 from capturepass.testing.mutate import apply, mutants
 from tests.helpers import aten_graph, dump, run_passes
 
@@ -130,7 +130,7 @@ def test_end_to_end_on_the_host_counts_every_join():
         "inner": "eager", "cudagraphs": "breakable", "external_streams": {"offload": "before", "comm": "both"}})
     for _ in range(3):
         torch.testing.assert_close(compiled(x, w), f(x, w))
-    executor = capturepass.backends.dynamo.last_compiled()[-1].executor
+    executor = capturepass.backends.compile.last_compiled()[-1].executor
     counters = executor.owners[-1].lanes("eager").counters
     assert counters["external_in:offload"] == 3 and counters["external_in:comm"] == 3
     assert counters["external_out:comm"] == 3 and counters["external_out:offload"] == 0

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
-from capturepass.capabilities import REGISTRY
+from capturepass.backends.compile import last_compiled
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir import meta
 from capturepass.runtime import capture, executor as executor_module
 from capturepass.runtime.events import POOL

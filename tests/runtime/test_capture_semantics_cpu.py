@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
-from capturepass.capabilities import REGISTRY
+from capturepass.backends.compile import last_compiled
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.cli import summarize_dir
 from capturepass.errors import CapturePassError
 from capturepass.ir import meta

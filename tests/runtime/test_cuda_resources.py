@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
+from capturepass.backends.compile import last_compiled
 from capturepass.ir import meta, printer
 from capturepass.ir.meta import Effect
 from capturepass.runtime import pools

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
+from capturepass.backends.compile import last_compiled
 from capturepass.ir import meta
 from capturepass.runtime.events import POOL
 from capturepass.testing.models import AttnIndexer, MoEBlock

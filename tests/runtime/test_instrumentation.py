@@ -9,7 +9,7 @@ import threading
 import torch
 
 import capturepass
-from capturepass.backends.dynamo import last_compiled
+from capturepass.backends.compile import last_compiled
 from capturepass.runtime import context
 
 

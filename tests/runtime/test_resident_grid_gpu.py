@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 _SCRIPT = textwrap.dedent(
     """
     import torch
-    from capturepass.backends.dynamo import last_compiled
+    from capturepass.backends.compile import last_compiled
     from capturepass.ir import meta
     from capturepass.testing import kernels
 

@@ -105,7 +105,7 @@ def test_closing_an_owner_releases_its_channels(comm):
     x = torch.randn(4, 8)
     target = _compile(_Block(1.0))
     target(x)
-    graph = capturepass.backends.dynamo.last_compiled()[-1]
+    graph = capturepass.backends.compile.last_compiled()[-1]
     owner_name = graph.executor.owners[0].name
     assert [str(k) for k in comm.channels()] == [f"{owner_name}/s0"]
     graph.executor.close()
@@ -238,7 +238,7 @@ def test_profiling_capture_releases_owners_and_rolls_back(comm):
         out = model(x)
         torch.testing.assert_close(out, (x.relu() * 1.0) * 2 + 1)
         model(x)  # the same throwaway owner
-        executor = capturepass.backends.dynamo.last_compiled()[-1].executor
+        executor = capturepass.backends.compile.last_compiled()[-1].executor
         (throwaway,) = [r.owner for r in executor._profile_owners.values()]
         assert throwaway.profiling and throwaway.num_retained > 0
         during = sorted(str(k) for k in comm.channels())
@@ -310,7 +310,7 @@ def test_breaks_hold_arguments_weakly():
     x = torch.randn(8)
     model = _compile(_WithBreak(), cudagraphs="breakable")
     torch.testing.assert_close(model(x), (x * 3 + 1).sin() + (x + 1))
-    executor = capturepass.backends.dynamo.last_compiled()[-1].executor
+    executor = capturepass.backends.compile.last_compiled()[-1].executor
     lanes = executor.owners[-1].lanes("eager")
     assert lanes.counters["weak_args"] == 2
     assert len(KEPT) == 2
@@ -372,7 +372,7 @@ def test_replay_check_names_what_moved():
 
 def test_check_replay_option_is_validated():
     from capturepass.errors import OptionError
-    from capturepass.options import Options
+    from capturepass.ir.options import Options
 
     assert Options.from_mapping({"check_replay": True}).check_replay is True
     with pytest.raises(OptionError, match="option 'check_replay' must be True or False"):
@@ -396,10 +396,10 @@ def test_two_instances_of_one_class_get_their_own_owners_and_channels(comm):
     for _ in range(2):
         torch.testing.assert_close(ca(x), x * 2 + 1)
         torch.testing.assert_close(cb(x), x * 6 + 1)
-    executors = {id(g.executor) for g in capturepass.backends.dynamo.last_compiled() if g.executor is not None}
+    executors = {id(g.executor) for g in capturepass.backends.compile.last_compiled() if g.executor is not None}
     keys = [k for k, _ in SEEN]
     assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1]
     assert comm.counters["made"] == 2
     if len(executors) == 1:  # one compiled graph for both: two owners in it
-        (executor,) = [g.executor for g in capturepass.backends.dynamo.last_compiled() if g.executor is not None][-1:]
+        (executor,) = [g.executor for g in capturepass.backends.compile.last_compiled() if g.executor is not None][-1:]
         assert len(executor.owners) == 2

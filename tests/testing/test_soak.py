@@ -16,7 +16,7 @@ import torch.nn as nn
 from backends.e2e_util import compile_eager, new_compiles
 
 import capturepass
-from capturepass.capabilities import REGISTRY
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.runtime import resources
 from capturepass.runtime.events import POOL
 from capturepass.runtime.owner import live_owners

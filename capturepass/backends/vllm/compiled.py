@@ -123,7 +123,7 @@ class CapturePassFunction(SerializableCallable):  # type: ignore[misc]
     ) -> "CapturePassFunction":
         """Saves ``gm`` (before any pass changes it) and compiles it with capturepass."""
         from capturepass.backends.dynamo import capturepass_backend
-        from capturepass.options import Options
+        from capturepass.ir.options import Options
 
         Options.from_mapping(options)  # bad options fail before the graph is pickled
         graph = _dump_graph(gm)

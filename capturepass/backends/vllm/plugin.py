@@ -108,14 +108,11 @@ class PostGradPass:
         import torch
         import torch.fx as fx
 
-        from capturepass.capabilities import REGISTRY
+        from capturepass.backends import compile as driver
         from capturepass.ir import meta
-        from capturepass.ir.meta import GraphInfo, OwnerId
-        from capturepass.options import Options
-        from capturepass.passes.base import PassContext
-        from capturepass.passes.observer import Observer
+        from capturepass.ir.meta import OwnerId
+        from capturepass.passes.pipeline import ANALYSIS
 
-        opts = Options.from_mapping(None)
         copy = fx.Graph()
         value_map: dict[fx.Node, fx.Node] = {}
         out = copy.graph_copy(graph, value_map)
@@ -123,25 +120,16 @@ class PostGradPass:
         root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
         gm = fx.GraphModule(root, copy)
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        on_cuda = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in inputs)
         piece = next(_piece_ids)
-        meta.set_graph_info(
-            gm,
-            GraphInfo(
-                name="post_grad",
-                owner=OwnerId(1_000_000 + piece),
-                cudagraphs=opts.resolved_cudagraphs(on_cuda),
-                on_cuda=on_cuda,
-                external=opts.external_streams,
+        opts = driver.resolve(None)
+        compiled = driver.compile_graph(
+            gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece), passes=ANALYSIS,
+            dump_dir=None if opts.dump_dir is None else os.path.join(
+                os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}"
             ),
+            record=False,
         )
-        dump_dir = None
-        if opts.dump_dir is not None:
-            dump_dir = os.path.join(os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}")
-        ctx = PassContext(options=opts, registry=REGISTRY, example_inputs=inputs)
-        observer = Observer(dump_dir=dump_dir, verify_each=opts.verify)
-        observer.write(observer.run(self.passes(), gm, ctx), gm)
-        gi = meta.graph_info(gm)
+        gi = meta.graph_info(compiled.graph)
         log.info(
             "capturepass: post-grad piece %d: %d lane(s), %d segment(s) (graph left to Inductor)",
             piece, len(gi.lanes), len(gi.segments),
@@ -149,15 +137,15 @@ class PostGradPass:
 
     @staticmethod
     def passes() -> list[Any]:
-        """The ATen-stage passes this pass runs: every one up to ``verify`` (no ``emit``)."""
-        from capturepass.capabilities import REGISTRY
-        from capturepass.passes.pipeline import default_pipeline
+        """The ATen-stage passes this pass runs: ``ANALYSIS``, every one up to ``verify`` (no ``emit``)."""
+        from capturepass.ir.capabilities import REGISTRY
+        from capturepass.passes.pipeline import ANALYSIS, default_pipeline
 
-        return [p for p in default_pipeline(REGISTRY.key()) if p.stage == "aten" and p.name != "emit"]
+        return default_pipeline(REGISTRY.key(), passes=ANALYSIS)
 
     def uuid(self) -> str:
         """A digest of the passes' sources, the capability registry, the options and this class."""
-        from capturepass.options import Options
+        from capturepass.ir.options import Options
         from capturepass.passes.pipeline import pipeline_uuid
 
         digest = hashlib.sha256()

@@ -15,7 +15,7 @@ import capturepass
 from capturepass.backends.vllm import plugin as vllm_plugin
 from capturepass.backends import dynamo
 from capturepass.errors import OptionError
-from capturepass.options import Options
+from capturepass.ir.options import Options
 
 
 def test_options_from_the_environment(monkeypatch):

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 import capturepass
-from capturepass.capabilities import REGISTRY, CallInfo, CapabilityRegistry, op_qualname
+from capturepass.ir.capabilities import REGISTRY, CallInfo, CapabilityRegistry, op_qualname
 from capturepass.errors import CapabilityError
 from capturepass.ir import meta, printer
 from capturepass.ir.meta import Capability
@@ -790,7 +790,7 @@ def test_copies_between_host_and_device_are_not_capturable(arg_device, out_devic
 
 
 def test_a_functionalized_custom_op_is_answered_as_the_op_it_wraps(declared):
-    from capturepass.backends.dynamo import last_compiled
+    from capturepass.backends.compile import last_compiled
     from capturepass.ir import meta
 
     declared.append(host_mutate)

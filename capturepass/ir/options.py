@@ -20,6 +20,8 @@ from capturepass.ir.meta import CaptureMode
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
 CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
+# How a graph relates to an external stream (option ``external_streams``).
+RELATIONS = ("before", "after", "both")
 
 DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
 VERIFY_ENV = "CAPTUREPASS_VERIFY"
@@ -82,6 +84,12 @@ class Options:
         check_replay: before every replay, check that the input buffers and
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
+        disable: names of passes to leave out, for bisecting a compile; a pass
+            that a later one depends on cannot be left out (``PipelineError``).
+
+    :meth:`for_graph` resolves the options of one graph (its capture mode; the
+    backward graph's single lane, uncaptured) into the one record its passes and
+    its runtime read.
     """
 
     policy: str = "auto"
@@ -95,6 +103,7 @@ class Options:
     static_outputs: bool = False
     check_replay: bool = False
     external_streams: tuple[tuple[str, str], ...] = ()
+    disable: tuple[str, ...] = ()
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -126,6 +135,13 @@ class Options:
             options["capture_sizes"] = tuple(sorted(set(sizes), reverse=True))
         if "external_streams" in options:
             options["external_streams"] = _external_streams(options["external_streams"])
+        if "disable" in options:
+            names = options["disable"]
+            if isinstance(names, str) or not isinstance(names, (list, tuple)) or not all(
+                isinstance(n, str) for n in names
+            ):
+                raise OptionError(f"option 'disable' must be a list of pass names, got {names!r}")
+            options["disable"] = tuple(names)
         opts = cls(**options)
         opts._validate()
         return opts
@@ -164,6 +180,13 @@ class Options:
             return CaptureMode(self.cudagraphs)
         return CaptureMode.MONOLITHIC if on_cuda else CaptureMode.NONE
 
+    def for_graph(self, kind: str, on_cuda: bool) -> "Options":
+        """The options of one graph: the capture mode resolved for its device; the backward
+        graph (``kind="backward"``) on one lane, uncaptured, with no capture sizes."""
+        if kind == "backward":
+            return dataclasses.replace(self, policy="off", cudagraphs=CaptureMode.NONE, capture_sizes=())
+        return dataclasses.replace(self, cudagraphs=self.resolved_cudagraphs(on_cuda))
+
     def key(self) -> str:
         """A stable digest of the options that change generated code."""
         fields = dataclasses.asdict(self)
@@ -174,8 +197,6 @@ class Options:
 
 
 def _external_streams(value: Any) -> tuple[tuple[str, str], ...]:
-    from capturepass.runtime.external import RELATIONS
-
     items = value.items() if isinstance(value, Mapping) else value
     try:
         pairs = [(k, v) for k, v in items]

@@ -1,0 +1,278 @@
+"""The compile driver: the one way a graph goes through capturepass's passes.
+
+:func:`compile_graph` takes an ATen graph (from AOT autograd, from vLLM's
+post-grad pass manager, from a test or a benchmark), resolves the options once
+for it (:meth:`Options.for_graph`), seeds its graph record, runs a named
+sub-pipeline through the pass manager with the instruments the options ask for
+(timing and decision logs always; verify-each with ``verify``; dumps with
+``dump_dir``), compiles the regions of the plan ``emit`` handed over with the
+inner compiler, and returns a :class:`CompiledGraph`: the annotated graph, the
+plan, the runtime's :class:`~capturepass.runtime.program.Program`, counters,
+timings and the resolved options. :func:`run_front` does the same for the
+Dynamo-stage passes.
+
+This module (with the rest of ``capturepass.backends``) is the only place where
+passes and runtime meet: ``emit`` produces a plan as IR data, the driver
+compiles its regions, and the runtime binds the result to graph owners.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.backends import inner as inner_compilers
+from capturepass.errors import EmitError, is_dynamo_signal
+from capturepass.ir import meta
+from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
+from capturepass.ir.meta import Break, GraphInfo, OwnerId
+from capturepass.ir.options import Options
+from capturepass.ir.plan import Plan
+from capturepass.passes import instruments as inst
+from capturepass.passes.base import PassContext
+from capturepass.passes.pipeline import ATEN, FRONT, default_pipeline, position, run_pipeline
+from capturepass.runtime.layouts import ExactLayouts
+from capturepass.runtime.program import Program, describe
+
+log = logging.getLogger("capturepass")
+
+_owner_ids = itertools.count()
+_lock = threading.Lock()
+
+
+def new_owner() -> OwnerId:
+    """A fresh graph owner id (one per compiled graph)."""
+    with _lock:
+        return OwnerId(next(_owner_ids))
+
+
+@dataclasses.dataclass
+class CompiledGraph:
+    """What capturepass produced for one ATen graph (kept for inspection and tests).
+
+    Attributes:
+        name: ``"inference"``, ``"forward"``, ``"backward"`` (or a route's own name).
+        graph: the annotated ATen graph after the last pass.
+        plan: what ``emit`` planned (``None`` when the pipeline stopped before it).
+        program: the compiled outer program (``None`` without a plan, or when regions
+            were not compiled).
+        counters: per-pass counters.
+        timings: seconds per pass.
+        dump_dir: where its dumps were written, if anywhere.
+        options: the graph's resolved options.
+        context: the pass context the pipeline ran with.
+    """
+
+    name: str
+    graph: fx.GraphModule
+    plan: Plan | None
+    program: Program | None
+    counters: dict
+    timings: dict
+    dump_dir: str | None
+    options: Options
+    context: PassContext
+    _executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """The compiled callable's executor while it is alive (held weakly), else ``None``."""
+        return None if self._executor is None else self._executor()
+
+    def attach(self, executor: Any) -> None:
+        """Records the executor that runs this graph (weakly: the record must not keep
+        captured graphs and their pools alive)."""
+        self._executor = weakref.ref(executor)
+
+
+_last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
+
+
+def last_compiled() -> list[CompiledGraph]:
+    """The graphs of recent compiles in this process, oldest first (at most 32)."""
+    return list(_last_compiled)
+
+
+def on_cuda(example_inputs: Iterable[Any]) -> bool:
+    """Whether any example input is a CUDA tensor."""
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+
+
+def resolve(options: Options | Mapping[str, Any] | None) -> Options:
+    """Validated options from a mapping (environment defaults filled in), or options as given."""
+    if isinstance(options, Options):
+        return options
+    return Options.from_mapping(options)
+
+
+def compile_regions(plan: Plan, compiled_name: str = "") -> Program:
+    """Compiles every region of ``plan`` with its inner compiler; the runtime's program.
+
+    Raises:
+        EmitError: an inner compiler failed on a region (Dynamo's own signals pass through).
+    """
+    fns: dict[int, Callable[..., Sequence[Any]]] = {}
+    for region in plan.regions:
+        example = [n.meta.get("val") for n in region.inputs]
+        try:
+            fn = inner_compilers.compile_region(region.graph, example, region.compiler)
+        except Exception as exc:
+            if is_dynamo_signal(exc):
+                raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
+            names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
+            raise EmitError(
+                f"the {region.compiler} compiler failed on region {region.index} (lane s{region.lane}: "
+                f"{names}...): {type(exc).__name__}: {exc}"
+            ) from exc
+        if region.compiler != "eager":
+            # NOTE: a compiled region may return another layout than its fake values say, and
+            # each consumer region is compiled for (and asserts) those: keep them exact.
+            exact = ExactLayouts(fn, example, [n.meta.get("val") for n in region.outputs], f"region {region.index}")
+            if exact.needed:
+                fn = exact
+        fns[region.index] = fn
+    return Program(plan, fns)
+
+
+def _instruments(
+    dumps: bool, dump_dir: str | None, verify: bool
+) -> tuple[list[inst.PassInstrument], inst.Timing, inst.Dump | None]:
+    timing = inst.Timing()
+    out: list[inst.PassInstrument] = [timing, inst.LogDecisions()]
+    if verify:
+        out.append(inst.VerifyEach())
+    dump = inst.Dump(dump_dir, position) if dumps else None
+    if dump is not None:
+        out.append(dump)
+    return out, timing, dump
+
+
+def run_front(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: Options | Mapping[str, Any] | None = None,
+    registry: CapabilityRegistry = REGISTRY, dump: bool = True,
+) -> list[tuple[str, str]]:
+    """Runs the Dynamo-stage passes (``FRONT``) on Dynamo's graph; returns their dumps
+    (``(file name, text)``, written later into each ATen graph's dump folder)."""
+    opts = resolve(options)
+    passes = default_pipeline(registry.key(), opts.disable, passes=FRONT)
+    ctx = PassContext(options=opts, registry=registry, example_inputs=list(example_inputs))
+    instruments, _, dumper = _instruments(dump and opts.dump_dir is not None, None, False)
+    run_pipeline(passes, gm, ctx, instruments)
+    return list(dumper.dumps) if dumper is not None else []
+
+
+def seed(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options | Mapping[str, Any] | None,
+    name: str,
+    *,
+    owner: OwnerId | None = None,
+    static_inputs: Iterable[int] = (),
+    breaks: Sequence[Break] = (),
+) -> Options:
+    """Resolves the options of graph ``gm`` and gives it a graph record, unless it has one
+    (a test's, or a copy kept for a rebuild); returns the resolved options."""
+    cuda = on_cuda(example_inputs)
+    opts = resolve(options).for_graph(name, cuda)
+    if meta.META_KEY not in gm.meta:
+        meta.set_graph_info(
+            gm,
+            GraphInfo(
+                name=name,
+                owner=owner if owner is not None else new_owner(),
+                cudagraphs=opts.cudagraphs,
+                on_cuda=cuda,
+                static_inputs=frozenset(static_inputs),
+                breaks=tuple(breaks),
+                external=opts.external_streams,
+            ),
+        )
+    return opts
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options | Mapping[str, Any] | None = None,
+    *,
+    name: str = "inference",
+    owner: OwnerId | None = None,
+    static_inputs: Iterable[int] = (),
+    breaks: Sequence[Break] = (),
+    passes: Sequence[type] = ATEN,
+    upto: str | None = None,
+    dump_dir: str | None = None,
+    front_dumps: Sequence[tuple[str, str]] = (),
+    verify: bool | None = None,
+    registry: CapabilityRegistry = REGISTRY,
+    not_capturable: Mapping[str, str] | None = None,
+    regions: bool = True,
+    record: bool = True,
+) -> CompiledGraph:
+    """Runs capturepass on one ATen graph.
+
+    Args:
+        gm: the graph (changed in place: the annotated graph). A graph that has a graph record
+            already (a test's, a rebuild's copy) keeps it; otherwise one is seeded from the
+            resolved options.
+        example_inputs: its example inputs (fake tensors).
+        options: capturepass options, or a mapping of them (environment defaults filled in).
+        name: the graph's kind: ``"inference"``, ``"forward"``, ``"backward"``, or a route's name.
+        owner: its graph owner (a fresh one by default).
+        static_inputs: placeholder positions whose storage the caller keeps fixed.
+        breaks: breaks that happened before capturepass (Dynamo's).
+        passes: the named sub-pipeline to run (``ATEN``, ``ANALYSIS``, ...).
+        upto: stop after the pass of this name.
+        dump_dir: this graph's dump folder (by default none).
+        front_dumps: the Dynamo-stage dumps to write beside this graph's.
+        verify: run the verifier after every pass (default: the ``verify`` option).
+        registry: the capability registry the passes ask.
+        not_capturable: nodes to make breaks (node name -> reason), from a failed capture.
+        regions: compile the plan's regions (off: stop at the plan).
+        record: keep the result in :func:`last_compiled`.
+
+    Raises:
+        PipelineError, PassError, VerificationError, EmitError, CapturePassError: as the passes
+            and the inner compiler raise them, naming the pass, node or region.
+    """
+    vals = list(example_inputs)
+    opts = seed(gm, vals, options, name, owner=owner, static_inputs=static_inputs, breaks=breaks)
+    pipeline = default_pipeline(
+        registry.key(), opts.disable, passes=passes, upto=upto, established=meta.graph_info(gm).properties
+    )
+    ctx = PassContext(
+        options=opts, registry=registry, example_inputs=vals, not_capturable=dict(not_capturable or {})
+    )
+    instruments, timing, dumper = _instruments(dump_dir is not None, dump_dir, opts.verify if verify is None else verify)
+    run_pipeline(pipeline, gm, ctx, instruments)
+    plan: Plan | None = ctx.artifacts.get("plan")
+    program = None
+    if plan is not None and regions:
+        program = compile_regions(plan)
+        ctx.artifacts["program"] = program
+        if dumper is not None:
+            dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")
+    if dumper is not None:
+        dumper.write(gm, front_dumps)
+    compiled = CompiledGraph(name, gm, plan, program, ctx.counters, timing.timings, dump_dir, opts, ctx)
+    if record:
+        _last_compiled.append(compiled)
+    return compiled
+
+
+def dump_folder(dump_dir: str | os.PathLike | None, compile_id: int, name: str) -> str | None:
+    """``<dump_dir>/NNN_<name>``: the dump folder of one compiled graph, or ``None``."""
+    if dump_dir is None:
+        return None
+    return os.path.join(os.fspath(dump_dir), f"{compile_id:03d}_{name}")
