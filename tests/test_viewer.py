@@ -166,7 +166,8 @@ def _chromium() -> str | None:
 def _browser(tmp_path, url: str, *extra: str) -> subprocess.CompletedProcess:
     exe = _chromium()
     if exe is None:
-        pytest.skip("no chromium binary on PATH (scripts/setup.sh installs Debian's chromium where apt-get exists)")
+        pytest.skip("no chromium on PATH: `bash scripts/install_browser.sh` says what it would install "
+                    "(Debian's chromium, system-wide) and installs it with --yes")
     profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
     cmd = [
         exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
