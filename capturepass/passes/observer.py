@@ -12,7 +12,12 @@ it:
   ``verify=True`` runs the verifier on every established property, so that a
   broken invariant is reported at the pass that broke it;
 - writes ``NNN_<pass>.txt``, the canonical dump after the pass, when a dump
-  directory is set, and ``graph.json`` after the last pass.
+  directory is set, and ``graph.json`` after the last pass;
+- emits the same dumps into PyTorch's structured trace when it is on
+  (``TORCH_TRACE=DIR``, read by ``tlparse``), beside Dynamo's, AOT autograd's and
+  Inductor's own artifacts: one ``artifact`` per pass dump, named
+  ``capturepass_<graph>_<NNN>_<pass>`` (a string), and ``capturepass_<graph>_graph``
+  (``graph.json``, JSON). This needs no dump directory.
 
 Each pass runs inside :func:`capturepass.ir.meta.shared_records`: nodes whose
 records the pass changes alike share the new (frozen) record.
@@ -26,6 +31,7 @@ import os
 import time
 from collections.abc import Sequence
 
+import torch
 import torch.fx as fx
 
 from capturepass.ir import meta, printer
@@ -71,6 +77,44 @@ def _log_decisions(p: Pass, before: meta.GraphInfo, gm: fx.GraphModule) -> None:
             log.info("capturepass: %s %s: %s break%s: %s", after.name, pass_name, brk.source, where, brk.reason)
 
 
+def structured_trace_on() -> bool:
+    """Whether PyTorch's structured trace (``TORCH_TRACE``) is being written in this process.
+
+    ``torch._logging.trace_structured`` writes through the handlers of its ``trace_log``
+    (``torch/_logging/_internal.py``); asking first spares printing dumps nobody reads.
+    Feature-detected: ``False`` where torch has no structured trace.
+    """
+    internal = getattr(getattr(torch, "_logging", None), "_internal", None)
+    trace_log = getattr(internal, "trace_log", None)
+    if not callable(getattr(torch._logging, "trace_structured", None)):
+        return False
+    for handler in getattr(trace_log, "handlers", None) or ():
+        # torch's own trace handler (LazyTraceHandler) has a trace directory when TORCH_TRACE
+        # (or TORCH_COMPILE_DEBUG) is set; without one it opens nothing and removes itself at
+        # the first entry. Other handlers (a test runner's log capture) are not the trace.
+        if not hasattr(handler, "root_dir"):
+            continue
+        if handler.root_dir is not None or getattr(handler, "stream", None) is not None:
+            return True
+    return False
+
+
+def emit_structured(name: str, payload: str, encoding: str = "string") -> None:
+    """One ``artifact`` entry of the structured trace (what ``tlparse`` lists per compile).
+
+    The entry is tagged with the compile Dynamo is running (its frame and compile id), as
+    Inductor's artifacts are, so that ``tlparse`` files it under the same compile.
+    """
+    trace_structured = getattr(getattr(torch, "_logging", None), "trace_structured", None)
+    if trace_structured is None:
+        return
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=lambda: payload,
+    )
+
+
 def _index(p: Pass) -> int:
     for i, cls in enumerate(PIPELINE):
         if isinstance(p, cls):
@@ -86,12 +130,15 @@ class Observer:
         dump_dir: where this graph's dumps go, or ``None``.
         verify_each: verify after every pass.
         timings: seconds per pass name, accumulated.
+        trace: also emit the dumps into the structured trace (default: whether it is on,
+            :func:`structured_trace_on`).
     """
 
     dump_dir: str | None = None
     verify_each: bool = False
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     settings: printer.PrintSettings = dataclasses.field(default_factory=printer.PrintSettings)
+    trace: bool = dataclasses.field(default_factory=structured_trace_on)
 
     def run(self, passes: Sequence[Pass], gm: fx.GraphModule, ctx: PassContext) -> list[tuple[str, str]]:
         """Runs ``passes`` on ``gm``; returns ``(file name, dump text)`` of each pass."""
@@ -111,7 +158,7 @@ class Observer:
                 meta.update_graph(gm, properties=gi.properties | frozenset(p.ensures))
                 if self.verify_each and p.name not in ("verify", "emit"):
                     ir_verify.verify(gm)
-            if self.dump_dir is not None:
+            if self.dump_dir is not None or self.trace:
                 fname = f"{_index(p):03d}_{p.name}.txt"
                 text = printer.dump(gm, title=f"after {p.name}", settings=self.settings)
                 if p.name == "emit" and "program" in ctx.artifacts:
@@ -120,13 +167,20 @@ class Observer:
         return dumps
 
     def write(self, dumps: Sequence[tuple[str, str]], gm: fx.GraphModule | None = None) -> None:
-        """Writes dump files (and ``graph.json`` for ``gm``) into the dump directory."""
-        if self.dump_dir is None:
-            return
-        os.makedirs(self.dump_dir, exist_ok=True)
-        for fname, text in dumps:
-            with open(os.path.join(self.dump_dir, fname), "w") as f:
-                f.write(text)
-        if gm is not None:
-            with open(os.path.join(self.dump_dir, "graph.json"), "w") as f:
-                f.write(printer.dumps_json(gm))
+        """Writes dump files (and ``graph.json`` for ``gm``) into the dump directory, and the
+        structured trace when it is on."""
+        graph_text = printer.dumps_json(gm) if gm is not None and (self.dump_dir is not None or self.trace) else None
+        if self.dump_dir is not None:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            for fname, text in dumps:
+                with open(os.path.join(self.dump_dir, fname), "w") as f:
+                    f.write(text)
+            if graph_text is not None:
+                with open(os.path.join(self.dump_dir, "graph.json"), "w") as f:
+                    f.write(graph_text)
+        if self.trace:
+            graph = meta.graph_info(gm).name if gm is not None else "graph"
+            for fname, text in dumps:
+                emit_structured(f"capturepass_{graph}_{os.path.splitext(fname)[0]}", text)
+            if graph_text is not None:
+                emit_structured(f"capturepass_{graph}_graph", graph_text, encoding="json")
