@@ -52,7 +52,8 @@ def test_sparse_attention_indexer(tmp_path):
     (total,) = _totals(out)
     assert total["lanes"] >= 2 and total["waits"] >= 2
     assert "result equals eager on cpu (two calls, new input values): OK" in out
-    assert page.read_text().count('class="lane-row"') == total["lanes"]
+    models = re.findall(r'<script type="application/json" class="schedule-model">(.*?)</script>', page.read_text())
+    assert [len(json.loads(m)["lanes"]) for m in models] == [total["lanes"]]
 
 
 def test_speculative_target_draft(tmp_path):
