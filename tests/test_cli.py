@@ -12,6 +12,16 @@ hinted onto lane "aux", compiled with ``policy="hints"`` and
 - retained 4: the one captured segment retains the static inputs it reads,
   the weights and biases of both linear layers;
 - segments 1, breaks 0.
+
+The decisions, also by hand: every kernel costs the nominal device's 2 us launch
+floor, so one lane would take 10 us (five kernels); on two lanes main runs
+``addmm_1``, ``tanh`` and, after the join wait, ``add``, while aux runs its two
+hinted kernels: 6.04 us (the record and wait markers take 0.01 us each in the
+simulation: main's fork record, aux's fork wait and join record, main's join
+wait). Both aux kernels are there by their hint; nothing has a capability other
+than the default. The four retained objects are the linear layers' weights and
+biases (``arg0_1``, ``arg1_1``, ``arg3_1``, ``arg4_1``), kept by segment ``k0`` of
+owner ``g0``.
 """
 
 from __future__ import annotations
@@ -71,6 +81,75 @@ def test_show_prints_what_the_compile_did(dump_dir, capsys):
     assert waits[0].startswith("  wait %") and " on s1 for e0 (fork, lease l0): fork k0" in waits[0]
     assert " on s0 for e1 (join, lease l1): %relu->%add" in waits[1]
     assert lines[-1] == "total: lanes 2, records 2, waits 2, leases 2, retained 4, segments 1, breaks 0"
+    assert lines[3:7] == [
+        "  schedule (estimated, nominal device): one lane 10.00 us, on 2 lane(s) 6.04 us; overlap gains 3.96 us (40%)",
+        "  lane s0 main: 3 kernel(s): %addmm_1, %tanh, %add",
+        "  lane s1 aux: 2 kernel(s), 2 hinted to it (capturepass.lane or a stream region): %addmm, %relu",
+        "  retained by segment k0 (owner g0): %arg0_1 f32[8,8], %arg1_1 f32[8], %arg3_1 f32[8,8], %arg4_1 f32[8]",
+    ]
+
+
+def test_show_json_holds_the_decisions_and_retained_objects(dump_dir, capsys):
+    assert cli.main(["show", dump_dir]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert cli.main(["show", dump_dir, "--json"]) == 0
+    (graph,) = json.loads(capsys.readouterr().out)["graphs"]
+    assert [d["kind"] for d in graph["decisions"]] == ["schedule", "lane", "lane"]
+    for d in graph["decisions"]:  # the same lines as the plain output
+        assert f"  {d['text']}" in text
+    schedule, main, aux = graph["decisions"]
+    assert schedule["timing"] == {
+        "source": "estimated", "kernels": 5, "at_floor": 5, "one_lane_us": 10.0, "scheduled_us": 6.04,
+        "gained_us": 3.96, "gained_pct": 39.6, "lanes_busy_us": {"s0": 6.0, "s1": 4.0}}
+    assert (main["kernels"], main["hinted"], main["scheduled"]) == (["addmm_1", "tanh", "add"], [], [])
+    assert (aux["kernels"], aux["hinted"]) == (["addmm", "relu"], ["addmm", "relu"])
+    assert graph["retained_objects"] == [
+        {"object": a, "kind": "input", "type": t, "owner": "g0", "segment": "k0", "by": graph["retained_objects"][0]["by"]}
+        for a, t in (("arg0_1", "f32[8,8]"), ("arg1_1", "f32[8]"), ("arg3_1", "f32[8,8]"), ("arg4_1", "f32[8]"))]
+    assert len(graph["retained_objects"]) == graph["retained"] == 4
+
+
+def test_show_lists_capability_decisions_and_pass_decisions(tmp_path, capsys):
+    """A custom op declared serialized: its capability line, and the decision assign_streams recorded."""
+    try:
+        @torch.library.custom_op("capturepass_cli_test::step", mutates_args=())
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x + 1.0
+
+        @step.register_fake
+        def _(x):
+            return torch.empty_like(x)
+
+        capturepass.register_capability(step, overlap="serialize")
+
+        class WithStep(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+            def forward(self, x):
+                return torch.ops.capturepass_cli_test.step(self.a(x)) + torch.tanh(self.b(x))
+
+        torch._dynamo.reset()
+        x = torch.randn(4, 8)
+        model = WithStep()
+        with torch.no_grad():
+            out = torch.compile(model, backend="capturepass", options={"inner": "eager", "dump_dir": str(tmp_path)})(x)
+            torch.testing.assert_close(out, model(x))
+        torch._dynamo.reset()
+    finally:
+        capturepass.ir.capabilities.REGISTRY.unregister(step)
+    assert cli.main(["show", str(tmp_path)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert ("  capability step: serialized: no other lane runs beside it; because: declared overlap=serialize "
+            "(registry): %step") in text
+    assert "  decision: %step: declared overlap=serialize: serialized, no other lane runs beside it" in text
+    assert cli.main(["show", str(tmp_path), "--json"]) == 0
+    (graph,) = json.loads(capsys.readouterr().out)["graphs"]
+    (cap,) = [d for d in graph["decisions"] if d["kind"] == "capability"]
+    assert cap["op"] == "step" and cap["nodes"] == ["step"]
+    assert [d["text"] for d in graph["decisions"] if d["kind"] == "pass"] == [
+        "decision: %step: declared overlap=serialize: serialized, no other lane runs beside it"]
 
 
 def test_show_json_has_the_exact_counts(dump_dir, capsys):

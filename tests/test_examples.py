@@ -52,7 +52,8 @@ def test_sparse_attention_indexer(tmp_path):
     (total,) = _totals(out)
     assert total["lanes"] >= 2 and total["waits"] >= 2
     assert "result equals eager on cpu (two calls, new input values): OK" in out
-    assert page.read_text().count('class="lane-row"') == total["lanes"]
+    models = re.findall(r'<script type="application/json" class="schedule-model">(.*?)</script>', page.read_text())
+    assert [len(json.loads(m)["lanes"]) for m in models] == [total["lanes"]]
 
 
 def test_speculative_target_draft(tmp_path):
@@ -84,10 +85,38 @@ def test_every_example_is_tested(name):
     assert f"test_{name[:-3]}" in globals(), f"examples/{name} has no test here"
 
 
-def test_engine_resources():
-    out = _run("engine_resources.py")
+def test_engine_resources(tmp_path):
+    out = _run("engine_resources.py", "--dump", str(tmp_path))
+    (total,) = _totals(out)
+    assert total["lanes"] == 2 and total["waits"] == 2
+    (graph_dir,) = os.listdir(tmp_path)
+    assert os.path.isfile(tmp_path / graph_dir / "graph.json")
+    assert "  external stream offload (before): 1 join(s)" in out
     assert re.search(r"profiling capture: 2 throwaway owner\(s\) g\d+:inference, g\d+:inference; .* left allocated 0 B", out)
     assert re.search(r"channels released with them: g\d+:inference/s0, g\d+:inference/s0; live now: none", out)
     assert "channels: 3 live, one per owner and lane:" in out and "eager/s0: 3 call(s)" in out
     assert "external stream joins in the dump: 1" in out
     assert "result equals eager on cpu (target and draft interleaved, weights from the offload stream): OK" in out
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")))
+def test_every_example_takes_device_and_dump(name):
+    """The same two flags everywhere (vllm_offline.py imports vLLM only after parsing them)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), "--help"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"--device\b", proc.stdout) and re.search(r"--dump\b", proc.stdout), proc.stdout
+
+
+def test_vllm_example_without_vllm_says_which_venv(tmp_path):
+    # Asked in a fresh interpreter: here tests/ is on sys.path, and tests/vllm is a package.
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('vllm') is None)"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    if probe.stdout.strip() != "True":
+        pytest.skip("vllm is installed here")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "vllm_offline.py"), "--device", "cpu",
+                           "--dump", str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == ("vllm_offline: No module named 'vllm': run it with the venv that has vLLM "
+                                   "(bash scripts/test_vllm.sh makes .venv-vllm)")

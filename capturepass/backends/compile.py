@@ -151,7 +151,8 @@ def _instruments(
     out: list[inst.PassInstrument] = [timing, inst.LogDecisions()]
     if verify:
         out.append(inst.VerifyEach())
-    dump = inst.Dump(dump_dir, position) if dumps else None
+    trace = inst.structured_trace_on()
+    dump = inst.Dump(dump_dir, position, trace=trace) if dumps or trace else None
     if dump is not None:
         out.append(dump)
     return out, timing, dump
@@ -168,6 +169,7 @@ def run_front(
     ctx = PassContext(options=opts, registry=registry, example_inputs=list(example_inputs))
     instruments, _, dumper = _instruments(dump and opts.dump_dir is not None, None, False)
     run_pipeline(passes, gm, ctx, instruments)
+    # Each ATen graph writes these into its own folder (and the trace) beside its own dumps.
     return list(dumper.dumps) if dumper is not None else []
 
 

@@ -51,6 +51,7 @@ class NodeDoc(TypedDict, total=False):
     event: str
     role: str
     external: str
+    hint: str
     lease: str
     owner: str
     segment: str
@@ -204,7 +205,7 @@ class _Validator:
         self.integer(lane, f"{where}.lane", 0, 1 << 62, optional=True)
         if lane is not None and lane >= max(lanes, 1):
             raise self.fail(f"{where}.lane", f"is {_brief(lane)}, but the graph has {lanes} lane(s)")
-        for key in ("event", "role", "external", "lease", "owner", "segment", "break", "created_by", "why"):
+        for key in ("event", "role", "external", "hint", "lease", "owner", "segment", "break", "created_by", "why"):
             if key in node:
                 self.string(node[key], f"{where}.{key}")
         if "resources" in node:

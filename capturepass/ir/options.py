@@ -3,12 +3,18 @@
 ``torch.compile(model, backend="capturepass", options={...})`` passes a plain
 mapping; :meth:`Options.from_mapping` turns it into a frozen record and raises
 :class:`~capturepass.errors.OptionError` naming the offending key and the valid
-choices. The record is part of every pass's cache key (``Options.key()``).
+choices (and, for a misspelled name, the closest valid one). Values that can be
+checked before anything is compiled are checked here: a ``dump_dir`` that is a file,
+or below one, or in a directory this process cannot write, is refused at once, naming
+the option or the environment variable it came from (``CAPTUREPASS_DUMP_DIR``,
+``CAPTUREPASS_OPTIONS``), rather than failing after the whole compile. The record is
+part of every pass's cache key (``Options.key()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import os
 from collections.abc import Mapping
@@ -113,17 +119,24 @@ class Options:
         Raises:
             OptionError: an unknown key, or a value of the wrong type or range.
         """
-        options = {**env_options(), **dict(options or {})}
+        code = dict(options or {})
+        options = {**env_options(), **code}
+        # Where each value came from, for messages: the code (None) or an environment variable.
+        sources: dict[str, str | None] = {k: None if k in code else OPTIONS_ENV for k in options}
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
+            parts = []
+            for key in unknown:
+                where = f" (in {OPTIONS_ENV})" if sources.get(key) == OPTIONS_ENV else ""
+                parts.append(f"{key!r}{where}{_did_you_mean(key, valid)}")
             raise OptionError(
-                f"unknown capturepass option(s) {', '.join(map(repr, unknown))}; "
-                f"valid options are: {', '.join(valid)}"
+                f"unknown capturepass option(s) {', '.join(parts)}; valid options are: {', '.join(valid)}"
             )
         # An empty CAPTUREPASS_DUMP_DIR is unset (the shell convention); an empty option is an error.
         if "dump_dir" not in options and os.environ.get(DUMP_DIR_ENV):
             options["dump_dir"] = os.environ[DUMP_DIR_ENV]
+            sources["dump_dir"] = DUMP_DIR_ENV
         if "verify" not in options and os.environ.get(VERIFY_ENV):
             options["verify"] = os.environ[VERIFY_ENV] not in ("", "0", "false", "False")
         if "capture_sizes" in options:
@@ -131,7 +144,7 @@ class Options:
             if not isinstance(sizes, (list, tuple)) or not all(
                 isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes
             ):
-                raise OptionError(f"option 'capture_sizes' must be a list of positive ints, got {sizes!r}")
+                raise OptionError(f"{_label('capture_sizes', sources)} must be a list of positive ints, got {sizes!r}")
             options["capture_sizes"] = tuple(sorted(set(sizes), reverse=True))
         if "external_streams" in options:
             options["external_streams"] = _external_streams(options["external_streams"])
@@ -143,36 +156,34 @@ class Options:
                 raise OptionError(f"option 'disable' must be a list of pass names, got {names!r}")
             options["disable"] = tuple(names)
         opts = cls(**options)
-        opts._validate()
+        opts._validate(sources)
         return opts
 
-    def _validate(self) -> None:
-        _choice("policy", self.policy, POLICIES)
-        _choice("inner", self.inner, INNER_COMPILERS)
+    def _validate(self, sources: Mapping[str, str | None] | None = None) -> None:
+        sources = sources or {}
+
+        def name(key: str) -> str:
+            return _label(key, sources)
+
+        _choice("policy", self.policy, POLICIES, name("policy"))
+        _choice("inner", self.inner, INNER_COMPILERS, name("inner"))
         if self.cudagraphs is not None:
-            _choice("cudagraphs", self.cudagraphs, CUDAGRAPH_MODES)
-        if isinstance(self.max_aux_lanes, bool) or not isinstance(self.max_aux_lanes, int):
-            raise OptionError(
-                f"option 'max_aux_lanes' must be a non-negative int, got {self.max_aux_lanes!r}"
-            )
-        if self.max_aux_lanes < 0:
-            raise OptionError(
-                f"option 'max_aux_lanes' must be a non-negative int, got {self.max_aux_lanes!r}"
-            )
+            _choice("cudagraphs", self.cudagraphs, CUDAGRAPH_MODES, name("cudagraphs"))
+        if isinstance(self.max_aux_lanes, bool) or not isinstance(self.max_aux_lanes, int) or self.max_aux_lanes < 0:
+            raise OptionError(f"{name('max_aux_lanes')} must be a non-negative int, got {self.max_aux_lanes!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
-            raise OptionError(f"option 'dump_dir' must be a path or None, got {self.dump_dir!r}")
+            raise OptionError(f"{name('dump_dir')} must be a path or None, got {self.dump_dir!r}")
         if self.dump_dir is not None and os.fspath(self.dump_dir) in ("", b""):
             raise OptionError(
-                "option 'dump_dir' is an empty path; give a directory, or None (the default) for no dumps"
+                f"{name('dump_dir')} is an empty path; give a directory, or None (the default) for no dumps"
             )
+        if self.dump_dir is not None:
+            _check_dump_dir(os.fspath(self.dump_dir), name("dump_dir"))
         if isinstance(self.max_captures, bool) or not isinstance(self.max_captures, int) or self.max_captures < 1:
-            raise OptionError(f"option 'max_captures' must be a positive int, got {self.max_captures!r}")
-        if not isinstance(self.static_outputs, bool):
-            raise OptionError(f"option 'static_outputs' must be True or False, got {self.static_outputs!r}")
-        if not isinstance(self.check_replay, bool):
-            raise OptionError(f"option 'check_replay' must be True or False, got {self.check_replay!r}")
-        if not isinstance(self.verify, bool):
-            raise OptionError(f"option 'verify' must be True or False, got {self.verify!r}")
+            raise OptionError(f"{name('max_captures')} must be a positive int, got {self.max_captures!r}")
+        for key in ("static_outputs", "check_replay", "verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise OptionError(f"{name(key)} must be True or False, got {getattr(self, key)!r}")
 
     def resolved_cudagraphs(self, on_cuda: bool) -> CaptureMode:
         """The capture mode for a graph whose tensors live on CUDA (or not)."""
@@ -218,8 +229,56 @@ def _external_streams(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def _label(key: str, sources: Mapping[str, str | None]) -> str:
+    """How a message names option ``key``: by the environment variable it came from, if it did."""
+    source = sources.get(key)
+    if source == DUMP_DIR_ENV:
+        return f"{DUMP_DIR_ENV} (the option 'dump_dir')"
+    if source is not None:
+        return f"option {key!r} (from {source})"
+    return f"option {key!r}"
+
+
+def _did_you_mean(word: Any, choices: Any) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a misspelled ``word``, or ``""``."""
+    if not isinstance(word, str):
+        return ""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:  # a different case or a prefix ("Hints", "break") is close too
+        lowered = {str(c).lower(): str(c) for c in choices}
+        hit = lowered.get(word.lower()) or next((c for lo, c in lowered.items() if lo.startswith(word.lower())), None)
+        close = [hit] if hit and word else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_dump_dir(path: str, label: str) -> None:
+    """Refuses a dump directory that cannot be made or written, before anything is compiled.
+
+    The dumps are written after each graph's passes: a path that is a file, lies below a
+    file, or lies in a directory this process may not write would otherwise fail only then,
+    with an ``OSError`` that names no option.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OptionError(f"{label} is {path!r}, which is a file, not a directory; give a directory for the dumps")
+    # The nearest part of the path that exists must be a directory this process can write into.
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise OptionError(
+            f"{label} is {path!r}, below {probe!r}, which is a file; give a directory for the dumps"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "a directory" if probe == os.path.abspath(path) else f"to be made in {probe!r}, a directory"
+        raise OptionError(f"{label} is {path!r}, {where} this process cannot write; give one it can write")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], label: str | None = None) -> None:
     if value not in choices:
         raise OptionError(
-            f"option {name!r} must be one of {', '.join(map(repr, choices))}; got {value!r}"
+            f"{label or f'option {name!r}'} must be one of {', '.join(map(repr, choices))}; "
+            f"got {value!r}{_did_you_mean(value, choices)}"
         )

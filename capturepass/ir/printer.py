@@ -272,6 +272,8 @@ def to_json(gm: fx.GraphModule) -> dict[str, Any]:
             entry["external"] = rec.external
         if rec.lease is not None:
             entry["lease"] = canon("l", rec.lease)
+        if rec.hint is not None:
+            entry["hint"] = rec.hint
         if rec.owner is not None:
             entry["owner"] = canon("g", rec.owner)
         if rec.segment is not None:

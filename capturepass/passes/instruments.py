@@ -17,7 +17,12 @@ The instruments here:
 - :class:`VerifyEach`: the verifier after every ATen-stage pass (``verify=True``),
   so that a broken invariant is reported at the pass that broke it;
 - :class:`Dump`: the canonical dump after each pass (``NNN_<pass>.txt``) and
-  ``graph.json``, into the dump directory.
+  ``graph.json``, into the dump directory; and the same dumps into PyTorch's
+  structured trace when it is on (``TORCH_TRACE=DIR``, read by ``tlparse``),
+  beside Dynamo's, AOT autograd's and Inductor's own artifacts: one ``artifact``
+  per pass dump, named ``capturepass_<graph>_<NNN>_<pass>`` (a string), and
+  ``capturepass_<graph>_graph`` (``graph.json``, JSON). The trace needs no dump
+  directory.
 
 Disabling a pass by name (for bisecting a compile) is the pipeline's job
 (option ``disable``): it checks that no later pass needs what the disabled one
@@ -31,6 +36,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from capturepass.ir import meta, printer
@@ -120,22 +126,64 @@ class VerifyEach(PassInstrument):
             ir_verify.verify(gm)
 
 
+def structured_trace_on() -> bool:
+    """Whether PyTorch's structured trace (``TORCH_TRACE``) is being written in this process.
+
+    ``torch._logging.trace_structured`` writes through the handlers of its ``trace_log``
+    (``torch/_logging/_internal.py``); asking first spares printing dumps nobody reads.
+    Feature-detected: ``False`` where torch has no structured trace.
+    """
+    logging_mod = getattr(torch, "_logging", None)
+    internal = getattr(logging_mod, "_internal", None)
+    trace_log = getattr(internal, "trace_log", None)
+    if not callable(getattr(logging_mod, "trace_structured", None)):
+        return False
+    for handler in getattr(trace_log, "handlers", None) or ():
+        # torch's own trace handler (LazyTraceHandler) has a trace directory when TORCH_TRACE
+        # (or TORCH_COMPILE_DEBUG) is set; without one it opens nothing and removes itself at
+        # the first entry. Other handlers (a test runner's log capture) are not the trace.
+        if not hasattr(handler, "root_dir"):
+            continue
+        if handler.root_dir is not None or getattr(handler, "stream", None) is not None:
+            return True
+    return False
+
+
+def emit_structured(name: str, payload: str, encoding: str = "string") -> None:
+    """One ``artifact`` entry of the structured trace (what ``tlparse`` lists per compile).
+
+    The entry is tagged with the compile Dynamo is running (its frame and compile id), as
+    Inductor's artifacts are, so that ``tlparse`` files it under the same compile.
+    """
+    trace_structured = getattr(getattr(torch, "_logging", None), "trace_structured", None)
+    if trace_structured is None:
+        return
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=lambda: payload,
+    )
+
+
 class Dump(PassInstrument):
     """The canonical dump after each pass, and ``graph.json``, written into ``dump_dir``.
 
     Args:
         dump_dir: the folder of this graph's dumps (``None``: the dumps are only collected,
-            for another graph's folder to hold).
+            for another graph's folder or the trace to hold).
         index: the number a pass's file starts with (its place in the full pipeline).
         settings: what the dump shows.
+        trace: also emit the dumps into the structured trace (default: whether it is on).
     """
 
     def __init__(
-        self, dump_dir: str | None, index: Callable[[Pass], int], settings: printer.PrintSettings | None = None
+        self, dump_dir: str | None, index: Callable[[Pass], int], settings: printer.PrintSettings | None = None,
+        trace: bool | None = None,
     ) -> None:
         self.dump_dir = dump_dir
         self.index = index
         self.settings = settings or printer.PrintSettings()
+        self.trace = structured_trace_on() if trace is None else trace
         self.dumps: list[tuple[str, str]] = []
 
     def run_after_pass(self, p: Pass, gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -149,13 +197,22 @@ class Dump(PassInstrument):
                 self.dumps[i] = (fname, body + text)
 
     def write(self, gm: fx.GraphModule | None, before: Sequence[tuple[str, str]] = ()) -> None:
-        """Writes ``before`` (earlier stages' dumps) and this run's dumps, and ``graph.json`` of ``gm``."""
-        if self.dump_dir is None:
-            return
-        os.makedirs(self.dump_dir, exist_ok=True)
-        for fname, text in [*before, *self.dumps]:
-            with open(os.path.join(self.dump_dir, fname), "w") as f:
-                f.write(text)
-        if gm is not None:
-            with open(os.path.join(self.dump_dir, "graph.json"), "w") as f:
-                f.write(printer.dumps_json(gm))
+        """Writes ``before`` (earlier stages' dumps) and this run's dumps, and ``graph.json`` of
+        ``gm``, into the dump directory, and into the structured trace when it is on."""
+        dumps = [*before, *self.dumps]
+        wanted = self.dump_dir is not None or self.trace
+        graph_text = printer.dumps_json(gm) if gm is not None and wanted else None
+        if self.dump_dir is not None:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            for fname, text in dumps:
+                with open(os.path.join(self.dump_dir, fname), "w") as f:
+                    f.write(text)
+            if graph_text is not None:
+                with open(os.path.join(self.dump_dir, "graph.json"), "w") as f:
+                    f.write(graph_text)
+        if self.trace:
+            graph = meta.graph_info(gm).name if gm is not None else "graph"
+            for fname, text in dumps:
+                emit_structured(f"capturepass_{graph}_{os.path.splitext(fname)[0]}", text)
+            if graph_text is not None:
+                emit_structured(f"capturepass_{graph}_graph", graph_text, encoding="json")

@@ -145,7 +145,8 @@ def test_empty_dump_dir_is_refused_and_writes_nothing(tmp_path, monkeypatch):
         )
     _assert_message(unwrap(info.value), ("'dump_dir'", "empty path"))
     monkeypatch.setenv("CAPTUREPASS_OPTIONS", json.dumps({"dump_dir": ""}))
-    with pytest.raises(capturepass.OptionError, match="'dump_dir' is an empty path"):
+    with pytest.raises(capturepass.OptionError,
+                       match=re.escape("option 'dump_dir' (from CAPTUREPASS_OPTIONS) is an empty path")):
         Options.from_mapping({})
     assert os.listdir(tmp_path) == []
 
@@ -160,3 +161,114 @@ def test_empty_dump_dir_variable_counts_as_unset(tmp_path, monkeypatch):
                                                  options={"inner": "eager"})(x), x.cos())
     assert [g.dump_dir for g in graphs] == [None]
     assert os.listdir(tmp_path) == []
+
+
+# -- the closest valid name; values checked before anything is compiled --------------------------
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"polcy": "off"}, "unknown capturepass option(s) 'polcy' (did you mean 'policy'?); valid options are: "),
+    ({"max_aux_lane": 1}, "'max_aux_lane' (did you mean 'max_aux_lanes'?)"),
+    ({"dumpdir": "x"}, "'dumpdir' (did you mean 'dump_dir'?)"),
+    ({"policy": "hint"}, "option 'policy' must be one of 'auto', 'hints', 'off'; got 'hint' (did you mean 'hints'?)"),
+    ({"inner": "Inductor"}, "got 'Inductor' (did you mean 'inductor'?)"),
+    ({"cudagraphs": "break"}, "got 'break' (did you mean 'breakable'?)"),
+])
+def test_a_misspelled_name_gets_the_closest_valid_one(options, message):
+    with pytest.raises(capturepass.OptionError) as info:
+        Options.from_mapping(options)
+    assert message in str(info.value)
+
+
+def test_nothing_close_gets_no_suggestion():
+    with pytest.raises(capturepass.OptionError) as info:
+        Options.from_mapping({"zzzz": 1})
+    assert "did you mean" not in str(info.value) and "'zzzz'" in str(info.value)
+
+
+def test_an_unknown_key_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", json.dumps({"polcy": "off"}))
+    with pytest.raises(capturepass.OptionError, match=re.escape(
+            "'polcy' (in CAPTUREPASS_OPTIONS) (did you mean 'policy'?)")):
+        Options.from_mapping({})
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", json.dumps({"policy": "fast"}))
+    with pytest.raises(capturepass.OptionError, match=re.escape("option 'policy' (from CAPTUREPASS_OPTIONS) must be")):
+        Options.from_mapping({})
+
+
+def test_a_dump_dir_that_is_a_file_is_refused_before_compiling(tmp_path, monkeypatch):
+    path = tmp_path / "dump"
+    path.write_text("not a directory")
+    with new_compiles() as graphs, pytest.raises(capturepass.OptionError) as info:
+        capturepass_backend(_graph(), [torch.randn(3)], options={"inner": "eager", "dump_dir": str(path)})
+    assert str(info.value) == (f"option 'dump_dir' is {str(path)!r}, which is a file, not a directory; "
+                               "give a directory for the dumps")
+    assert graphs == []
+    # Below a file: the part of the path that exists is named.
+    below = path / "graphs"
+    with pytest.raises(capturepass.OptionError, match=re.escape(f"below {str(path)!r}, which is a file")):
+        Options.from_mapping({"dump_dir": str(below)})
+    # From the environment, the variable is named; through torch.compile, before any graph is compiled.
+    monkeypatch.setenv(DUMP_DIR_ENV, str(path))
+    with new_compiles() as graphs, pytest.raises(Exception) as info:
+        torch.compile(lambda x: x.sin(), backend="capturepass", options={"inner": "eager"})(torch.randn(3))
+    assert str(unwrap(info.value)).startswith(f"CAPTUREPASS_DUMP_DIR (the option 'dump_dir') is {str(path)!r}, "
+                                              "which is a file")
+    assert graphs == []
+    monkeypatch.delenv(DUMP_DIR_ENV)
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", json.dumps({"dump_dir": str(path)}))
+    with pytest.raises(capturepass.OptionError, match=re.escape("option 'dump_dir' (from CAPTUREPASS_OPTIONS) is")):
+        Options.from_mapping({})
+
+
+def _option_error_as(uid: int | None, options: dict) -> str:
+    """The OptionError message of ``Options.from_mapping(options)``, in a child process running as ``uid``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop root, if asked, and report
+        os.close(read)
+        try:
+            if uid is not None:
+                os.setgid(uid)
+                os.setuid(uid)
+            try:
+                Options.from_mapping(options)
+                msg = "accepted"
+            except capturepass.OptionError as e:
+                msg = str(e)
+            os.write(write, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_an_unwritable_dump_dir_is_refused_before_compiling():
+    # Root may write anywhere: the check runs as an unprivileged user then (nobody), in a
+    # folder of /tmp that user can reach.
+    import pathlib
+    import shutil
+    import tempfile
+
+    uid = 65534 if os.geteuid() == 0 else None
+    top = pathlib.Path(tempfile.mkdtemp(prefix="capturepass-options-"))
+    os.chmod(top, 0o755)
+    base = top / "ro"
+    base.mkdir()
+    os.chmod(base, 0o555)
+    try:
+        made = str(base / "dump")
+        assert _option_error_as(uid, {"dump_dir": made}) == (
+            f"option 'dump_dir' is {made!r}, to be made in {str(base)!r}, a directory this process cannot write; "
+            "give one it can write")
+        assert _option_error_as(uid, {"dump_dir": str(base)}).startswith(
+            f"option 'dump_dir' is {str(base)!r}, a directory this process cannot write")
+        os.chmod(base, 0o777)
+        assert _option_error_as(uid, {"dump_dir": made}) == "accepted"
+    finally:
+        os.chmod(base, 0o755)
+        shutil.rmtree(top)
