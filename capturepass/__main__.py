@@ -2,6 +2,6 @@
 
 import sys
 
-from capturepass.cli import main
+from capturepass.show.cli import main
 
 sys.exit(main())

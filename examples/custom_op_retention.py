@@ -28,7 +28,7 @@ import torch.nn as nn
 
 import capturepass
 from capturepass.backends.compile import last_compiled
-from capturepass.cli import summarize_dir
+from capturepass.show import summarize_dir
 from capturepass.runtime.owner import retained_kind
 
 RETAIN_CALLS: list[bool] = []

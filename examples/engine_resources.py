@@ -32,7 +32,7 @@ import torch.nn as nn
 
 import capturepass
 from capturepass.backends.compile import last_compiled
-from capturepass.cli import summarize_dir
+from capturepass.show import summarize_dir
 from capturepass.ir import printer
 
 

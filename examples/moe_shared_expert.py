@@ -21,8 +21,8 @@ import tempfile
 import torch
 
 import capturepass
-from capturepass import viewer
-from capturepass.cli import summarize_dir
+from capturepass.show import trace as schedule_trace
+from capturepass.show import summarize_dir
 from capturepass.testing.models import MoEBlock
 
 
@@ -67,8 +67,8 @@ def main() -> None:
             print(measured.summary())
             print(f"measured trace: {args.trace} (also saved into the dump: {', '.join(measured.saved) or 'no'})")
         else:
-            doc = viewer.write_trace(dump, args.trace)
-            print(f"trace {args.trace}: {viewer.trace_note(doc)}")
+            doc = schedule_trace.write_trace(dump, args.trace)
+            print(f"trace {args.trace}: {schedule_trace.trace_note(doc)}")
             print("(a measured trace needs a CUDA device: run with --device cuda on a GPU)")
 
 

@@ -16,8 +16,8 @@ import tempfile
 
 import torch
 
-from capturepass import viewer
-from capturepass.cli import summarize_dir
+from capturepass.show import page as schedule_page
+from capturepass.show import summarize_dir
 from capturepass.testing.models import AttnIndexer
 
 
@@ -45,7 +45,7 @@ def main() -> None:
     print(summarize_dir(dump))
     print(f"result equals eager on {args.device} (two calls, new input values): OK")
     if args.html:
-        viewer.write_html(dump, args.html)
+        schedule_page.write_html(dump, args.html)
         print(f"schedule timeline: {args.html}")
     print(f"annotated IR per pass: {dump}")
 

@@ -50,7 +50,7 @@ if [ "$what" = trace ]; then
     --profiler-trace "$out/moe-profiler.json.gz" 2>&1 | grep -v DEBUG | tail -10
   rc=${PIPESTATUS[0]}
   python3 -m capturepass show "$dumps/replay" --trace "$out/moe-show-trace.json" | tail -1
-  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_measure.py 2>&1 | tee "$out/trace-tests.log" | tail -3
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/measure/test_measure.py 2>&1 | tee "$out/trace-tests.log" | tail -3
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   python3 examples/moe_shared_expert.py --device cuda --dump "$dumps/uncaptured" --uncaptured \
     --trace "$out/moe-trace-uncaptured.json" --profiler-trace "$out/moe-profiler-uncaptured.json.gz" 2>&1 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Opt-in: installs a headless browser for the schedule page's browser test (tests/test_viewer.py,
+# Opt-in: installs a headless browser for the schedule page's browser test (tests/show/test_page.py,
 # skipped without one). Unlike scripts/setup.sh, this changes the machine outside the project:
 # it installs Debian's `chromium` package system-wide with apt-get (on a bare Debian 13 about 130
 # packages, 350 MB). Without --yes (or CAPTUREPASS_INSTALL_BROWSER=1) it only says what it would do.

@@ -70,8 +70,8 @@ from capturepass.measure.records import (  # the plain-record half, re-exported
     RegionInfo,
     TraceError,
     _count,
-    _length,
-    _union,
+    interval_length,
+    interval_union,
     build_measurements,
     format_measurement,
     match_lanes,
@@ -125,7 +125,7 @@ class MeasuredTrace:
         outside = s.get("outside") or []
         if outside:
             runs = max(1, s.get("runs", 1))
-            busy = _length(_union((k["start"], k["start"] + k["dur"]) for k in outside)) / runs
+            busy = interval_length(interval_union((k["start"], k["start"] + k["dur"]) for k in outside)) / runs
             lines.append(f"outside capturepass graphs: {_count(len(outside) / runs)} kernel(s), busy {busy:.1f} us per run")
         lines.extend(f"note: {n}" for n in s.get("notes", []))
         return "\n".join(lines)

@@ -464,7 +464,7 @@ def build_measurements(
 # -- summary ------------------------------------------------------------------------------------
 
 
-def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+def interval_union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
         if out and s <= out[-1][1]:
@@ -474,7 +474,7 @@ def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return out
 
 
-def _length(intervals: Iterable[tuple[float, float]]) -> float:
+def interval_length(intervals: Iterable[tuple[float, float]]) -> float:
     return sum(e - s for s, e in intervals)
 
 
@@ -526,13 +526,13 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
         unions = []
         for i in range(len(lanes)):
             mine = [(k["start"], k["start"] + k["dur"]) for k in ks if k["lane"] == i]
-            u = _union(mine)
+            u = interval_union(mine)
             unions.append(u)
             per_lane[i]["kernels"] += len(mine)
-            per_lane[i]["busy_us"] += _length(u)
+            per_lane[i]["busy_us"] += interval_length(u)
         rest = [(k["start"], k["start"] + k["dur"]) for k in ks if k["lane"] is None or k["lane"] >= len(lanes)]
         unmatched["kernels"] += len(rest)
-        unmatched["busy_us"] += _length(_union(rest))
+        unmatched["busy_us"] += interval_length(interval_union(rest))
         overlap += _two_or_more(unions)
         for i in range(len(lanes)):
             for j in range(i + 1, len(lanes)):

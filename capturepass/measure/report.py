@@ -24,7 +24,7 @@ SPAN_TID = 1000
 _UNMATCHED_TID = 2000
 
 
-def _short(name: str, limit: int = 60) -> str:
+def short_name(name: str, limit: int = 60) -> str:
     base = name.split("(")[0].strip() or name
     if base.startswith("void "):
         base = base[5:]
@@ -64,7 +64,7 @@ def measurement_events(m: dict[str, Any], pid: int) -> list[dict[str, Any]]:
         else:
             tid = lane
         nodes = k.get("nodes") or []
-        label = _short(k["name"])
+        label = short_name(k["name"])
         if len(nodes) == 1:
             label = f"%{nodes[0]} · {label}"
         elif nodes:
@@ -103,7 +103,7 @@ def trace_document(measurements: Sequence[dict[str, Any]], session: dict[str, An
             events.append({"ph": "M", "pid": pid, "tid": s, "name": "thread_name", "args": {"name": f"stream {s}"}})
         for k in outside:
             events.append({"ph": "X", "pid": pid, "tid": k["stream"], "ts": k["start"], "dur": k["dur"],
-                           "name": _short(k["name"]), "cat": "kernel",
+                           "name": short_name(k["name"]), "cat": "kernel",
                            "args": {"kernel": k["name"], "run": k["run"], **({"op": k["op"]} if k.get("op") else {})}})
     other = {"source": "capturepass", "times": "measured",
              "graphs": {m["graph"]: f"measured ({m['mode']}, {m['runs']} run(s))" for m in measurements}}

@@ -30,7 +30,7 @@ from backends.e2e_util import (
 )
 
 import capturepass
-from capturepass.cli import summarize
+from capturepass.show.summary import summarize
 from capturepass.ir import meta
 from capturepass.ir import verify as ir_verify
 from capturepass.ir.meta import Effect
@@ -144,7 +144,7 @@ def test_graph_break_gives_two_correct_graphs_and_the_dump_names_the_break(tmp_p
     summary = summarize(str(tmp_path))
     assert len(summary["graphs"]) == 2
     assert [b["source"] for b in summary["breaks"]] == ["dynamo"]
-    assert capturepass.cli.main(["show", str(tmp_path)]) == 0
+    assert capturepass.show.cli.main(["show", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "break (dynamo): Call to `torch._dynamo.graph_break()`" in out
 

@@ -21,7 +21,7 @@ import torch
 import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.ir.capabilities import REGISTRY
-from capturepass.cli import summarize_dir
+from capturepass.show import summarize_dir
 from capturepass.errors import CapturePassError
 from capturepass.ir import meta
 from capturepass.runtime import capture, lifetime

@@ -1,7 +1,6 @@
-"""The schedule of a dump as a picture: a self-contained HTML timeline and a Chrome trace.
+"""The schedule of a dumped graph, replayed and timed.
 
-``capturepass show DIR --html out.html`` and ``--trace out.json`` read every
-``graph.json`` under ``DIR`` and replay its schedule on the nominal device of
+:func:`simulate` replays a ``graph.json``'s schedule on the nominal device of
 :mod:`capturepass.ir.cost`: each lane has a clock; a compute node starts at its
 lane's clock and takes its roofline time (:func:`~capturepass.ir.cost.node_time`);
 a record stamps its event with the lane's clock; a wait moves its lane's clock
@@ -9,42 +8,24 @@ up to that stamp. Nodes stay in program order on their lane, so the picture is
 the schedule capturepass emitted, timed by the same estimates the scheduler
 used (only ratios mean anything).
 
-The HTML page (:mod:`capturepass.viewer_html`) needs no network: its CSS, data and
-script are inline. It draws a row per lane, each kernel as a box as wide as its
-time (measured where the dump holds a measured run, estimated otherwise, and the
-page says which), records and waits as markers joined by arrows, segments and
-breaks as shaded bands; beside it the one-lane time and the overlap gained
-(:func:`graph_timing`), in numbers and as bars; and it lists the waits with the
-dependency that made each necessary (also shown on hover), the lanes and why each
-kernel is on its lane, the capability decisions, the retained objects with their
-owner and segment, the breaks and the decisions of the passes.
-
-The trace is the Chrome trace-event format (Perfetto and ``chrome://tracing``
-open it): one process per graph, one thread per lane, a complete event per
-node and a flow event per record→wait edge.
-
-Measured times: on a GPU, :func:`capturepass.trace` (``capturepass.measure``)
-records real runs of the compiled graphs with ``torch.profiler`` and writes a
-``measured.json`` next to each dumped graph's ``graph.json``. For such a graph
-``--trace`` writes the measured run instead of the estimates: one row per lane
-(the kernels each lane's stream ran, or, for CUDA graph replays, the kernels
-matched to their lane), each kernel at its measured start and duration, and a
-``measured span`` row with each run's span. ``otherData.times`` and
-``otherData.graphs`` in the trace, and the last line ``capturepass show``
-prints, say which graphs are measured and which estimated (a ``measured.json``
-of another compile of the graph is ignored, and the line says so). The HTML
-page draws the measured run the same way (the run of median span), and says so.
+:func:`graph_timing` says what one lane would take, what the lanes take and the
+overlap gained: measured where the graph's folder holds a measured run of the
+same ``graph.json`` (``measured.json``, written by :func:`capturepass.trace` on a
+GPU: the sum of the kernels' measured durations against the time some lane was
+busy), estimated from the replay otherwise. The HTML page
+(:mod:`capturepass.show.page`) and the Chrome trace (:mod:`capturepass.show.trace`)
+draw these schedules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Any
 
 from capturepass.ir.cost import LAUNCH_FLOOR_S, node_time
 from capturepass.ir.meta import Cost
+from capturepass.measure.records import interval_length, interval_union
+from capturepass.measure.report import load_measurement
 
 # Records and waits take no device time; a hair of simulated time keeps them in
 # order on their lane and gives each trace flow a slice to bind to.
@@ -99,7 +80,7 @@ class Schedule:
         return list(self.graph["lanes"])
 
 
-def _duration_us(node: dict[str, Any]) -> float:
+def duration_us(node: dict[str, Any]) -> float:
     cost = node.get("cost")
     if not cost:
         return 0.0
@@ -143,7 +124,7 @@ def simulate(graph: dict[str, Any], name: str) -> Schedule:
         if effect == "compute" and "break" in node:
             # A break runs eagerly between segment replays: after everything enqueued before it.
             clocks[lane] = max(clocks.values())
-        dur = _duration_us(node) if effect == "compute" else SYNC_US if effect in ("record", "wait") else 0.0
+        dur = duration_us(node) if effect == "compute" else SYNC_US if effect in ("record", "wait") else 0.0
         item = Item(node, lane, clocks[lane], dur)
         clocks[lane] += dur
         items.append(item)
@@ -205,14 +186,12 @@ def measured_timing(m: dict[str, Any]) -> dict[str, Any]:
     kernel's interval), so that ``gained_us`` is the kernel time the lanes overlapped;
     ``span_us`` is the run's span, first kernel to last, gaps between kernels included.
     """
-    from capturepass.measure.records import _length, _union
-
     by_run: dict[int, list[dict[str, Any]]] = {}
     for k in m.get("kernels", []):
         by_run.setdefault(k["run"], []).append(k)
     runs = max(1, len(by_run))
     serial = sum(k["dur"] for ks in by_run.values() for k in ks) / runs
-    busy = sum(_length(_union((k["start"], k["start"] + k["dur"]) for k in ks)) for ks in by_run.values()) / runs
+    busy = sum(interval_length(interval_union((k["start"], k["start"] + k["dur"]) for k in ks)) for ks in by_run.values()) / runs
     spans = [sp["end"] - sp["start"] for sp in m.get("spans") or []]
     lanes = list(m.get("lanes") or [])
     per_lane = {f"s{i}": _r(sum(k["dur"] for ks in by_run.values() for k in ks if k["lane"] == i) / runs)
@@ -243,9 +222,7 @@ def graph_timing(folder: str | None, graph: dict[str, Any], name: str,
     s = simulate(graph, name)
     m, why_not = (None, None)
     if measured and folder is not None:
-        from capturepass import measure
-
-        m, why_not = measure.load_measurement(folder)
+        m, why_not = load_measurement(folder)
     if m is not None:
         return measured_timing(m), m, s
     t = estimated_timing(s)
@@ -279,103 +256,3 @@ def times_note(which: dict[str, str]) -> str:
     if not measured:
         line += " (no measured run in the dump: record one on a GPU with capturepass.trace(compiled, *args))"
     return line
-
-
-# -- HTML (capturepass.viewer_html) ---------------------------------------------------------------
-
-
-def render_html(root: str) -> str:
-    """The self-contained HTML page of every graph under a dump directory (:mod:`capturepass.viewer_html`)."""
-    from capturepass import viewer_html
-
-    return viewer_html.render(root)[0]
-
-
-# -- Chrome trace -------------------------------------------------------------------------------
-
-
-def render_trace(root: str, measured: bool = True) -> dict[str, Any]:
-    """The Chrome trace-event document of every graph under a dump directory.
-
-    A graph whose folder holds a ``measured.json`` of its ``graph.json`` (see
-    :func:`capturepass.trace`) is drawn with its measured kernel times (``measured=False``
-    ignores them); every other graph with the cost model's estimates. ``otherData`` says
-    which: ``times`` is ``"measured"``, ``"estimated (nominal device)"`` or ``"mixed"``, and
-    ``graphs`` maps each graph to ``"measured (...)"`` or ``"estimated"`` (with the reason a
-    measurement present was not used).
-    """
-    from capturepass import measure
-    from capturepass.cli import load_graph_dirs
-
-    events: list[dict[str, Any]] = []
-    flow = 0
-    which: dict[str, str] = {}
-    sessions: list[dict[str, Any]] = []
-    for gi, (name, folder, graph) in enumerate(load_graph_dirs(root)):
-        pid = gi + 1
-        m, why_not = measure.load_measurement(folder) if measured else (None, None)
-        if m is not None:
-            m = dict(m, graph=name)
-            events.extend(measure.measurement_events(m, pid))
-            which[name] = f"measured ({m['mode']}, {m['runs']} run(s) on {m.get('device', '?')})"
-            sessions.append(m)
-            continue
-        which[name] = "estimated" + (f" ({why_not})" if why_not else "")
-        s = simulate(graph, name)
-        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"capturepass {name}"}})
-        events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
-        for li, lname in enumerate(s.lanes):
-            events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_name", "args": {"name": f"s{li} {lname}"}})
-            events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_sort_index", "args": {"sort_index": li}})
-        for it in s.items:
-            n = it.node
-            if n["effect"] not in ("compute", "record", "wait"):
-                continue
-            args = {k: n[k] for k in ("op", "type", "segment", "event", "role", "lease", "why", "break") if k in n}
-            if "cost" in n:
-                # NaN (a size without a hint) is not JSON: trace viewers reject the file.
-                args["cost"] = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                                for k, v in n["cost"].items()}
-            cat = "break" if "break" in n else n["effect"]
-            events.append({"ph": "X", "pid": pid, "tid": it.lane, "ts": round(it.start, 4),
-                           "dur": round(max(it.dur, SYNC_US), 4), "name": f"{short_op(n['op'])} %{n['name']}",
-                           "cat": cat, "args": args})
-        for e in s.edges:
-            flow += 1
-            common = {"pid": pid, "name": e.event, "cat": "event", "id": flow}
-            events.append({**common, "ph": "s", "tid": e.record.lane, "ts": round(e.record.start, 4)})
-            events.append({**common, "ph": "f", "bp": "e", "tid": e.wait.lane, "ts": round(e.wait.start, 4)})
-    n_measured = len(sessions)
-    times = ("measured" if n_measured == len(which) else
-             "estimated (nominal device)" if n_measured == 0 else "mixed")
-    other: dict[str, Any] = {"source": "capturepass", "times": times, "graphs": which}
-    if sessions:
-        for key in ("device", "torch", "cuda"):
-            if key in sessions[0]:
-                other[key] = sessions[0][key]
-    return {"traceEvents": events, "displayTimeUnit": "ns", "otherData": other}
-
-
-def trace_note(doc: dict[str, Any]) -> str:
-    """One line saying which graphs of a :func:`render_trace` document are measured, which estimated."""
-    return times_note(doc.get("otherData", {}).get("graphs", {}))
-
-
-def write_html(root: str, path: str) -> dict[str, str]:
-    """Writes :func:`render_html` of ``root`` to ``path``; returns, per graph, whether its times
-    are measured or estimated (as ``render_trace``'s ``otherData.graphs``: see :func:`times_note`)."""
-    from capturepass import viewer_html
-
-    page, which = viewer_html.render(root)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(page)
-    return which
-
-
-def write_trace(root: str, path: str, measured: bool = True) -> dict[str, Any]:
-    """Writes :func:`render_trace` of ``root`` to ``path`` (strict JSON); returns the document."""
-    doc = render_trace(root, measured)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=None, sort_keys=True, allow_nan=False)
-        f.write("\n")
-    return doc

@@ -2,7 +2,7 @@
 
 For every graph under ``DIR`` the page holds a timeline and, beside it, what one lane
 would have taken against what the lanes took and the overlap gained, in numbers and as
-bars (:func:`capturepass.viewer.graph_timing`); then the lanes and why each kernel is
+bars (:func:`capturepass.show.schedule.graph_timing`); then the lanes and why each kernel is
 on its lane, the capability decisions, the decisions of the passes, the retained
 objects with their owner and segment, the waits with their reasons and the breaks (the
 same lists as ``capturepass show``).
@@ -31,7 +31,10 @@ import html
 import json
 from typing import Any
 
-from capturepass.viewer import LANE_COLORS, SYNC_US, Schedule, median_run, short_op
+from capturepass.measure.report import short_name
+from capturepass.show.dumps import load_graph_dirs
+from capturepass.show.schedule import LANE_COLORS, SYNC_US, Schedule, graph_timing, median_run, short_op, times_note
+from capturepass.show.summary import summarize_graph
 
 
 def _e(text: Any) -> str:
@@ -109,8 +112,6 @@ def estimated_model(s: Schedule, gi: int) -> dict[str, Any]:
 
 def measured_model(m: dict[str, Any]) -> dict[str, Any]:
     """The drawing of one measured run (the run of median span): each kernel at its measured time."""
-    from capturepass.measure.report import _short
-
     run = median_run(m)
     ks = [k for k in m["kernels"] if k["run"] == run]
     origin = min((k["start"] for k in ks), default=0.0)
@@ -122,7 +123,7 @@ def measured_model(m: dict[str, Any]) -> dict[str, Any]:
     for k in ks:
         lane = k["lane"] if k["lane"] is not None and k["lane"] < len(m["lanes"]) else len(lanes) - 1
         nodes = k.get("nodes") or []
-        label = f"%{nodes[0]}" if len(nodes) == 1 else short_op(k["op"]) if k.get("op") else _short(k["name"], 40)
+        label = f"%{nodes[0]}" if len(nodes) == 1 else short_op(k["op"]) if k.get("op") else short_name(k["name"], 40)
         title = [k["name"], f"lane s{lane}, start {k['start'] - origin:.3f} us, measured {k['dur']:.3f} us",
                  f"stream {k['stream']}" + (", from the CUDA graph" if k.get("graph_kernel") else "")]
         if k.get("op"):
@@ -246,12 +247,9 @@ def _section(gi: int, name: str, summary: dict[str, Any], model: dict[str, Any])
 
 def render(root: str) -> tuple[str, dict[str, str]]:
     """The page of every graph under ``root``, and per graph which times it draws."""
-    from capturepass import viewer
-    from capturepass.cli import load_graph_dirs, summarize_graph
-
     sections, which = [], {}
     for gi, (name, folder, graph) in enumerate(load_graph_dirs(root)):
-        timing, m, s = viewer.graph_timing(folder, graph, name)
+        timing, m, s = graph_timing(folder, graph, name)
         summary = summarize_graph(graph, name, folder)
         if m is not None:
             model = measured_model(m)
@@ -275,7 +273,7 @@ def render(root: str) -> tuple[str, dict[str, str]]:
         f"<script>{_ERROR_HOOK}</script><style>{_CSS}</style></head><body>\n"
         "<h1>capturepass schedule</h1>\n"
         f'<p class="muted">Each row is a lane (a CUDA stream on a GPU), kernels in program order on their lane. '
-        f"{_e(viewer.times_note(which))}.</p>\n"
+        f"{_e(times_note(which))}.</p>\n"
         "<noscript><p><b>The timelines are drawn by the page's script; the lists below need none.</b></p></noscript>\n"
         + key + "\n" + "\n".join(sections) + f"\n<script>{_SCRIPT}</script>\n</body></html>\n"
     )
@@ -472,3 +470,17 @@ report();
 })();
 """
 )
+
+
+def render_html(root: str) -> str:
+    """The self-contained HTML page of every graph under a dump directory."""
+    return render(root)[0]
+
+
+def write_html(root: str, path: str) -> dict[str, str]:
+    """Writes :func:`render_html` of ``root`` to ``path``; returns, per graph, whether its times
+    are measured or estimated (as ``render_trace``'s ``otherData.graphs``: see :func:`times_note`)."""
+    page, which = render(root)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return which

@@ -33,7 +33,10 @@ import torch
 import torch.nn as nn
 
 import capturepass
-from capturepass import cli, viewer, viewer_html
+from capturepass.show import cli, dumps, schedule
+from capturepass.show import page as show_page
+from capturepass.show import trace as show_trace
+from capturepass.show import summary as show_summary
 
 
 @torch.library.custom_op("capturepass_viewer_test::host_step", mutates_args=())
@@ -84,7 +87,7 @@ def dump_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def graph(dump_dir):
-    ((name, g),) = cli.load_graphs(dump_dir)
+    ((name, g),) = dumps.load_graphs(dump_dir)
     return name, g
 
 
@@ -98,7 +101,7 @@ def test_the_dump_has_what_the_page_must_draw(graph):
 
 def test_simulated_schedule_respects_every_wait(graph):
     name, g = graph
-    s = viewer.simulate(g, name)
+    s = schedule.simulate(g, name)
     waits = [n for n in g["nodes"] if n["effect"] == "wait"]
     assert len(s.edges) == len(waits) > 0
     for e in s.edges:
@@ -123,7 +126,7 @@ def _models(page: str) -> list[dict]:
 
 def test_html_page_is_self_contained_and_lists_everything(dump_dir, graph):
     name, g = graph
-    page = viewer.render_html(dump_dir)
+    page = show_page.render_html(dump_dir)
     # No resource from elsewhere: the one URL is the SVG namespace the script creates elements in.
     assert "http://" not in page.replace("'http://www.w3.org/2000/svg'", "")
     assert "https://" not in page and "<link" not in page and " src=" not in page
@@ -140,7 +143,7 @@ def test_html_page_is_self_contained_and_lists_everything(dump_dir, graph):
         for a in r["args"]:
             assert f"<code>{a}</code> input " in page and f"owner {r['owner']}, segment {r['segment']}</li>" in page
     # The lanes and why, the capability decision, the break: the lines of capturepass show.
-    summary = cli.summarize_graph(g, name)
+    summary = show_summary.summarize_graph(g, name)
     for d in summary["decisions"]:
         if d["kind"] in ("lane", "capability"):
             assert f"<li>{html.escape(d['text'])}</li>" in page, d["text"]
@@ -151,13 +154,13 @@ def test_html_page_is_self_contained_and_lists_everything(dump_dir, graph):
 
 def test_estimated_kernels_are_drawn_to_their_estimated_time(graph):
     name, g = graph
-    s = viewer.simulate(g, name)
-    model = viewer_html.estimated_model(s, 0)
+    s = schedule.simulate(g, name)
+    model = show_page.estimated_model(s, 0)
     timed = [it for it in s.items if it.node["effect"] == "compute" and it.dur > 0]
     assert [(k["l"], k["s"], k["d"]) for k in model["kernels"]] == [(it.lane, it.start, it.dur) for it in timed]
     assert model["hidden"] == sum(1 for it in s.items if it.node["effect"] == "compute" and it.dur <= 0)
     assert len(model["edges"]) == len(s.edges) and model["span"] == s.makespan
-    t = viewer.estimated_timing(s)
+    t = schedule.estimated_timing(s)
     assert t["one_lane_us"] == round(sum(it.dur for it in timed), 3)
     assert t["scheduled_us"] == round(s.makespan, 3)
     assert t["gained_us"] == round(t["one_lane_us"] - t["scheduled_us"], 3)
@@ -172,7 +175,7 @@ def _with_measurement(dump_dir, tmp_path) -> tuple[str, str, list[float]]:
 
     root = tmp_path / "measured-dump"
     shutil.copytree(dump_dir, root)
-    ((name, folder, g),) = cli.load_graph_dirs(str(root))
+    ((name, folder, g),) = dumps.load_graph_dirs(str(root))
     durs = [40.0, 5.0, 1.0, 12.0]
     kernels, spans = [], []
     for run, shift in ((0, 0.0), (1, 100.0), (2, 300.0)):
@@ -194,13 +197,13 @@ def _with_measurement(dump_dir, tmp_path) -> tuple[str, str, list[float]]:
 
 def test_a_measured_run_is_drawn_with_its_durations(dump_dir, tmp_path, capsys):
     root, name, durs = _with_measurement(dump_dir, tmp_path)
-    page = viewer.render_html(root)
+    page = show_page.render_html(root)
     (model,) = _models(page)
     assert model["run"] in (0, 1)  # the median span, not the slow run
     assert [k["d"] for k in model["kernels"]] == durs
     assert [k["t"] for k in model["kernels"]] == ["%a_node", "%b_node", "%c", "%d"]
     assert "Times: <b>measured</b> (replay, 3 run(s) on Test GPU)" in page
-    t = cli.summarize(root)["graphs"][0]["timing"]
+    t = show_summary.summarize(root)["graphs"][0]["timing"]
     assert t["source"] == "measured" and t["one_lane_us"] == round(sum(durs) * 4 / 3, 3)
     assert cli.main(["show", root, "--html", str(tmp_path / "p.html")]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -210,7 +213,7 @@ def test_a_measured_run_is_drawn_with_its_durations(dump_dir, tmp_path, capsys):
 
 def test_trace_has_a_thread_per_lane_and_a_flow_per_wait(dump_dir, graph):
     _, g = graph
-    trace = viewer.render_trace(dump_dir)
+    trace = show_trace.render_trace(dump_dir)
     events = trace["traceEvents"]
     threads = [e for e in events if e["ph"] == "M" and e["name"] == "thread_name"]
     assert [t["args"]["name"] for t in threads] == ["s0 main", "s1 aux"]
@@ -235,8 +238,8 @@ def test_cli_writes_both_files(dump_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("graph ")
     assert out.splitlines()[-2].startswith(f"page {html_path}: cost-model estimates (nominal device) for ")
-    assert html_path.read_text() == viewer.render_html(dump_dir)
-    assert json.loads(trace_path.read_text()) == viewer.render_trace(dump_dir)
+    assert html_path.read_text() == show_page.render_html(dump_dir)
+    assert json.loads(trace_path.read_text()) == show_trace.render_trace(dump_dir)
 
 
 # -- a real browser -----------------------------------------------------------------------------
@@ -324,7 +327,7 @@ def test_the_page_in_headless_chromium(dump_dir, graph, tmp_path, width):
     the labels (a copy of the page with the labels hidden differs there)."""
     _, g = graph
     page = tmp_path / "schedule.html"
-    viewer.write_html(dump_dir, str(page))
+    show_page.write_html(dump_dir, str(page))
     dom, attrs = _dom(tmp_path, page.as_uri(), width)
     assert attrs.get("data-ready") == "1", dom[:500]
     assert 'id="viewer-error"' not in dom and "data-error" not in attrs
@@ -339,7 +342,7 @@ def test_the_page_in_headless_chromium(dump_dir, graph, tmp_path, width):
     w, h, px = _shot(tmp_path, page.as_uri(), width, f"page-{width}.png")
     assert (w, h) == (width, 900)
     for lane, y in enumerate(rows):
-        color = bytes.fromhex(viewer.LANE_COLORS[lane].lstrip("#"))
+        color = bytes.fromhex(schedule.LANE_COLORS[lane].lstrip("#"))
         xs = [x for yy in range(y - 5, y + 6) for x in range(left, right) if px[yy][3 * x:3 * x + 3] == color]
         assert len(xs) > 100, f"lane s{lane}'s kernels are not in its row"
         if lane == 0:  # the schedule's last kernel (on main, after the break's join) reaches the plot's end
@@ -385,7 +388,7 @@ def _dense_dump(tmp_path) -> str:
 def test_a_dense_schedule_keeps_its_labels_apart(tmp_path, width):
     root = _dense_dump(tmp_path)
     page = tmp_path / "dense.html"
-    viewer.write_html(root, str(page))
+    show_page.write_html(root, str(page))
     (model,) = _models(page.read_text())
     assert len(model["kernels"]) == 80 and len({k["d"] for k in model["kernels"]}) == 9  # widths differ
     _, attrs = _dom(tmp_path, page.as_uri(), width)
@@ -397,7 +400,7 @@ def test_a_dense_schedule_keeps_its_labels_apart(tmp_path, width):
 
 def test_the_page_zooms(dump_dir, tmp_path):
     page = tmp_path / "schedule.html"
-    viewer.write_html(dump_dir, str(page))
+    show_page.write_html(dump_dir, str(page))
     _, fit = _dom(tmp_path, page.as_uri(), 800)
     _, zoomed = _dom(tmp_path, page.as_uri() + "#zoom=4", 800)
     assert zoomed["data-ready"] == "1" and zoomed["data-label-overlaps"] == "0"
@@ -409,7 +412,7 @@ def test_the_page_zooms(dump_dir, tmp_path):
 def test_measured_kernels_are_as_wide_as_they_ran(dump_dir, tmp_path):
     root, _, durs = _with_measurement(dump_dir, tmp_path)
     page = tmp_path / "measured.html"
-    viewer.write_html(root, str(page))
+    show_page.write_html(root, str(page))
     dom, attrs = _dom(tmp_path, page.as_uri(), 1200)
     assert attrs["data-ready"] == "1" and attrs["data-label-overlaps"] == "0"
     widths = [float(w) for w in re.findall(r'<rect class="kernel"[^>]*? width="([0-9.]+)"', dom)]
@@ -421,7 +424,7 @@ def test_measured_kernels_are_as_wide_as_they_ran(dump_dir, tmp_path):
 def test_the_error_marker_catches_a_broken_script(dump_dir, tmp_path):
     """The check above can fail: a page whose script throws carries the marker."""
     page = tmp_path / "broken.html"
-    page.write_text(viewer.render_html(dump_dir).replace("</body>", "<script>undefinedFunction();</script></body>"))
+    page.write_text(show_page.render_html(dump_dir).replace("</body>", "<script>undefinedFunction();</script></body>"))
     proc = _browser(tmp_path, page.as_uri(), "--dump-dom")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert 'id="viewer-error"' in proc.stdout and re.search(r"<html[^>]*data-error=", proc.stdout)
@@ -441,10 +444,10 @@ def test_unknown_costs_stay_valid_json(tmp_path):
         ],
     }
     (tmp_path / "graph.json").write_text(json.dumps(graph))
-    (item,) = viewer.simulate(graph, "g").items
+    (item,) = schedule.simulate(graph, "g").items
     assert item.dur > 0  # the bytes still count (and the launch floor)
     out = tmp_path / "trace.json"
-    viewer.write_trace(str(tmp_path), str(out))
+    show_trace.write_trace(str(tmp_path), str(out))
     (mm,) = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     assert mm["args"]["cost"]["flops"] is None and mm["args"]["cost"]["bytes"] == 64.0
     assert "NaN" not in out.read_text()

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import capturepass
-from capturepass import cli, measure, viewer
+from capturepass import measure
+from capturepass.show import cli, dumps, trace
 from capturepass.backends.compile import last_compiled
 from capturepass.measure import PREFIX, Activity, GraphSpec, HostRange, RegionInfo
 from capturepass.testing.models import MoEBlock
@@ -313,7 +314,7 @@ def _h200(mode: str):
     """Records of a real session on an H200 (tests/data/h200_moe_profile.json.gz), and its graph spec."""
     import gzip
 
-    with gzip.open(os.path.join(os.path.dirname(__file__), "data", "h200_moe_profile.json.gz"), "rt") as f:
+    with gzip.open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "h200_moe_profile.json.gz"), "rt") as f:
         data = json.load(f)
     g = data["graph"]
     regions = {r["index"]: RegionInfo(r["index"], r["lane"], r["eager"], tuple(r["nodes"]), tuple(r["ops"]))
@@ -367,13 +368,13 @@ def cpu_dump(tmp_path):
     compiled = torch.compile(model, backend="capturepass", options={"inner": "eager", "dump_dir": str(tmp_path)})
     with torch.no_grad():
         compiled(torch.randn(16, 64))
-    ((name, _),) = cli.load_graphs(str(tmp_path))
+    ((name, _),) = dumps.load_graphs(str(tmp_path))
     return str(tmp_path), name
 
 
 def _measurement_for(dump: str) -> dict:
     """A synthetic measurement of the dump's graph (as trace() would save it on a GPU)."""
-    ((name, folder, graph),) = cli.load_graph_dirs(dump)
+    ((name, folder, graph),) = dumps.load_graph_dirs(dump)
     rec = _session(replay=False, runs=1)
     spec = GraphSpec(key=0, name=name, kind="inference", lanes=list(graph["lanes"]), regions=dict(REGIONS),
                      replayed=False, dump_dir=folder, graph_sha256=measure.graph_digest(os.path.join(folder, "graph.json")))
@@ -417,8 +418,8 @@ def test_show_trace_writes_the_measured_run_when_the_dump_has_one(cpu_dump, tmp_
     json.loads(captured.out)
     assert "measured times" in captured.err
     # A single graph's folder works too; measured=False gives the estimates back.
-    assert viewer.render_trace(folder)["otherData"]["times"] == "measured"
-    assert viewer.render_trace(cpu_dump, measured=False)["otherData"]["times"].startswith("estimated")
+    assert trace.render_trace(folder)["otherData"]["times"] == "measured"
+    assert trace.render_trace(cpu_dump, measured=False)["otherData"]["times"].startswith("estimated")
 
 
 def test_a_measurement_of_another_compile_is_not_shown(cpu_dump):
@@ -426,10 +427,10 @@ def test_a_measurement_of_another_compile_is_not_shown(cpu_dump):
     m = _measurement_for(cpu_dump)
     m["graph_sha256"] = "0" * 64
     measure.save_measurement(m, os.path.join(cpu_dump, name))
-    doc = viewer.render_trace(cpu_dump)
+    doc = trace.render_trace(cpu_dump)
     assert doc["otherData"]["times"] == "estimated (nominal device)"
     assert "graph.json changed" in doc["otherData"]["graphs"][name]
-    assert "graph.json changed" in viewer.trace_note(doc)
+    assert "graph.json changed" in trace.trace_note(doc)
 
 
 # -- on a GPU ----------------------------------------------------------------------------------
@@ -472,7 +473,7 @@ def test_measured_trace_of_the_moe_block_on_cuda(tmp_path, uncaptured, capsys):
                    for a in aux for b in main)
     print("aux kernels overlap main-lane kernels:", overlaps, "overlap_us:", m["summary"]["overlap_us"])
     # The dump got the measurement, and show --trace uses it.
-    ((name, _),) = cli.load_graphs(str(dump))
+    ((name, _),) = dumps.load_graphs(str(dump))
     assert result.saved == [str(dump / name / "measured.json")]
     out = tmp_path / "show.json"
     assert cli.main(["show", str(dump), "--trace", str(out)]) == 0

@@ -1,4 +1,4 @@
-"""``capturepass show DIR``: what capturepass did, read back from a dump directory.
+"""What capturepass did, read back from a dump directory: the summary ``capturepass show`` prints.
 
 Prints, for every compiled graph under ``DIR`` (each a directory holding
 ``graph.json``), its owner, lanes and counts; then its decisions: the schedule's
@@ -13,53 +13,23 @@ with the dependency that made it necessary; every break with its reason.
 (totals over the graphs; ``lanes`` is the most any graph uses) and ``graphs``
 (one object per graph: the counts, ``retained_objects``, ``wait_reasons``,
 ``timing`` and ``decisions``, each decision with its ``kind`` and the ``text``
-the plain output prints). ``--html OUT`` also writes the schedule as a
-self-contained HTML page, ``--trace OUT`` as a Chrome trace (see
-:mod:`capturepass.viewer`): with measured times for each graph whose folder holds
-a ``measured.json`` of the same ``graph.json`` (written by
-:func:`capturepass.trace` on a GPU), with the cost model's estimates otherwise; a
-last line for each says where it went and which times it holds (on stderr with
-``--json``).
-
-A malformed dump (a ``graph.json`` that is not the document the printer writes, a
-folder without one, a file given as the folder) prints one line naming the file and
-the field at fault, and exits with status 2.
+the plain output prints). The command itself is :mod:`capturepass.show.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from typing import Any
 
-from capturepass.errors import DumpError
-from capturepass.ir import graph_json
-from capturepass.ir.graph_json import GRAPH_FILE, GraphDoc
+from capturepass.ir.graph_json import GraphDoc
+from capturepass.show.dumps import load_graph_dirs
+from capturepass.show.schedule import duration_us, graph_timing, short_op, timing_line
 
 SUMMARY_KEYS = ("lanes", "records", "waits", "leases", "retained", "segments", "breaks")
 
 
-def _graph_dirs(root: str) -> list[str]:
-    if not os.path.exists(root):
-        raise DumpError(root, "", "no such directory")
-    if not os.path.isdir(root):
-        raise DumpError(root, "", f"is a file, not a dump directory (give the folder that holds {GRAPH_FILE})")
-    if os.path.isfile(os.path.join(root, GRAPH_FILE)):
-        return [root]
-    found = []
-    for dirpath, _dirnames, filenames in sorted(os.walk(root)):
-        if GRAPH_FILE in filenames:
-            found.append(dirpath)
-    return sorted(found)
-
-
 def _has_kernel(node: dict[str, Any]) -> bool:
     """A compute node that launches work (a view, a tuple selection or host math has no cost)."""
-    from capturepass.viewer import _duration_us
-
-    return node["effect"] == "compute" and ("break" in node or _duration_us(node) > 0)
+    return node["effect"] == "compute" and ("break" in node or duration_us(node) > 0)
 
 
 def _names(nodes: list[dict[str, Any]], limit: int = 8) -> str:
@@ -128,8 +98,6 @@ def capability_decisions(graph: GraphDoc) -> list[dict[str, Any]]:
         if (cap.get("capturable", True) and cap.get("overlap", "safe") == "safe" and not cap.get("resident_grid")
                 and cap.get("source", "default") == "default"):
             continue
-        from capturepass.viewer import short_op
-
         groups.setdefault((short_op(n["op"]), _capability_text(cap)), []).append(n["name"])
     return [{"kind": "capability", "op": op, "nodes": names, "decision": what,
              "text": f"capability {op}: {what}: " + ", ".join(f"%{x}" for x in names)}
@@ -164,16 +132,14 @@ def _retained_lines(objects: list[dict[str, Any]]) -> list[str]:
 
 def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> dict[str, Any]:
     """The summary of one ``graph.json`` document (``folder``: its dump folder, for a measured run)."""
-    from capturepass import viewer
-
     nodes = graph["nodes"]
     records = [n for n in nodes if n["effect"] == "record"]
     waits = [n for n in nodes if n["effect"] == "wait"]
     retains = [n for n in nodes if n["effect"] == "retain"]
     leases = sorted({n["lease"] for n in records + waits if "lease" in n})
     retained = sum(len(n["args"]) + len(n.get("resources", [])) for n in retains)
-    timing, _, _ = viewer.graph_timing(folder, graph, name)
-    decisions: list[dict[str, Any]] = [{"kind": "schedule", "text": viewer.timing_line(timing, len(graph["lanes"])),
+    timing, _, _ = graph_timing(folder, graph, name)
+    decisions: list[dict[str, Any]] = [{"kind": "schedule", "text": timing_line(timing, len(graph["lanes"])),
                                         "timing": timing}]
     decisions += lane_decisions(graph)
     decisions += capability_decisions(graph)
@@ -206,33 +172,6 @@ def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> di
         "timing": timing,
         "decisions": decisions,
     }
-
-
-def load_graph_dirs(root: str) -> list[tuple[str, str, GraphDoc]]:
-    """``(name, folder, graph.json document)`` of every graph under ``root``, in path order.
-
-    Every document is validated (:func:`capturepass.ir.graph_json.load`).
-
-    Raises:
-        DumpError: ``root`` is missing or a file, holds no ``graph.json``, or one is
-            malformed; it names the file and the field at fault.
-    """
-    graphs = []
-    for d in _graph_dirs(root):
-        name = os.path.relpath(d, root) if d != root else os.path.basename(os.path.normpath(d))
-        graphs.append((name, d, graph_json.load(os.path.join(d, GRAPH_FILE))))
-    if not graphs:
-        raise DumpError(root, "", f"no capturepass dump ({GRAPH_FILE}) in this directory or below")
-    return graphs
-
-
-def load_graphs(root: str) -> list[tuple[str, GraphDoc]]:
-    """``(name, graph.json document)`` of every graph under ``root``, in path order.
-
-    Raises:
-        DumpError: as :func:`load_graph_dirs`.
-    """
-    return [(name, graph) for name, _, graph in load_graph_dirs(root)]
 
 
 def summarize(root: str) -> dict[str, Any]:
@@ -282,45 +221,3 @@ def format_summary(summary: dict[str, Any]) -> str:
 def summarize_dir(root: str) -> str:
     """:func:`format_summary` of :func:`summarize` (used by the examples)."""
     return format_summary(summarize(root))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``capturepass`` console script."""
-    parser = argparse.ArgumentParser(prog="capturepass", description="Inspect capturepass dumps.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="summarize a dump directory")
-    show.add_argument("dir", help="a dump directory (the dump_dir option, or one graph's folder in it)")
-    show.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    show.add_argument("--html", metavar="OUT", help="also write the schedule as a self-contained HTML timeline")
-    show.add_argument(
-        "--trace", metavar="OUT",
-        help="also write the schedule as a Chrome trace (Perfetto opens it): measured times where DIR holds a "
-             "measured run (capturepass.trace), cost-model estimates otherwise",
-    )
-    args = parser.parse_args(argv)
-    notes: list[str] = []
-    try:
-        summary = summarize(args.dir)
-        if args.html or args.trace:
-            from capturepass import viewer
-
-            if args.html:
-                notes.append(f"page {args.html}: " + viewer.times_note(viewer.write_html(args.dir, args.html)))
-            if args.trace:
-                notes.append(f"trace {args.trace}: " + viewer.trace_note(viewer.write_trace(args.dir, args.trace)))
-    except DumpError as exc:
-        print(f"capturepass show: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an output file (--html, --trace) that cannot be written
-        print(f"capturepass show: {exc.filename or 'output'}: cannot be written ({exc.strerror or exc})",
-              file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary, indent=1, sort_keys=True))
-        for note in notes:  # stdout stays one JSON document
-            print(note, file=sys.stderr)
-    else:
-        print(format_summary(summary))
-        for note in notes:
-            print(note)
-    return 0

@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 
 import capturepass
-from capturepass import cli
+from capturepass.show import cli
+from capturepass.show import summary as show_summary
 
 EXPECTED = {"lanes": 2, "records": 2, "waits": 2, "leases": 2, "retained": 4, "segments": 1, "breaks": []}
 
@@ -155,10 +156,10 @@ def test_show_lists_capability_decisions_and_pass_decisions(tmp_path, capsys):
 def test_show_json_has_the_exact_counts(dump_dir, capsys):
     assert cli.main(["show", dump_dir, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert set(cli.SUMMARY_KEYS) <= set(summary)
-    assert {k: summary[k] for k in cli.SUMMARY_KEYS} == EXPECTED
+    assert set(show_summary.SUMMARY_KEYS) <= set(summary)
+    assert {k: summary[k] for k in show_summary.SUMMARY_KEYS} == EXPECTED
     (graph,) = summary["graphs"]
-    assert {k: graph[k] for k in cli.SUMMARY_KEYS} == EXPECTED
+    assert {k: graph[k] for k in show_summary.SUMMARY_KEYS} == EXPECTED
     assert graph["lane_names"] == ["main", "aux"]
     assert graph["graph"] == "inference" and graph["cudagraphs"] == "monolithic"
     assert [(w["lane"], w["role"], w["why"]) for w in graph["wait_reasons"]] == [
@@ -171,7 +172,7 @@ def test_show_one_graph_folder(dump_dir, capsys):
     (graph_dir,) = os.listdir(dump_dir)
     assert cli.main(["show", os.path.join(dump_dir, graph_dir), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert {k: summary[k] for k in cli.SUMMARY_KEYS} == EXPECTED
+    assert {k: summary[k] for k in show_summary.SUMMARY_KEYS} == EXPECTED
 
 
 def _run_module(*args: str) -> subprocess.CompletedProcess:
