@@ -19,6 +19,8 @@ Public API:
 - :func:`release`: releases one model's owners (graphs, pools, leases, workspaces,
   channels, retained objects) in every compiled graph (docs/runtime.md);
 - :func:`trace`: a measured run of compiled graphs on a GPU, lane by lane, as a Chrome trace;
+- :func:`capturepass.show.summarize_dir` (and the ``capturepass show`` command): what a
+  compile did, read back from its dumps;
 - :class:`Options`, :class:`CapturePassError` and its subclasses;
 - for vLLM (docs/vllm.md): :func:`backend` (``"capturepass.backend"``) and
   :data:`post_grad_pass` (``"capturepass.post_grad_pass"``).
@@ -32,8 +34,11 @@ from capturepass.errors import (
     EmitError,
     HintError,
     OptionError,
+    PassError,
     PipelineError,
     ResourceError,
+    SimulationError,
+    TraceError,
     VerificationError,
 )
 from capturepass.hints import lane
@@ -76,9 +81,12 @@ __all__ = [
     "HintError",
     "OptionError",
     "Options",
+    "PassError",
     "PipelineError",
     "ResourceError",
     "ResourcePool",
+    "SimulationError",
+    "TraceError",
     "VerificationError",
     "Workspaces",
     "backend",
@@ -86,9 +94,15 @@ __all__ = [
     "external_stream",
     "lane",
     "post_grad_pass",
+    "profiling_capture",
     "register_capability",
+    "register_pool",
     "release",
+    "resource_pool",
     "retain",
+    "suspend_retention",
     "trace",
+    "unregister_pool",
+    "weak_ref",
     "workspace",
 ]

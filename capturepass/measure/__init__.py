@@ -61,14 +61,14 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from capturepass.measure.records import (  # the plain-record half, re-exported
+from capturepass.errors import TraceError
+from capturepass.measure.records import (  # the plain-record half, part of this package's API
     FORMAT,
     PREFIX,
     Activity,
     GraphSpec,
     HostRange,
     RegionInfo,
-    TraceError,
     _count,
     interval_length,
     interval_union,
@@ -87,6 +87,13 @@ from capturepass.measure.report import (
     save_measurement,
     trace_document,
 )
+
+__all__ = [
+    "FORMAT", "MEASURED_FILE", "PREFIX", "SPAN_TID", "Activity", "GraphSpec", "HostRange", "MeasuredTrace",
+    "RegionInfo", "TraceError", "build_measurements", "format_measurement", "graph_digest", "load_measurement",
+    "match_lanes", "measurement_events", "records_from_chrome_trace", "save_measurement", "summarize_measurement",
+    "trace", "trace_document",
+]
 
 
 # -- recording ----------------------------------------------------------------------------------

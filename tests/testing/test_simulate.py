@@ -157,7 +157,7 @@ def test_random_graphs_equal_serial_execution_in_adversarial_interleavings(case)
 
 
 def test_poison_is_visible_in_every_dtype():
-    from capturepass.testing.simulate import _poison
+    from capturepass.testing.simulate.memory import _poison
 
     for dtype in (torch.float32, torch.float16, torch.int64, torch.int32, torch.uint8, torch.int8, torch.bool):
         t = torch.zeros(3, dtype=dtype)
