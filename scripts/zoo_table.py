@@ -44,19 +44,32 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _capture_summary(records: list[Any]) -> list[dict[str, Any]]:
-    """How each graph capturepass compiled ran: mode, breaks, captures held."""
+    """How each graph capturepass compiled ran: capture mode, breaks, captures held.
+
+    A record's graph and program are the current ones: after a capture failed on an op,
+    the backend rebuilds the graph with that op a break and updates the record.
+    """
     from capturepass.ir import meta
 
     out = []
     for rec in records:
         gi = meta.graph_info(rec.graph)
         ex = rec.executor
+        reason = getattr(ex, "uncaptured_reason", None)
         captured = bool(ex is not None and ex.captured and ex.num_captures > 0)
+        if not gi.on_cuda:
+            mode = "host"
+        elif captured:
+            mode = str(gi.cudagraphs)
+        else:
+            mode = "uncaptured"
         out.append({
             "graph": rec.name,
-            "mode": gi.cudagraphs if captured else ("uncaptured" if gi.on_cuda else "host"),
-            "resolved_mode": gi.cudagraphs,
+            "mode": mode,
+            "resolved_mode": str(gi.cudagraphs),
             "breaks": [f"{b.source}:{b.node or '-'}: {b.reason}" for b in gi.breaks],
+            "learned_breaks": dict(getattr(ex, "not_capturable", None) or {}),
+            "uncaptured_reason": reason,
             "lanes": len(gi.lanes),
             "segments": len(gi.segments),
             "regions": len(rec.program.regions),
@@ -193,8 +206,10 @@ def _capture_cell(res: dict[str, Any] | None) -> str:
         text = f"{g['graph']}: {g['mode']}, {g['regions']} regions, {g['lanes']} lanes"
         if g["breaks"]:
             text += "; breaks: " + "; ".join(g["breaks"])[:200]
+        if g["uncaptured_reason"]:
+            text += f"; why: {g['uncaptured_reason'][:200]}"
         parts.append(text)
-    return "<br>".join(parts).replace("|", "\\|")
+    return "<br>".join(parts).replace("|", "\\|").replace("\n", " ")
 
 
 def main() -> None:

@@ -451,6 +451,7 @@ def _bert(
     config = tf.BertConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
         intermediate_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, pad_token_id=0,
+        use_cache=False,
     )
     model = _instantiate("AutoModelForMaskedLM", config, device, dtype, attn)
     return model, _padded_inputs(device, pad_id=0, token_types=True)
@@ -466,7 +467,7 @@ def _roberta(
     config = tf.RobertaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
         intermediate_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS, pad_token_id=1,
-        type_vocab_size=1,
+        type_vocab_size=1, use_cache=False,
     )
     model = _instantiate("AutoModel", config, device, dtype, attn)
     return model, _padded_inputs(device, pad_id=1)
