@@ -12,11 +12,19 @@ A model that fails under capturepass is compiled again with ``backend="inductor"
 if Inductor fails with the same exception class, the failure is torch's, and the test
 says so (xfail, with both errors); otherwise the capturepass failure fails the test.
 
-The GPU test compiles the same zoo on CUDA in float32 (TF32 off) with default
-options (monolithic capture) and calls it three times with new inputs.
+The GPU test compiles the same zoo on CUDA with default options (monolithic
+capture) and calls it three times with new inputs (the warm-up, the capture, a
+replay). Float32 with TF32 off, not bfloat16: at bfloat16's tolerance a wrong
+result of small magnitude would pass, and a near-tie in MoE routing that rounds
+differently picks other experts. In float32 under compile, the MoE models run
+``transformers::grouped_mm_fallback``, an opaque custom op that reads the expert
+offsets on the host, which capturepass has to find and make a break.
 
-Marked ``slow``: each test runs Inductor; the whole module takes minutes on a small
-CPU (most of it Inductor's C++ compiles, shared through Inductor's on-disk cache).
+Marked ``slow``: every test runs Inductor on each of capturepass's regions (7 to
+about 100 per model). On a 2-core CPU the module takes about 8 minutes with a cold
+Inductor cache (codegen and C++ compiles of each new region) and 3 warm; the
+``verify`` twin of each option set, and option sets that give the same regions,
+hit Inductor's on-disk cache.
 """
 
 from __future__ import annotations
