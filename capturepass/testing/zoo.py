@@ -381,7 +381,10 @@ def _gemma2(
     """Gemma 2: a sliding-window layer (window 8) then a global one, tanh soft-capping of the
     attention logits (50) and the final logits (30), query scaling by query_pre_attn_scalar,
     pre- and post-norms around both sublayers, embeddings scaled by sqrt(hidden), GeGLU, tied
-    LM head."""
+    LM head. Eager attention only: ``sdpa`` has no soft-capping (some transformers
+    versions refuse it, others drop the cap)."""
+    if attn != "eager":
+        raise ValueError(f"zoo model gemma2 soft-caps attention logits, which needs attn='eager', not {attn!r}")
     tf = _transformers()
     config = tf.Gemma2Config(
         **_common(num_hidden_layers=2, num_key_value_heads=2), head_dim=16, query_pre_attn_scalar=16,
@@ -540,6 +543,7 @@ def build(
 
     Raises:
         KeyError: ``name`` is not in the zoo (the message lists the names).
+        ValueError: ``attn`` is one the model cannot honour its config with.
     """
     if name not in ZOO:
         raise KeyError(f"no zoo model {name!r}; the zoo has: {', '.join(ZOO)}")
