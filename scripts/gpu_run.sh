@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|bench|resident|resources|sanitize|trace|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|resident|resources|sanitize|trace|all [OUTDIR]
+# tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
+# zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
@@ -17,9 +19,20 @@ export PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests --ignore=tests/test_zoo.py 2>&1 \
+    | tee "$out/gpu-tests.log" | tail -40
   rc=${PIPESTATUS[0]}
+  xdist=""
+  python3 -c 'import xdist' 2>/dev/null && xdist="-n ${ZOO_JOBS:-8}"
+  python3 -m pytest -q -rs -p no:cacheprovider -m gpu $xdist tests/test_zoo.py 2>&1 \
+    | tee "$out/gpu-zoo-tests.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
   python3 examples/moe_shared_expert.py --device cuda 2>&1 | tail -12
+fi
+if [ "$what" = zoo ] || [ "$what" = all ]; then
+  python3 scripts/zoo_table.py --jobs "${ZOO_JOBS:-8}" --timeout "${ZOO_TIMEOUT:-400}" --json "$out/zoo.json" \
+    > "$out/zoo.md" 2> "$out/zoo.log"
+  echo "zoo_table: exit $?"; cat "$out/zoo.md"
 fi
 if [ "$what" = sanitize ] || [ "$what" = all ]; then
   # The example end to end, then subsets of the GPU tests (two owners, breakable capture, deferred release;

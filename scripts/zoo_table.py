@@ -223,6 +223,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds per model and backend (the first backend of a subprocess includes its imports)")
     p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="models run at once, each in its own subprocess (the table's order stays the zoo's)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.path.insert(0, ROOT)
@@ -240,12 +242,17 @@ def main() -> None:
     if unknown:
         p.error(f"unknown zoo model(s) {', '.join(unknown)}; the zoo has: {', '.join(zoo.ZOO)}")
     backends = args.backends.split(",")
-    all_results: dict[str, dict[str, dict[str, Any]]] = {}
-    for name in names:
+    def one(name: str) -> dict[str, dict[str, Any]]:
         t0 = time.perf_counter()
-        all_results[name] = _run_model(name, args)
-        status = ", ".join(f"{b} {_cell(all_results[name].get(b))[:60]}" for b in backends)
+        res = _run_model(name, args)
+        status = ", ".join(f"{b} {_cell(res.get(b))[:60]}" for b in backends)
         print(f"# {name} ({time.perf_counter() - t0:.0f}s): {status}", file=sys.stderr, flush=True)
+        return res
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        all_results = dict(zip(names, pool.map(one, names)))
     import torch
 
     print(f"zoo on {args.device} (torch {torch.__version__}), float32, {args.calls} calls each, "
