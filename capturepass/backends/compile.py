@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from capturepass.backends import inner as inner_compilers
 from capturepass.errors import EmitError, is_dynamo_signal
-from capturepass.ir import meta
+from capturepass.ir import analysis, meta
 from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
 from capturepass.ir.meta import Break, GraphInfo, OwnerId
 from capturepass.ir.options import Options
@@ -115,29 +115,39 @@ def resolve(options: Options | Mapping[str, Any] | None) -> Options:
     return Options.from_mapping(options)
 
 
-def compile_regions(plan: Plan, compiled_name: str = "") -> Program:
+def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
     """Compiles every region of ``plan`` with its inner compiler; the runtime's program.
+
+    Args:
+        plan: what ``emit`` planned.
+        eager_fallback: a region the inner compiler fails on runs its FX graph eagerly instead,
+            with a logged warning (for a rebuild at run time, where a compile error would end
+            the call; the first compile reports the error instead).
 
     Raises:
         EmitError: an inner compiler failed on a region (Dynamo's own signals pass through).
     """
     fns: dict[int, Callable[..., Sequence[Any]]] = {}
     for region in plan.regions:
-        example = [n.meta.get("val") for n in region.inputs]
+        example = [analysis.fake_value(n) for n in region.inputs]
+        compiler = region.compiler
         try:
-            fn = inner_compilers.compile_region(region.graph, example, region.compiler)
+            fn = inner_compilers.compile_region(region.graph, example, compiler)
         except Exception as exc:
             if is_dynamo_signal(exc):
                 raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
             names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
-            raise EmitError(
-                f"the {region.compiler} compiler failed on region {region.index} (lane s{region.lane}: "
-                f"{names}...): {type(exc).__name__}: {exc}"
-            ) from exc
-        if region.compiler != "eager":
+            what = (f"the {compiler} compiler failed on region {region.index} (lane s{region.lane}: "
+                    f"{names}...): {type(exc).__name__}: {exc}")
+            if not eager_fallback or compiler == "eager":
+                raise EmitError(what) from exc
+            log.warning("capturepass: %s; the region runs its graph eagerly instead", what.splitlines()[0])
+            compiler = "eager"
+            fn = inner_compilers.compile_region(region.graph, example, compiler)
+        if compiler != "eager":
             # NOTE: a compiled region may return another layout than its fake values say, and
             # each consumer region is compiled for (and asserts) those: keep them exact.
-            exact = ExactLayouts(fn, example, [n.meta.get("val") for n in region.outputs], f"region {region.index}")
+            exact = ExactLayouts(fn, example, [analysis.fake_value(n) for n in region.outputs], f"region {region.index}")
             if exact.needed:
                 fn = exact
         fns[region.index] = fn
@@ -240,7 +250,8 @@ def compile_graph(
         front_dumps: the Dynamo-stage dumps to write beside this graph's.
         verify: run the verifier after every pass (default: the ``verify`` option).
         registry: the capability registry the passes ask.
-        not_capturable: nodes to make breaks (node name -> reason), from a failed capture.
+        not_capturable: nodes to make breaks (node name -> reason), from a failed capture; the
+            rebuild this asks for compiles each region eagerly where the inner compiler fails.
         regions: compile the plan's regions (off: stop at the plan).
         record: keep the result in :func:`last_compiled`.
 
@@ -261,7 +272,7 @@ def compile_graph(
     plan: Plan | None = ctx.artifacts.get("plan")
     program = None
     if plan is not None and regions:
-        program = compile_regions(plan)
+        program = compile_regions(plan, eager_fallback=bool(not_capturable))
         ctx.artifacts["program"] = program
         if dumper is not None:
             dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")

@@ -133,6 +133,23 @@ def storage_root(node: fx.Node) -> fx.Node:
             raise RuntimeError(f"alias chain through {node.name} does not terminate")
 
 
+def fake_value(node: fx.Node) -> object:
+    """The fake value of ``node`` as a compiler can take it as an example input.
+
+    NOTE: AOT autograd may leave a value that functionalization produced (the output of an
+    opaque custom op, on torch 2.11) as a ``FunctionalTensor``; used outside a functionalization
+    mode (Inductor's trace of a region that reads it) it raises "Attempting to use
+    FunctionalTensor on its own". Such a value is unwrapped to the fake tensor inside it.
+    """
+    val = node.meta.get("val")
+    functional = getattr(getattr(torch._subclasses, "functional_tensor", None), "FunctionalTensor", None)
+    if functional is not None and isinstance(val, functional):
+        unwrap = getattr(torch, "_from_functional_tensor", None)
+        if unwrap is not None:
+            return unwrap(val.elem)
+    return val
+
+
 def is_tensor_node(node: fx.Node) -> bool:
     """Whether ``node`` produces a tensor (per its fake value)."""
     return isinstance(node.meta.get("val"), torch.Tensor)

@@ -187,7 +187,7 @@ def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.Gra
             env[n] = graph.get_attr(n.target)
             return env[n]
         ph = graph.placeholder(n.name)
-        ph.meta["val"] = n.meta.get("val")
+        ph.meta["val"] = analysis.fake_value(n)
         env[n] = ph
         inputs.append(n)
         return ph

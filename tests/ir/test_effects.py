@@ -81,3 +81,23 @@ def test_functionalized_input_update_is_one_write_back_copy():
     assert effects.accesses(copy).writes == (_node(gm, "x_1"),)
     assert effects.mutated_inputs(gm) == frozenset({0})
 
+
+
+def test_fake_value_unwraps_a_functional_tensor():
+    """torch 2.11's AOT autograd can leave an opaque custom op's output as a FunctionalTensor; a
+    region reading it as an input must see the fake tensor inside (Inductor raised "Attempting
+    to use FunctionalTensor on its own" on a region after transformers' grouped_mm_fallback)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(4, 3)
+    with FunctionalTensorMode():
+        wrapped = FunctionalTensor.to_functional(fake)
+    gm = aten_graph(lambda x: x.sin(), torch.randn(4, 3))
+    node = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    node.meta["val"] = wrapped
+    got = analysis.fake_value(node)
+    assert type(got) is FakeTensor and got.shape == (4, 3) and got.stride() == (3, 1)
+    node.meta["val"] = fake
+    assert analysis.fake_value(node) is fake

@@ -314,3 +314,33 @@ def test_higher_order_op_subgraphs_reach_the_inner_compiler(hop, inner):
     attrs = [n for n in region.graph.graph.nodes if n.op == "get_attr"]
     assert attrs and all(isinstance(region.graph.get_submodule(n.target), torch.fx.GraphModule) for n in attrs)
     assert not [n for n in region.inputs if n.op == "get_attr"]  # no module is a runtime argument
+
+
+def test_a_rebuild_runs_a_region_eagerly_where_the_inner_compiler_fails(monkeypatch, caplog):
+    """At run time (a rebuild after a failed capture) a compile error would end the call: the
+    region falls back to its FX graph, logged. The first compile reports the error instead."""
+    from capturepass.backends import compile as driver
+    from capturepass.backends import inner
+    from capturepass.errors import EmitError
+    from tests.passes.cases import CASES
+
+    real = inner.compile_region
+
+    def flaky(gm, example, compiler):
+        if compiler == "inductor":
+            raise RuntimeError("simulated inner compiler failure")
+        return real(gm, example, compiler)
+
+    monkeypatch.setattr(inner, "compile_region", flaky)
+    case = CASES["fork_join"]
+    vals = lambda gm: [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]  # noqa: E731
+    gm = case.trace()
+    with pytest.raises(EmitError, match="the inductor compiler failed on region 0"):
+        driver.compile_graph(gm, vals(gm), {"policy": "hints"}, record=False)
+    gm = case.trace()
+    with caplog.at_level("WARNING", logger="capturepass"):
+        compiled = driver.compile_graph(gm, vals(gm), {"policy": "hints"}, not_capturable={"nothing": "test"},
+                                        record=False)
+    assert "the region runs its graph eagerly instead" in caplog.text
+    inputs = case.inputs(seed=2)
+    torch.testing.assert_close(Executor(compiled.program)(list(inputs)), case.fn(*inputs))
