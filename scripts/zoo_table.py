@@ -81,7 +81,8 @@ def _capture_summary(records: list[Any]) -> list[dict[str, Any]]:
 def _run_backend(name: str, backend: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from capturepass.backends.dynamo import last_compiled, register
+    from capturepass.backends.compile import last_compiled
+    from capturepass.backends.dynamo import register
     from capturepass.testing import zoo
 
     register()  # where capturepass runs from a source tree, without its entry point installed
