@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch._inductor.decomposition  # noqa: F401  (the table _decompositions reads)
 import torch.fx as fx
 
 from capturepass.backends import compile as driver
@@ -181,6 +183,25 @@ def _aten_compiler(
     return compile_aten
 
 
+def _decompositions(inner: str) -> dict | None:
+    """The decompositions AOT autograd applies before the passes: Inductor's, when Inductor
+    compiles the regions.
+
+    NOTE: Inductor re-traces every region with its own decompositions. Where one changes a
+    value's layout (``cat`` with an empty operand becomes a ``clone`` of the other, which keeps
+    its strides), an op the first trace recorded for the old layout (a ``view``) no longer
+    applies inside the region, and a region's output leaves at another layout than its fake
+    value says. Decomposing up front gives the passes, the verifier and every region the
+    graph Inductor lowers, with its layouts.
+    """
+    if inner != "inductor":
+        return None
+    select = getattr(getattr(torch._inductor, "decomposition", None), "select_decomp_table", None)
+    if select is None:  # pragma: no cover - a torch without Inductor's table: AOT's defaults
+        return None
+    return select()
+
+
 def capturepass_backend(
     gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None
 ) -> Callable:
@@ -208,6 +229,7 @@ def capturepass_backend(
     upstream = _dynamo_breaks(gm)
     front_dumps = driver.run_front(gm, example_inputs, opts)
     return aot_autograd(
+        decompositions=_decompositions(opts.inner),
         fw_compiler=_aten_compiler("forward", opts, front_dumps, compile_id, upstream),
         bw_compiler=_aten_compiler("backward", opts, front_dumps, compile_id, upstream),
         inference_compiler=_aten_compiler("inference", opts, front_dumps, compile_id, upstream),

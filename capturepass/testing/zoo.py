@@ -27,8 +27,12 @@ Choices that hold for the whole zoo:
   other than bfloat16, by ``transformers``' own custom op
   ``transformers::grouped_mm_fallback`` instead, which reads the expert
   offsets on the host (a device-to-host sync inside the graph).
-- ``use_cache=False``: a call is a prefill that returns logits (or hidden
-  states), without a KV cache object among the outputs.
+- Decoders (and T5) keep ``transformers``' default ``use_cache=True``: a call is
+  a prefill that fills a new KV cache (``torch.cat`` onto an empty cache, the
+  engines' path through these models; a region seam once returned that
+  concatenation at another layout than its consumer was compiled for). The
+  cache object among the outputs is not a tensor and is not compared; the
+  logits read it. Encoders (BERT, RoBERTa) have no cache.
 - Models are built on the CPU in float32 and then moved, so that the weights
   are the same on every device.
 
@@ -169,7 +173,6 @@ def _common(**kw: Any) -> dict[str, Any]:
         num_hidden_layers=1,
         num_attention_heads=HEADS,
         max_position_embeddings=MAX_POSITIONS,
-        use_cache=False,
     )
     base.update(kw)
     return base
@@ -311,7 +314,7 @@ def _gpt2(
     tf = _transformers()
     config = tf.GPT2Config(
         vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=1, n_head=HEADS,
-        n_inner=INTERMEDIATE, use_cache=False, bos_token_id=0, eos_token_id=0,
+        n_inner=INTERMEDIATE, bos_token_id=0, eos_token_id=0,
     )
     return _causal_lm(config, device, dtype, attn)
 
@@ -339,7 +342,7 @@ def _gptj(
     tf = _transformers()
     config = tf.GPTJConfig(
         vocab_size=VOCAB, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=1, n_head=HEADS,
-        rotary_dim=8, n_inner=INTERMEDIATE, use_cache=False, bos_token_id=0, eos_token_id=0,
+        rotary_dim=8, n_inner=INTERMEDIATE, bos_token_id=0, eos_token_id=0,
     )
     return _causal_lm(config, device, dtype, attn)
 
@@ -355,7 +358,7 @@ def _falcon(
     config = tf.FalconConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS, num_kv_heads=2,
         new_decoder_architecture=True, parallel_attn=True, num_ln_in_parallel_attn=2, alibi=False, bias=False,
-        ffn_hidden_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS, use_cache=False,
+        ffn_hidden_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS,
     )
     return _causal_lm(config, device, dtype, attn)
 
@@ -487,7 +490,7 @@ def _t5(
     config = tf.T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=INTERMEDIATE, num_layers=1, num_decoder_layers=1,
         num_heads=HEADS, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        feed_forward_proj="gated-gelu", tie_word_embeddings=True, use_cache=False,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=True,
         pad_token_id=0, decoder_start_token_id=0,
     )
     model = _instantiate("AutoModelForSeq2SeqLM", config, device, dtype, attn)
