@@ -94,7 +94,7 @@ def compiled(model, variant: str):
         return torch.compile(model)
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    import capturepass
+    import capturepass  # noqa: F401 - registers the backend where no entry point is installed
 
     opts = {"policy": "off"} if variant == "capturepass-off" else {}
     return torch.compile(model, backend="capturepass", options=opts)
@@ -121,7 +121,11 @@ def timed(fn, iters: int, reps: int = 7, warmup: int = 5) -> float:
 
 @contextlib.contextmanager
 def turn(lock_path: str):
-    """Holds the GPU timing lock: compiles overlap, timings do not."""
+    """Holds the GPU timing lock once every process has compiled: compiles overlap, timings
+    neither overlap each other nor a compile (CPU contention slows the host side of a call)."""
+    open(f"{lock_path}.ready.{os.getpid()}", "w").close()
+    while not os.path.exists(lock_path + ".go"):
+        time.sleep(0.2)
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -143,13 +147,13 @@ def worker(args: argparse.Namespace) -> None:
     prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
     shapes = {f"decode[{decode_b},1]": (decode_b, 1), f"prefill[{prefill_b},{prefill_s}]": (prefill_b, prefill_s)}
     g = torch.Generator(device="cuda")
-    for label, (b, s) in shapes.items():
-        def inputs(seed: int):
-            g.manual_seed(seed)
-            return torch.randint(0, vocab, (b, s), device="cuda", generator=g)
-
-        ids = [inputs(i) for i in range(4)]
-        with torch.no_grad():
+    results, timed_calls = {}, {}
+    with torch.no_grad():
+        for label, (b, s) in shapes.items():
+            ids = []
+            for seed in range(4):
+                g.manual_seed(seed)
+                ids.append(torch.randint(0, vocab, (b, s), device="cuda", generator=g))
             ref = model(input_ids=ids[3], use_cache=False).logits.float()
             start = time.perf_counter()
             fn(input_ids=ids[0], use_cache=False)
@@ -159,11 +163,14 @@ def worker(args: argparse.Namespace) -> None:
                 fn(input_ids=x, use_cache=False)
             got = fn(input_ids=ids[3], use_cache=False).logits.float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-            with turn(args.lock):
-                ms = timed(lambda: fn(input_ids=ids[1], use_cache=False), iters=args.iters)
+            results[label] = dict(compile_s=compile_s, rel_err=err)
+            timed_calls[label] = (lambda x=ids[1]: fn(input_ids=x, use_cache=False))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20
-        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, ms=ms, compile_s=compile_s,
-                              peak_mib=peak, rel_err=err)), flush=True)
+        with turn(args.lock):
+            for label, call in timed_calls.items():
+                results[label]["ms"] = timed(call, iters=args.iters)
+    for label, r in results.items():
+        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, **r)), flush=True)
 
 
 def main() -> None:
@@ -173,7 +180,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=8, help="decode batch (sequences of one token)")
     p.add_argument("--prefill", default="2,128", help="prefill batch,sequence")
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--jobs", type=int, default=4, help="processes compiling at once")
+    p.add_argument("--jobs", type=int, default=4, help="processes at once (they compile together, then time one by one)")
     p.add_argument("--procs", type=int, default=1, help="processes per model and variant (median of medians)")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--out", default=None, help="directory for zoo-bench.json and zoo-bench.md")
@@ -191,44 +198,18 @@ def main() -> None:
     if unknown:
         p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(SIZES)}; "
                 f"variants: {', '.join(VARIANTS)})")
-    lock = tempfile.NamedTemporaryFile(prefix="zoo-bench-lock-", delete=False).name
-    jobs = [(m, v, r) for r in range(args.procs) for m in models for v in variants]
-    running: list = []
+    jobs = [(m, v) for _ in range(args.procs) for m in models for v in variants]
     rows: list[dict] = []
     failures: list[str] = []
-
-    def reap(block: bool) -> None:
-        for item in list(running):
-            (m, v, r), proc, start = item
-            if proc.poll() is None and not block and time.time() - start < args.timeout:
-                continue
-            try:
-                out, err = proc.communicate(timeout=max(1, args.timeout - (time.time() - start)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                failures.append(f"{m} {v}: timed out after {args.timeout} s")
-            running.remove(item)
-            got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            rows.extend(got)
-            if proc.returncode != 0:
-                failures.append(f"{m} {v}: exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
-            print(f"done {m} {v} ({len(got)} shapes)", file=sys.stderr, flush=True)
-            if block:
-                return
-
-    for job in jobs:
-        while len(running) >= args.jobs:
-            reap(block=False)
-            time.sleep(0.5)
-        m, v, _ = job
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
-        cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
-               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
-        running.append((job, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                              env=env), time.time()))
-    while running:
-        reap(block=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    for first in range(0, len(jobs), args.jobs):
+        rows_, fails_ = wave(jobs[first:first + args.jobs], args)
+        rows += rows_
+        failures += fails_
+        if args.out:  # what finished survives a run cut short
+            with open(os.path.join(args.out, "zoo-bench.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows_)
     table = report(rows, models, variants)
     print(table)
     for f in failures:
@@ -239,6 +220,38 @@ def main() -> None:
             json.dump({"rows": rows, "failures": failures}, f, indent=1)
         with open(os.path.join(args.out, "zoo-bench.md"), "w") as f:
             f.write(table + "\n" + "".join(f"failed: {x}\n" for x in failures))
+
+
+def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """Runs ``jobs`` at once: they compile together, then time one at a time once all are ready."""
+    lock = tempfile.NamedTemporaryFile(prefix="zoo-bench-lock-", delete=False).name
+    procs = []
+    for m, v in jobs:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
+        cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
+               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
+        procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
+    start = time.time()
+    while time.time() - start < args.timeout:
+        ready = sum(os.path.exists(f"{lock}.ready.{p.pid}") or p.poll() is not None for _, p in procs)
+        if ready == len(procs):
+            break
+        time.sleep(0.5)
+    open(lock + ".go", "w").close()
+    rows, failures = [], []
+    for (m, v), proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1, args.timeout - (time.time() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failures.append(f"{m} {v}: timed out after {args.timeout} s")
+        got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        rows += got
+        if proc.returncode != 0:
+            failures.append(f"{m} {v}: exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
+        print(f"done {m} {v} ({len(got)} shapes)", file=sys.stderr, flush=True)
+    return rows, failures
 
 
 def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
