@@ -56,11 +56,13 @@ class CaptureFailure(Exception):
         env: values of every node the failing piece reads, for a probe (inputs the graph
             writes replaced by copies).
         device: the CUDA device.
+        owner: the name of the owner whose capture failed (``g3.m0.c1``).
     """
 
     def __init__(self, piece: int, error: BaseException, outputs: Any, env: dict[fx.Node, Any],
-                 device: torch.device) -> None:
-        super().__init__(f"capturing piece {piece} failed: {type(error).__name__}: {error}")
+                 device: torch.device, owner: str = "") -> None:
+        super().__init__(f"capturing piece {piece} of {owner or 'an owner'} failed: {type(error).__name__}: {error}")
+        self.owner = owner
         self.piece = piece
         self.error = error
         self.outputs = outputs
@@ -184,7 +186,7 @@ class Capture:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the capture failed: the executor decides
                     owner.graphs.pop(piece.segment, None)
-                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device) from exc
+                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device, owner.name) from exc
                 finally:
                     owner.capturing = None
                 self.seg_in[p] = staged
