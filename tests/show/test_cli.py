@@ -83,12 +83,15 @@ def test_show_prints_what_the_compile_did(dump_dir, capsys):
     assert lines[0] == f"graph {graph_dir} (inference, owner {owner}, cudagraphs=monolithic)"
     assert lines[1] == "  lanes 2: s0=main s1=aux"
     assert lines[2] == "  records 2, waits 2, leases 2, releases 0, retained 4, segments 1, breaks 0"
+    # The one model that ran, by the runtime's name for it (owners.json): graph owner, model 0.
+    assert lines[3:5] == ["  owners at run time: 1 model(s), 1 owner(s)",
+                          f"    model {owner}.m0: {owner}.m0.eager (uncaptured runs, the first of f32[4,8])"]
     waits = [line for line in lines if line.startswith("  wait ")]
     assert len(waits) == 2
     assert waits[0].startswith("  wait %") and " on s1 for e0 (fork, lease l0): fork k0" in waits[0]
     assert " on s0 for e1 (join, lease l1): %relu->%add" in waits[1]
     assert lines[-1] == "total: lanes 2, records 2, waits 2, leases 2, retained 4, segments 1, breaks 0"
-    assert lines[3:7] == [
+    assert lines[5:9] == [
         "  schedule (estimated, nominal device): one lane 10.00 us, on 2 lane(s) 6.04 us; overlap gains 3.96 us (40%)",
         "  lane s0 main: 3 kernel(s): %addmm_1, %tanh, %add",
         "  lane s1 aux: 2 kernel(s), 2 hinted to it (capturepass.lane or a stream region): %addmm, %relu",
