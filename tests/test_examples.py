@@ -62,6 +62,13 @@ def test_speculative_target_draft(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("owners of the ")]
     draft, target = (set(re.findall(r"'([^']+)'", line)) for line in lines)
     assert draft and target and not draft & target
+    # Two graph owners, one per dump, and each model's runtime owners named after its graph's.
+    graph_owners = re.findall(r"^graph \S+ \(inference, owner (g\d+), ", out, re.M)
+    assert len(set(graph_owners)) == 2
+    for line, owners, graph_owner in zip(lines, (draft, target), graph_owners):
+        assert f"(graph owner {graph_owner}): " in line
+        assert owners == {f"{graph_owner}.m0.eager"}
+        assert f"    model {graph_owner}.m0: {graph_owner}.m0.eager (uncaptured runs, the first of f32[8,64])" in out
     assert len(re.findall(r"workspace \S+ s0 gated_mlp.up: \[0x", out)) == 2
     assert "workspaces are disjoint (on the CPU, read from the owner objects): OK" in out
     assert "results equal eager on cpu (draft and target, two steps): OK" in out
