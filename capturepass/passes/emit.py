@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from capturepass.errors import EmitError
 from capturepass.ir import analysis, hops, meta
-from capturepass.ir.meta import Effect, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, LaneId
 from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
 
@@ -74,8 +74,13 @@ def _allocating_lanes(region: _Region) -> list[LaneId]:
     return sorted(lanes)
 
 
-def _plan(gm: fx.GraphModule) -> list[Step]:
-    """Cuts the program order into regions and sync steps."""
+def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
+    """Cuts the program order into regions and sync steps.
+
+    With ``merge_lanes`` (a host graph, whose lanes run in program order) a region is a whole
+    segment: every lane's nodes in program order, one compile; records, waits and releases
+    order nothing there and are left out.
+    """
     steps: list[Step] = []
     open_regions: dict[LaneId, _Region] = {}
     region_of: dict[fx.Node, _Region] = {}
@@ -108,7 +113,9 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
         if eff is Effect.OUTPUT:
             close_all()
             continue
-        lane = meta.lane_of(node)
+        lane = MAIN_LANE if merge_lanes else meta.lane_of(node)
+        if merge_lanes and eff in (Effect.RECORD, Effect.WAIT, Effect.RELEASE):
+            continue
         if eff in (Effect.RECORD, Effect.WAIT):
             close(lane)
             steps.append(Step(StepKind(eff.value), lane=lane, payload=node))
@@ -212,7 +219,14 @@ class Emit(Pass):
     ensures = (EMITTED,)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
-        steps = _plan(gm)
+        # NOTE: on the host every lane runs in program order (there are no streams), so a
+        # segment is one region and one compile: Inductor fuses across what would be lanes on a
+        # GPU, and the outer program calls one function. Option regions="lanes" keeps the
+        # per-lane regions a CUDA graph gets, to inspect or test them without a GPU.
+        merge = ctx.options.regions == "auto" and not meta.graph_info(gm).on_cuda
+        if merge:
+            ctx.count(self.name, "merged_lanes")
+        steps = _plan(gm, merge_lanes=merge)
         regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         owner_of = {n: r for r in regions for n in r.nodes}
         needed: dict[int, set[fx.Node]] = {id(r): set() for r in regions}
