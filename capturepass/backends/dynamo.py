@@ -154,8 +154,8 @@ def _aten_compiler(
         compiled = run_passes(gm, {}, True)
         gi = meta.graph_info(gm)
         log.info(
-            "capturepass: compiled %s graph: %d lane(s), %d segment(s), %d region(s)",
-            kind, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
+            "capturepass: compiled %s: %d lane(s), %d segment(s), %d region(s)",
+            gi.title, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
         )
         rebuild: Callable[[dict[str, str]], Any] | None = None
         if pristine is not None:

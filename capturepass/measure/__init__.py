@@ -310,7 +310,7 @@ def trace(
             host = [ex for ex in session.executors if not ex.program.info.on_cuda]
             if host:
                 raise TraceError(
-                    f"the {host[0].program.info.name} graph runs on the host (its tensors are not on a CUDA device); "
+                    f"the {host[0].program.info.title} runs on the host (its tensors are not on a CUDA device); "
                     "capturepass.trace measures GPU kernels"
                 )
             replaying = [ex for ex in session.executors if ex.captured] if not uncaptured else []

@@ -216,7 +216,7 @@ class Executor:
         info = program.info
         # A rebuilt program keeps the graph record, and with it the owner id.
         self.graph_owner = str(info.owner)
-        self._what = f"{info.name} graph {self.graph_owner}"
+        self._what = info.title
         self.captured = info.captured and info.on_cuda and self.uncaptured_reason is None
         self._on_cuda = info.on_cuda
         self._static_positions = tuple(sorted(program.static_inputs))
