@@ -540,41 +540,53 @@ class Executor:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            model = self._models.get(instance)
-            n = self._release(lambda inst: inst == instance, forget=True)
+            closed = self._release(lambda inst: inst == instance, forget=True)
         finally:
             self._lock.release()
-        if n:
-            log.info("capturepass: %s: released %d owner(s) of model %s: %s",
-                     self._what, n, model.name if model is not None else "?", why)
+        self._log_released(closed, why)
         return True
 
     def release_addresses(self, addresses: set[int]) -> int:
         """Closes every owner of the model instances whose static inputs live at any of
         ``addresses``; returns how many."""
         with self._lock:
-            return self._release(lambda inst: not addresses.isdisjoint(inst))
+            closed = self._release(lambda inst: not addresses.isdisjoint(inst))
+        self._log_released(closed, "capturepass.release")
+        return len(closed)
 
-    def _release(self, match: Callable[[tuple], bool], forget: bool = False) -> int:
-        """Closes the owners of the matching instances; with ``forget`` (the model died, or the
-        callable is closed) also stops watching them and drops their names, so that a new
-        model at the same addresses is a new instance. A model whose owners were released
-        while it lives keeps its name and its capture shapes' numbers."""
-        n = 0
+    def _log_released(self, closed: list[tuple[str, str]], why: str) -> None:
+        models: dict[str, list[str]] = {}
+        for model, name in closed:
+            models.setdefault(model, []).append(name)
+        for model, names in models.items():
+            log.info("capturepass: %s: released %d owner(s) of model %s (%s): %s",
+                     self._what, len(names), model, ", ".join(names), why)
+
+    def _release(self, match: Callable[[tuple], bool], forget: bool = False) -> list[tuple[str, str]]:
+        """Closes the owners of the matching instances and returns them, as ``(model, owner)``
+        names; with ``forget`` (the model died, or the callable is closed) also stops watching
+        them and drops their names, so that a new model at the same addresses is a new
+        instance. A model whose owners were released while it lives keeps its name and its
+        capture shapes' numbers."""
+        closed: list[tuple[str, str]] = []
+
+        def close(instance: tuple, owner: GraphOwner) -> None:
+            model = self._models.get(instance)
+            closed.append((model.name if model is not None else "?", owner.name))
+            owner.close()
+
         for key in [k for k in self._captures if match(k[0])]:
-            self._captures.pop(key).owner.close()
-            n += 1
+            close(key[0], self._captures.pop(key).owner)
         for table in (self._eager_owners, self._profile_owners):
             for instance in [i for i in table if match(i)]:
-                table.pop(instance).owner.close()
-                n += 1
+                close(instance, table.pop(instance).owner)
         if forget:
             for instance in [i for i in self._watchers if match(i)]:
                 for finalizer in self._watchers.pop(instance):
                     finalizer.detach()
             for instance in [i for i in self._models if match(i)]:
                 del self._models[instance]
-        return n
+        return closed
 
     def _release_all(self) -> None:
         self._release(lambda inst: True)
