@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import re
 
@@ -37,15 +38,6 @@ class _Lin(torch.nn.Module):
         return self.l(x).relu() * self.scale
 
 
-class _Tanh(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.tanh(self.l(x))
-
-
 def _compile(model, dump_dir=None, **options):
     options.setdefault("inner", "eager")
     if dump_dir is not None:
@@ -64,30 +56,85 @@ def _show(capsys, folder, *flags) -> str:
     return capsys.readouterr().out
 
 
+_WRONG_DEVICE = [False]
+
+
+def _staged_impl(x: torch.Tensor) -> torch.Tensor:
+    # Scratch bound to the running owner; on another device than the owner's on request, which
+    # the runtime refuses, naming the owner.
+    device = "meta" if _WRONG_DEVICE[0] else x.device
+    capturepass.workspace("staged", tuple(x.shape), x.dtype, device=device)
+    return x.sin()
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.ops.cptest_names.staged(layer(x))
+        return x
+
+
 @torch.no_grad()
-def test_two_compiled_graphs_have_two_owner_names_in_the_dump_show_and_runtime(tmp_path, capsys):
+def test_a_target_and_a_draft_are_two_owners_with_one_id_in_dump_show_logs_and_errors(tmp_path, capsys, caplog):
+    op = torch.library.custom_op("cptest_names::staged", mutates_args=())(_staged_impl)
+    op.register_fake(lambda x: torch.empty_like(x))
     torch._dynamo.reset()
-    a, b = _Lin(2.0), _Tanh()
+    target, draft = _Decoder(3), _Decoder(1)
     x = torch.randn(4, 8)
-    _compile(a, tmp_path / "a")(x)
-    ex_a = last_compiled()[-1].executor
-    _compile(b, tmp_path / "b")(x)
-    ex_b = last_compiled()[-1].executor
-    owners = []
-    for folder, ex in ((tmp_path / "a", ex_a), (tmp_path / "b", ex_b)):
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        c_target, c_draft = _compile(target, tmp_path / "target"), _compile(draft, tmp_path / "draft")
+        for _ in range(2):
+            torch.testing.assert_close(c_draft(x), draft(x))
+            torch.testing.assert_close(c_target(x), target(x))
+        executors = {name: next(g.executor for g in last_compiled() if g.dump_dir and
+                                g.dump_dir.startswith(str(tmp_path / name))) for name in ("target", "draft")}
+        errors = {}
+        _WRONG_DEVICE[0] = True
+        try:
+            for name, compiled in (("target", c_target), ("draft", c_draft)):
+                with pytest.raises(ResourceError) as err:
+                    compiled(x)
+                errors[name] = str(err.value)
+        finally:
+            _WRONG_DEVICE[0] = False
+        assert capturepass.release(draft) == 1 and capturepass.release(target) == 1
+    logs = [r.getMessage() for r in caplog.records if r.name == "capturepass"]
+    owners = {}
+    for name, ex in executors.items():
+        folder = tmp_path / name
+        # The dump: graph.json, every node, the text dumps.
         doc = _graph_json(folder)
-        owner = doc["owner"]
-        assert owner == ex.graph_owner and re.fullmatch(r"g\d+", owner)
-        assert {n["owner"] for n in doc["nodes"] if "owner" in n} == {owner}
-        (graph_dir,) = os.listdir(folder)
-        with open(folder / graph_dir / "010_emit.txt", encoding="utf-8") as f:
-            assert f"\nowner {owner}:\n" in f.read()
+        g = owners[name] = doc["owner"]
+        assert re.fullmatch(r"g\d+", g) and g == ex.graph_owner
+        assert {n["owner"] for n in doc["nodes"] if "owner" in n} == {g}
+        (graph_dir,) = [d for d in os.listdir(folder) if os.path.isdir(folder / d)]
+        assert f"\nowner {g}:\n" in (folder / graph_dir / "010_emit.txt").read_text()
+        # The runtime: its owners, owners.json, capturepass show (text, --json, --html).
+        assert [o.name for o in ex.owners] == [] and ex.closed is False  # released above
+        record, why_not = naming.load_owners(str(folder / graph_dir), g)
+        assert why_not is None and [o["name"] for o in record["owners"]] == [f"{g}.m0.eager"]
         out = _show(capsys, folder)
-        assert f"(inference, owner {owner}, cudagraphs=none)" in out
-        assert f"    model {owner}.m0: {owner}.m0.eager (uncaptured runs, the first of f32[4,8])" in out
-        assert [o.name for o in ex.owners] == [f"{owner}.m0.eager"]
-        owners.append(owner)
-    assert owners[0] != owners[1]
+        assert f"(inference, owner {g}, cudagraphs=none)" in out
+        assert f"    model {g}.m0: {g}.m0.eager (uncaptured runs, the first of f32[4,8])" in out
+        (summary,) = json.loads(_show(capsys, folder, "--json"))["graphs"]
+        assert summary["owner"] == g and [o["name"] for o in summary["runtime_owners"]] == [f"{g}.m0.eager"]
+        _show(capsys, folder, "--html", str(tmp_path / f"{name}.html"))
+        assert f"<code>{g}.m0.eager</code> — model {g}.m0" in (tmp_path / f"{name}.html").read_text()
+        # The logs: the compile, the pass decisions, the release; the error of a run.
+        assert any(m.startswith(f"capturepass: compiled inference graph {g}: ") for m in logs), logs
+        assert any(m.startswith(f"capturepass: inference graph {g}: assign_streams: lanes ") for m in logs), logs
+        assert (f"capturepass: inference graph {g}: released 1 owner(s) of model {g}.m0 ({g}.m0.eager): "
+                "capturepass.release") in logs
+        assert f"owner {g}.m0.eager keeps its workspaces on cpu" in errors[name]
+    assert owners["target"] != owners["draft"]
+    # No message about one model names the other's owner.
+    for name, other in (("target", "draft"), ("draft", "target")):
+        mine = [m for m in logs if f" graph {owners[name]}:" in m] + [errors[name]]
+        assert mine and not any(re.search(rf"\b{owners[other]}\b", m) for m in mine)
     torch._dynamo.reset()
 
 
