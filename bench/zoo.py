@@ -169,8 +169,23 @@ def worker(args: argparse.Namespace) -> None:
         with turn(args.lock):
             for label, call in timed_calls.items():
                 results[label]["ms"] = timed(call, iters=args.iters)
+    graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
-        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, **r)), flush=True)
+        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs, **r)),
+              flush=True)
+
+
+def capture_summary() -> list[dict]:
+    """How capturepass ran each graph it compiled in this process (scripts/zoo_table.py's summary)."""
+    import importlib.util
+
+    from capturepass.backends.compile import last_compiled
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "zoo_table.py")
+    spec = importlib.util.spec_from_file_location("zoo_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    return table._capture_summary(last_compiled())
 
 
 def main() -> None:
@@ -249,7 +264,8 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
         got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         rows += got
         if proc.returncode != 0:
-            failures.append(f"{m} {v}: exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
+            tail = [line for line in err.strip().splitlines() if "Warning" not in line][-25:]
+            failures.append(f"{m} {v}: exit {proc.returncode}:\n" + "\n".join(tail))
         print(f"done {m} {v} ({len(got)} shapes)", file=sys.stderr, flush=True)
     return rows, failures
 
