@@ -132,6 +132,11 @@ def turn(lock_path: str):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+    # A process that exits tears down its CUDA context and compile workers: not while another
+    # process is timing.
+    open(f"{lock_path}.done.{os.getpid()}", "w").close()
+    while not os.path.exists(lock_path + ".exit"):
+        time.sleep(0.2)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -253,6 +258,12 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
             break
         time.sleep(0.5)
     open(lock + ".go", "w").close()
+    while time.time() - start < args.timeout:
+        done = sum(os.path.exists(f"{lock}.done.{p.pid}") or p.poll() is not None for _, p in procs)
+        if done == len(procs):
+            break
+        time.sleep(0.5)
+    open(lock + ".exit", "w").close()
     rows, failures = [], []
     for (m, v), proc in procs:
         try:
