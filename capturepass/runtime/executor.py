@@ -98,9 +98,19 @@ def mutated_inputs(program: Program) -> frozenset[int]:
     return program.info.mutated_inputs
 
 
-def _shape_key(args: Sequence[Any]) -> tuple:
+# Compares a call's tensors' addresses at given positions with recorded ones, in C++ (what
+# PyTorch's cudagraph trees use for their static inputs); absent from some builds.
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> tuple:
+    """Shapes, strides, dtypes and devices of the tensors at ``positions`` (all by default),
+    and the values of host scalars: what a capture is specific to."""
     key = []
-    for a in args:
+    for i in range(len(args)) if positions is None else positions:
+        if i >= len(args):
+            continue
+        a = args[i]
         if isinstance(a, torch.Tensor):
             # torch.Size is a hashable tuple already; this runs on every call.
             key.append((a.shape, a.stride(), a.dtype, a.device))
@@ -220,6 +230,13 @@ class Executor:
         self.captured = info.captured and info.on_cuda and self.uncaptured_reason is None
         self._on_cuda = info.on_cuda
         self._static_positions = tuple(sorted(program.static_inputs))
+        # NOTE: the static inputs (parameters, buffers) are left out of the shape key: Dynamo
+        # guards their shapes (another shape is another graph), and their addresses are the
+        # instance key. A model has hundreds; keying each call on them cost more than a replay.
+        self._dynamic_positions = tuple(i for i in range(len(program.inputs)) if i not in program.static_inputs)
+        self._last_instance: tuple | None = None
+        self._last_ptrs: list[int | None] = []
+        self._static_indices: list[int] = []
         self._written = mutated_inputs(program)
         self._warned_bound = False
 
@@ -240,9 +257,23 @@ class Executor:
         share this callable. Owners are therefore kept per instance, so that two models
         never share graphs, pools, channels or workspaces.
         """
-        return tuple(
+        last = self._last_instance
+        if (
+            last is not None and _ptrs_equal is not None and len(self._last_ptrs) == len(args)
+            and _ptrs_equal(args, self._last_ptrs, self._static_indices)
+        ):
+            return last
+        instance = tuple(
             args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
         )
+        ptrs: list[int | None] = [None] * len(args)
+        indices = []
+        for i in self._static_positions:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                ptrs[i] = args[i].data_ptr()
+                indices.append(i)
+        self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, indices
+        return instance
 
     def _watch(self, instance: tuple, args: Sequence[Any]) -> None:
         """Releases the owners of ``instance`` when one of its static input tensors is collected."""
@@ -337,7 +368,7 @@ class Executor:
             self._precapture(args)
             if not self.captured:
                 return self._run_eager(args)
-        key = (self._instance(args), _shape_key(args))
+        key = (self._instance(args), _shape_key(args, self._dynamic_positions))
         cap = self._captures.get(key)
         if cap is not None:
             return cap.replay(args, self.check_replay)
@@ -363,7 +394,7 @@ class Executor:
         leaves no visible effect. A capture that fails on one op makes it a break and
         captures the rebuilt program; returns ``None`` when the graph stopped capturing.
         """
-        key = (self._instance(args), _shape_key(args)) if key is None else key
+        key = (self._instance(args), _shape_key(args, self._dynamic_positions)) if key is None else key
         while self.captured:
             program = self.program
             try:
@@ -406,7 +437,7 @@ class Executor:
                     self._what,
                 )
                 return
-            key = (self._instance(sized), _shape_key(sized))
+            key = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
             if key not in self._captures and len(self._captures) < self.max_captures:
                 if self.capture(sized, key) is None:
                     return
