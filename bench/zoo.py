@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off")
+VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 
 # Config overrides per zoo model: realistic widths, few layers (the per-layer schedule repeats).
 SIZES: dict[str, dict] = {
@@ -63,13 +63,18 @@ SIZES: dict[str, dict] = {
 SHARED_EXPERT = ("qwen2_moe", "deepseek_v3")
 
 
-def build(name: str, device: str):
-    """The zoo model ``name`` rebuilt at :data:`SIZES`, bf16, on ``device``."""
+def build(name: str, device: str, sizes: str = "real"):
+    """The zoo model ``name`` rebuilt at :data:`SIZES` in bf16 (``sizes="real"``), or as the
+    catalogue builds it in float32 (``"zoo"``: tiny, where the host's share of a call shows), on
+    ``device``; and its vocabulary size."""
     import torch
     import transformers
 
     from capturepass.testing import zoo
 
+    if sizes == "zoo":
+        model, _ = zoo.build(name, device=None if device == "meta" else device)
+        return model, zoo.VOCAB
     small, _ = zoo.build(name)
     fields = small.config.to_dict()
     fields.update(SIZES[name])
@@ -96,16 +101,25 @@ def compiled(model, variant: str):
         return torch.compile(model, mode="reduce-overhead")
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
 
-    opts = {"policy": "off"} if variant == "capturepass-off" else {}
+    opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}}.get(variant, {})
     return torch.compile(model, backend="capturepass", options=opts)
 
 
-def timed(fn, iters: int, reps: int = 7, warmup: int = 5) -> float:
-    """Median over ``reps`` of the mean milliseconds per call of ``fn``."""
+def timed(fn, iters: int, reps: int = 7, warmup: int = 5, device: str = "cuda") -> float:
+    """Median over ``reps`` of the mean milliseconds per call of ``fn`` (CUDA events; on the
+    CPU the wall clock)."""
     import torch
 
     for _ in range(warmup):
         fn()
+    if device == "cpu":
+        out = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / iters)
+        return statistics.median(out)
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
@@ -143,26 +157,30 @@ def worker(args: argparse.Namespace) -> None:
     """One model and variant in this process: prints one JSON line per shape."""
     import torch
 
+    dev = args.device
+    cuda = dev == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, vocab = build(args.model, "cuda")
-    weights = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    model, vocab = build(args.model, dev, args.sizes)
+    weights = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     fn = compiled(model, args.variant)
     decode_b = args.decode
     prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
     shapes = {f"decode[{decode_b},1]": (decode_b, 1), f"prefill[{prefill_b},{prefill_s}]": (prefill_b, prefill_s)}
-    g = torch.Generator(device="cuda")
+    g = torch.Generator(device=dev)
     results, timed_calls = {}, {}
     with torch.no_grad():
         for label, (b, s) in shapes.items():
             ids = []
             for seed in range(4):
                 g.manual_seed(seed)
-                ids.append(torch.randint(0, vocab, (b, s), device="cuda", generator=g))
+                ids.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
             ref = model(input_ids=ids[3], use_cache=False).logits.float()
             start = time.perf_counter()
             fn(input_ids=ids[0], use_cache=False)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             compile_s = time.perf_counter() - start
             for x in ids[1:3]:
                 fn(input_ids=x, use_cache=False)
@@ -170,10 +188,10 @@ def worker(args: argparse.Namespace) -> None:
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, rel_err=err)
             timed_calls[label] = (lambda x=ids[1]: fn(input_ids=x, use_cache=False))
-        peak = (torch.cuda.max_memory_allocated() - weights) / 2**20
+        peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         with turn(args.lock):
             for label, call in timed_calls.items():
-                results[label]["ms"] = timed(call, iters=args.iters)
+                results[label]["ms"] = timed(call, iters=args.iters, device=dev)
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
         print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs, **r)),
@@ -197,6 +215,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(SIZES), help="comma-separated zoo names (default: all in SIZES)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--sizes", default="real", choices=("real", "zoo"),
+                   help="real: SIZES in bf16; zoo: the catalogue's tiny float32 configs (host overhead)")
     p.add_argument("--decode", type=int, default=8, help="decode batch (sequences of one token)")
     p.add_argument("--prefill", default="2,128", help="prefill batch,sequence")
     p.add_argument("--iters", type=int, default=50)
@@ -214,9 +235,12 @@ def main() -> None:
         return
     models = [m for m in args.models.split(",") if m]
     variants = [v for v in args.variants.split(",") if v]
-    unknown = [m for m in models if m not in SIZES] + [v for v in variants if v not in VARIANTS]
+    from capturepass.testing import zoo as catalogue
+
+    known = SIZES if args.sizes == "real" else [m for m, f in catalogue.FAMILIES.items() if f == "decoder"]
+    unknown = [m for m in models if m not in known] + [v for v in variants if v not in VARIANTS]
     if unknown:
-        p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(SIZES)}; "
+        p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(known)}; "
                 f"variants: {', '.join(VARIANTS)})")
     jobs = [(m, v) for _ in range(args.procs) for m in models for v in variants]
     rows: list[dict] = []
@@ -249,6 +273,7 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
     for m, v in jobs:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
+               "--device", args.device, "--sizes", args.sizes,
                "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
         procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
     start = time.time()
