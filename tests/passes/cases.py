@@ -195,6 +195,16 @@ def random_order(x):
     return a, b
 
 
+def collective(x, w1, w2, w3):
+    """An all-reduce of one matmul beside an independent branch, its wait right after it (as AOT
+    autograd traces ``dist.all_reduce``): the collective goes to the comm lane, the wait after the
+    branch."""
+    r = torch.ops._c10d_functional.all_reduce(torch.mm(x, w1), "sum", "0")
+    r = torch.ops._c10d_functional.wait_tensor(r)
+    y = torch.mm(torch.relu(torch.mm(x, w2)), w3)
+    return r + y
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A traced function and the options it runs under.
@@ -243,6 +253,7 @@ CASES: dict[str, Case] = {
     "write_after_read": Case(write_after_read, 2),
     "read_after_write": Case(read_after_write, 2),
     "random_order": Case(random_order, 1),
+    "collective": Case(collective, 4, options=(("policy", "auto"),)),
 }
 
 
