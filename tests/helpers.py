@@ -44,8 +44,10 @@ def aten_graph(
 
 
 def context(registry: CapabilityRegistry | None = None, **options: Any) -> PassContext:
-    """A pass context with validated options."""
+    """A pass context with validated options (the eager inner compiler, and the per-lane regions a
+    GPU runs: pass-level tests check the outer program CUDA gets, on the CPU)."""
     options.setdefault("inner", "eager")
+    options.setdefault("regions", "lanes")
     return PassContext(options=Options.from_mapping(options), registry=registry or REGISTRY)
 
 

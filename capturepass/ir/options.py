@@ -25,6 +25,7 @@ from capturepass.ir.meta import CaptureMode
 
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
+REGION_MODES = ("auto", "lanes")
 CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
 # How a graph relates to an external stream (option ``external_streams``).
 RELATIONS = ("before", "after", "both")
@@ -90,6 +91,10 @@ class Options:
         check_replay: before every replay, check that the input buffers and
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
+        regions: ``"auto"``: on a host graph (no CUDA tensor, lanes run in program
+            order) each segment is one region, compiled once; on CUDA, one region per lane
+            and segment between sync points. ``"lanes"``: the per-lane regions everywhere
+            (to inspect or test the outer program a GPU runs, on the CPU).
         disable: names of passes to leave out, for bisecting a compile; a pass
             that a later one depends on cannot be left out (``PipelineError``).
 
@@ -109,6 +114,7 @@ class Options:
     static_outputs: bool = False
     check_replay: bool = False
     external_streams: tuple[tuple[str, str], ...] = ()
+    regions: str = "auto"
     disable: tuple[str, ...] = ()
 
     @classmethod
@@ -167,6 +173,7 @@ class Options:
 
         _choice("policy", self.policy, POLICIES, name("policy"))
         _choice("inner", self.inner, INNER_COMPILERS, name("inner"))
+        _choice("regions", self.regions, REGION_MODES, name("regions"))
         if self.cudagraphs is not None:
             _choice("cudagraphs", self.cudagraphs, CUDAGRAPH_MODES, name("cudagraphs"))
         if isinstance(self.max_aux_lanes, bool) or not isinstance(self.max_aux_lanes, int) or self.max_aux_lanes < 0:

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from capturepass.errors import EmitError
 from capturepass.ir import analysis, collectives, hops, meta
-from capturepass.ir.meta import Effect, LaneId
+from capturepass.ir.meta import MAIN_LANE, Effect, LaneId
 from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
 
@@ -77,8 +77,13 @@ def _allocating_lanes(region: _Region) -> list[LaneId]:
     return sorted(lanes)
 
 
-def _plan(gm: fx.GraphModule) -> list[Step]:
-    """Cuts the program order into regions and sync steps."""
+def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
+    """Cuts the program order into regions and sync steps.
+
+    With ``merge_lanes`` (a host graph, whose lanes run in program order) a region is a whole
+    segment: every lane's nodes in program order, one compile; records, waits and releases
+    order nothing there and are left out. A collective is a region of its own either way.
+    """
     steps: list[Step] = []
     open_regions: dict[LaneId, _Region] = {}
     region_of: dict[fx.Node, _Region] = {}
@@ -111,7 +116,9 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
         if eff is Effect.OUTPUT:
             close_all()
             continue
-        lane = meta.lane_of(node)
+        lane = MAIN_LANE if merge_lanes else meta.lane_of(node)
+        if merge_lanes and eff in (Effect.RECORD, Effect.WAIT, Effect.RELEASE):
+            continue
         if eff in (Effect.RECORD, Effect.WAIT):
             close(lane)
             steps.append(Step(StepKind(eff.value), lane=lane, payload=node))
@@ -155,11 +162,13 @@ def _plan(gm: fx.GraphModule) -> list[Step]:
                 close(src.lane)
         seg = rec.segment.index if rec.segment is not None else None
         if collectives.is_collective(node):
-            # Alone in its region: the runtime binds it to each owner's communicator.
+            # Alone in its region: the runtime binds it to each owner's communicator. It keeps
+            # its own lane with merged lanes too: the communicator is the owner's for that lane
+            # (the dump's comm:<group>@<owner>/<lane>), whichever way the host runs it.
             close(lane)
-            region = _Region(lane, seg, eager_break=False, nodes=[node])
+            region = _Region(meta.lane_of(node), seg, eager_break=False, nodes=[node])
             region_of[node] = region
-            steps.append(Step(StepKind.REGION, lane=lane, payload=region))
+            steps.append(Step(StepKind.REGION, lane=region.lane, payload=region))
             continue
         region = open_regions.get(lane)
         if region is None or region.segment != seg:
@@ -222,7 +231,14 @@ class Emit(Pass):
     ensures = (EMITTED,)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
-        steps = _plan(gm)
+        # NOTE: on the host every lane runs in program order (there are no streams), so a
+        # segment is one region and one compile: Inductor fuses across what would be lanes on a
+        # GPU, and the outer program calls one function. Option regions="lanes" keeps the
+        # per-lane regions a CUDA graph gets, to inspect or test them without a GPU.
+        merge = ctx.options.regions == "auto" and not meta.graph_info(gm).on_cuda
+        if merge:
+            ctx.count(self.name, "merged_lanes")
+        steps = _plan(gm, merge_lanes=merge)
         regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         owner_of = {n: r for r in regions for n in r.nodes}
         needed: dict[int, set[fx.Node]] = {id(r): set() for r in regions}

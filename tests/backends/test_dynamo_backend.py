@@ -406,3 +406,28 @@ def test_dynamo_signals_reach_dynamo_unwrapped(monkeypatch, name):
     with pytest.raises(kind) as info:
         capturepass_backend(gm, [torch.randn(4)], {"inner": "eager"})
     assert info.value is signal
+
+
+def test_a_host_graph_is_one_region_per_segment_its_lanes_kept_in_the_ir():
+    """On the host every lane runs in program order: each segment compiles once (Inductor fuses
+    across what would be lanes on a GPU); the IR keeps the lanes and syncs a GPU would run, and
+    regions="lanes" emits them to inspect the outer program a GPU runs."""
+    from capturepass.backends.compile import last_compiled
+    from capturepass.testing.models import MoEBlock
+
+    torch.manual_seed(0)
+    model, x = MoEBlock(), torch.randn(16, 64)
+    with torch.no_grad():
+        expected = model(x)
+        for regions, count in (("auto", 1), ("lanes", None)):
+            torch._dynamo.reset()
+            out = torch.compile(model, backend="capturepass", options={"regions": regions})(x)
+            torch.testing.assert_close(out, expected)
+            compiled = last_compiled()[-1]
+            lanes = len(meta.graph_info(compiled.graph).lanes)
+            assert lanes > 1
+            n = len(compiled.program.regions)
+            if count is not None:
+                assert n == count and compiled.counters["emit"]["merged_lanes"] == 1
+            else:
+                assert n > lanes and "merged_lanes" not in compiled.counters["emit"]

@@ -109,3 +109,22 @@ def test_exact_layouts_ignores_strides_of_size_one_dims():
     a = torch.empty_strided((1, 4), (99, 1))
     (out,) = exact(a)
     assert out is a
+
+
+def test_static_layouts_are_checked_once_then_only_where_they_differed():
+    calls = {"n": 0}
+
+    def region(a):
+        calls["n"] += 1
+        return (a.transpose(1, 2), a.sin())
+
+    x = torch.randn(2, 16, 2, 8)
+    exact = ExactLayouts(region, [x], [torch.empty(2, 2, 16, 8), torch.empty(2, 16, 2, 8)], "region 0")
+    for _ in range(3):
+        outs = exact(x)
+        assert outs[0].stride() == (256, 128, 8, 1) and outs[1].stride() == x.stride()
+    # After the first call only output 0 (which differed) is looked at.
+    assert [i for i, _ in exact._expected] == [0]
+    same = ExactLayouts(lambda a: (a.sin(),), [x], [torch.empty(2, 16, 2, 8)], "region 1")
+    same(x)
+    assert same._expected == [] and same(x)[0].stride() == x.stride()

@@ -262,7 +262,9 @@ def test_emit_puts_each_collective_in_an_eager_region_of_its_own():
 
     gm = CASES["collective"].trace()
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    plan = compile_graph(gm, vals, {"policy": "auto", "inner": "inductor"}, regions=False, record=False).plan
+    # The per-lane regions a GPU runs.
+    plan = compile_graph(gm, vals, {"policy": "auto", "inner": "inductor", "regions": "lanes"},
+                         regions=False, record=False).plan
     regions = [(r.lane, [n.name for n in r.nodes], r.compiler, r.groups) for r in plan.regions]
     assert regions == [
         (0, ["mm"], "inductor", ()),
@@ -270,6 +272,16 @@ def test_emit_puts_each_collective_in_an_eager_region_of_its_own():
         (2, ["mm_1", "relu", "mm_2"], "inductor", ()),
         (1, ["wait_tensor"], "eager", ()),
         (0, ["add"], "inductor", ()),
+    ]
+    # On the host the lanes of a segment merge into one region, the collective aside: it keeps its
+    # lane, whose communicator the owner's is.
+    gm = CASES["collective"].trace()
+    plan = compile_graph(gm, vals, {"policy": "auto", "inner": "inductor"}, regions=False, record=False).plan
+    regions = [(r.lane, [n.name for n in r.nodes], r.compiler, r.groups) for r in plan.regions]
+    assert regions == [
+        (0, ["mm"], "inductor", ()),
+        (1, ["all_reduce"], "eager", ("0",)),
+        (0, ["mm_1", "relu", "mm_2", "wait_tensor", "add"], "inductor", ()),
     ]
     _, _, _, ctx = case_before_after("collective", "emit")
     code = describe_program(ctx.artifacts["program"])
