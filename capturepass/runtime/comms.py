@@ -187,11 +187,15 @@ def redirected(graph: fx.GraphModule, groups: Sequence[str], owner: str, lane: i
     """
     comm_pool = pool()
     bound: list[Any] = [None, None]  # the Communicators the copy was made for, and the copy
+    nodes = ", ".join(f"%{n.name} ({n.target})" for n in graph.graph.nodes if collectives.is_collective(n))
 
     def call(*args: Any) -> Any:
         channel = comm_pool.channel(owner=owner, lane=lane)
         if bound[0] is not channel:
-            mapping = {g: channel.name(g) for g in groups}
+            try:
+                mapping = {g: channel.name(g) for g in groups}
+            except ResourceError as exc:
+                raise ResourceError(f"{nodes}: {exc}") from exc
             bound[1] = collectives.rebind(graph, mapping).forward
             bound[0] = channel
         return bound[1](*args)
