@@ -162,18 +162,38 @@ def init_gloo(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
-def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any) -> None:
+def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> None:
     """Runs ``fn(rank, world, init_file, *args)`` on ``world`` processes (``torch.multiprocessing``),
-    ``init_file`` in a new temporary directory; raises when a process fails."""
+    ``init_file`` in a new temporary directory.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a process failed (its traceback included).
+        TimeoutError: the processes did not finish within ``timeout`` seconds (they are
+            terminated: a collective that one rank never reaches would wait forever).
+    """
+    import time
+
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="capturepass-gloo-") as tmp:
-        mp.spawn(fn, args=(world, os.path.join(tmp, "init"), *args), nprocs=world, join=True)
+        context = mp.start_processes(fn, args=(world, os.path.join(tmp, "init"), *args), nprocs=world,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                for p in context.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"{world} gloo processes running {fn.__qualname__} did not finish in {timeout:.0f} s")
 
 
 def check_tensor_parallel(rank: int, world: int, init_file: str, out_dir: str, options: dict[str, Any],
+                          per_model: dict[str, dict[str, Any]] | None = None,
                           tokens: tuple[int, ...] = (8, 5)) -> None:
     """The worker of the CPU tests: compiles both blocks, checks them against the full block.
+
+    ``options`` are the capturepass options of every model, ``per_model`` adds options by
+    model name (``"tp"``, ``"ep"``, ``"draft"``).
 
     Writes ``rank<r>.json`` into ``out_dir``: the largest error per block and call, and the
     communicators each compiled model used (``capturepass.communicators``); the dumps go
@@ -200,7 +220,7 @@ def check_tensor_parallel(rank: int, world: int, init_file: str, out_dir: str, o
         refs = {"tp": full, "ep": full, "draft": draft_full}
         before = set(comms.communicators())
         for name, model in models.items():
-            opts = dict(options, dump_dir=os.path.join(out_dir, f"rank{rank}", name))
+            opts = dict(options, **(per_model or {}).get(name, {}), dump_dir=os.path.join(out_dir, f"rank{rank}", name))
             compiled = torch.compile(model, backend="capturepass", options=opts, dynamic=False)
             errors = []
             for i, t in enumerate(tokens):
