@@ -25,10 +25,11 @@ worker the CPU tests and examples run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -153,6 +154,44 @@ class ExpertParallelMoE(_Shard):
         y = self._local_experts(recv[:, :d], recv[:, e0:e0 + self.local])
         back = _all_to_all(y, splits, self.group, self.api)
         return s + back.view(self.world, t, d).sum(0)
+
+
+def gloo_unavailable() -> str | None:
+    """Why gloo process groups cannot be made in this build of torch, or ``None`` when they can."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch.distributed is not available in this build of torch"
+    if not dist.is_gloo_available():
+        return "torch.distributed has no gloo backend in this build of torch"
+    return None
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[Any]:
+    """A gloo world of this process alone, for the duration of the block (yields its group).
+
+    Graphs traced with the world group name it ``"0"``: the first group a process makes, and
+    the name again after the world is destroyed (torch resets its group counter then). Inside
+    an initialized world, yields that one and leaves it alone.
+
+    Raises:
+        RuntimeError: gloo is not available (:func:`gloo_unavailable` says why).
+    """
+    import torch.distributed as dist
+
+    reason = gloo_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with tempfile.TemporaryDirectory(prefix="capturepass-gloo-") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:

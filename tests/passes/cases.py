@@ -216,6 +216,8 @@ class Case:
         static_inputs: input positions whose storage the caller keeps fixed.
         options: pass options (``policy`` and the like).
         needs_fused: whether ``cptest_passes::fused`` must be declared.
+        needs_world: whether running it needs a process group (its collectives name the
+            world group ``"0"``): :func:`world_for` makes a gloo world of one rank.
     """
 
     fn: Callable
@@ -224,6 +226,7 @@ class Case:
     static_inputs: tuple[int, ...] = ()
     options: tuple[tuple[str, Any], ...] = (("policy", "hints"),)
     needs_fused: bool = False
+    needs_world: bool = False
 
     def inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Real inputs (deterministic), for running emitted programs."""
@@ -253,8 +256,27 @@ CASES: dict[str, Case] = {
     "write_after_read": Case(write_after_read, 2),
     "read_after_write": Case(read_after_write, 2),
     "random_order": Case(random_order, 1),
-    "collective": Case(collective, 4, options=(("policy", "auto"),)),
+    "collective": Case(collective, 4, options=(("policy", "auto"),), needs_world=True),
 }
+
+
+@contextlib.contextmanager
+def world_for(*names: str) -> Iterator[None]:
+    """A one-rank gloo world while the block runs cases ``names`` if any of them needs one
+    (their collectives then run for real: on one rank, the identity); skips the test where gloo
+    is unavailable."""
+    if not any(CASES[n].needs_world for n in names):
+        yield
+        return
+    import pytest
+
+    from capturepass.testing import parallel
+
+    reason = parallel.gloo_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with parallel.one_rank_world():
+        yield
 
 
 def build(name: str, upto: str, **options: Any) -> tuple[fx.GraphModule, PassContext]:

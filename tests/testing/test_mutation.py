@@ -14,7 +14,7 @@ from hypothesis import event, given, settings
 
 from capturepass.testing.mutate import KINDS, Mutant, apply, judge, mutants, score
 from capturepass.ir.verify import verify
-from tests.passes.cases import CASES, build, fused_declared
+from tests.passes.cases import CASES, build, fused_declared, world_for
 from tests.passes.test_properties import _compile, _inputs, cases
 
 
@@ -25,7 +25,9 @@ def _corpus():
 @pytest.fixture(scope="module")
 def case_score():
     corpus = _corpus()
-    with fused_declared():  # the resources case's op keeps its workspace while judged
+    # The resources case's op keeps its workspace while judged; the collective case's all-reduce
+    # runs on a one-rank world.
+    with fused_declared(), world_for(*CASES):
         return score(corpus, seeds=range(12))
 
 
