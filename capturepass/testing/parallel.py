@@ -2,7 +2,9 @@
 
 Both blocks shard the weights of one :class:`~capturepass.testing.models.MoEBlock` (built
 from one seed on every rank), so a single-process reference computed from the same
-weights is the full block itself:
+weights is the full block itself (equal up to the rounding of sums that the sharding
+splits), and :func:`tensor_parallel_reference` and :func:`expert_parallel_reference`
+redo the ranks' computation in one process in their op order (equal to the last bit):
 
 - :class:`TensorParallelMoE`: tokens replicated on every rank; the shared expert
   column-parallel (gate and up projections split by rows) then row-parallel (the down
@@ -19,8 +21,8 @@ what DTensor uses) or the in-place ``torch.distributed`` calls (``api="c10d"``,
 ``dist.all_reduce(t)``), which Dynamo traces to the same functional ops.
 
 :func:`spawn_gloo` runs a function on ``world`` CPU processes joined by gloo through a
-file in a temporary directory (no network); :func:`check_tensor_parallel` is the
-worker the CPU tests and examples run.
+file in a temporary directory (no network); :func:`check_blocks` is the worker of the
+CPU tests; :func:`one_rank_world` makes a world of one process.
 """
 
 from __future__ import annotations
@@ -120,12 +122,19 @@ class TensorParallelMoE(_Shard):
         self.wu = _frozen(full.wu[rows])
         self.wd = _frozen(full.wd[:, rows])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = F.linear(F.silu(F.linear(x, self.wg)) * F.linear(x, self.wu), self.wd)
-        s = _all_reduce(s, self.group, self.api)
+    def shared_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the shared expert: its rows of the hidden layer through its
+        columns of the down projection (the all-reduce sums the shares)."""
+        return F.linear(F.silu(F.linear(x, self.wg)) * F.linear(x, self.wu), self.wd)
+
+    def routed_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on every token, weighted by the router (the all-reduce sums them)."""
         comb = self._comb(x)
-        r = self._local_experts(x, comb[:, self.first_expert:self.first_expert + self.local])
-        r = _all_reduce(r, self.group, self.api)
+        return self._local_experts(x, comb[:, self.first_expert:self.first_expert + self.local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = _all_reduce(self.shared_partial(x), self.group, self.api)
+        r = _all_reduce(self.routed_partial(x), self.group, self.api)
         return s + r
 
 
@@ -144,16 +153,67 @@ class ExpertParallelMoE(_Shard):
         self.wu = _frozen(full.wu)
         self.wd = _frozen(full.wd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t, d = x.shape
-        s = F.linear(F.silu(F.linear(x, self.wg)) * F.linear(x, self.wu), self.wd)
-        comb = self._comb(x)
-        splits = [t] * self.world
-        recv = _all_to_all(torch.cat([x, comb], dim=-1).repeat(self.world, 1), splits, self.group, self.api)
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert (replicated) on this rank's tokens."""
+        return F.linear(F.silu(F.linear(x, self.wg)) * F.linear(x, self.wu), self.wd)
+
+    def dispatch_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        """What this rank sends: every token with its router weights, once per rank."""
+        return torch.cat([x, self._comb(x)], dim=-1).repeat(self.world, 1)
+
+    def expert_sums(self, recv: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on every received token, weighted: one row per row of ``recv``."""
+        d = self.w13.shape[1]
         e0 = d + self.first_expert
-        y = self._local_experts(recv[:, :d], recv[:, e0:e0 + self.local])
-        back = _all_to_all(y, splits, self.group, self.api)
-        return s + back.view(self.world, t, d).sum(0)
+        return self._local_experts(recv[:, :d], recv[:, e0:e0 + self.local])
+
+    def combine(self, back: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of what came back, ``world`` blocks of this rank's tokens."""
+        return back.view(self.world, back.shape[0] // self.world, back.shape[1]).sum(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        splits = [x.shape[0]] * self.world
+        s = self.shared(x)
+        recv = _all_to_all(self.dispatch_buffer(x), splits, self.group, self.api)
+        back = _all_to_all(self.expert_sums(recv), splits, self.group, self.api)
+        return s + self.combine(back)
+
+
+def _rank_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def tensor_parallel_reference(full: MoEBlock, x: torch.Tensor, world: int) -> torch.Tensor:
+    """What :class:`TensorParallelMoE` computes on ``world`` ranks, in one process and in its op order.
+
+    Each rank's shares are computed with its weights and summed in rank order where the
+    all-reduce sums them. For two ranks this is what gloo returns to the last bit: a sum of
+    two floats does not depend on their order. (``full(x)`` differs in the last bits: it sums
+    the shared expert's down projection over all its columns at once.)
+    """
+    shards = [TensorParallelMoE(full, r, world) for r in range(world)]
+    shared = _rank_sum([sh.shared_partial(x) for sh in shards])
+    routed = _rank_sum([sh.routed_partial(x) for sh in shards])
+    return shared + routed
+
+
+def expert_parallel_reference(full: MoEBlock, xs: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """What :class:`ExpertParallelMoE` computes on ``world`` ranks (rank ``r`` with tokens
+    ``xs[r]``), in one process and in its op order: every rank's output.
+
+    The all-to-alls only move rows (rank ``q`` receives block ``q`` of every rank's buffer,
+    in rank order), so this equals the ranks' results to the last bit.
+    """
+    shards = [ExpertParallelMoE(full, r, world) for r in range(world)]
+    t = xs[0].shape[0]
+    sent = [sh.dispatch_buffer(x) for sh, x in zip(shards, xs)]
+    recv = [torch.cat([buf[q * t:(q + 1) * t] for buf in sent]) for q in range(world)]
+    sums = [sh.expert_sums(r) for sh, r in zip(shards, recv)]
+    back = [torch.cat([y[r * t:(r + 1) * t] for y in sums]) for r in range(world)]
+    return [sh.shared(x) + sh.combine(b) for sh, x, b in zip(shards, xs, back)]
 
 
 def gloo_unavailable() -> str | None:
@@ -226,55 +286,114 @@ def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 
                 raise TimeoutError(f"{world} gloo processes running {fn.__qualname__} did not finish in {timeout:.0f} s")
 
 
-def check_tensor_parallel(rank: int, world: int, init_file: str, out_dir: str, options: dict[str, Any],
-                          per_model: dict[str, dict[str, Any]] | None = None,
-                          tokens: tuple[int, ...] = (8, 5)) -> None:
-    """The worker of the CPU tests: compiles both blocks, checks them against the full block.
+SIZES = {"d": 32, "shared": 64, "experts": 8, "expert_width": 16, "topk": 2}
+"""The block of the CPU tests: 8 routed experts, 4 per rank of two."""
+
+DRAFT_SIZES = {"d": 32, "shared": 32, "experts": 8, "expert_width": 8, "topk": 2}
+"""A second, smaller block (a draft model beside the target)."""
+
+FLOAT32_TOLERANCE = {"atol": 1e-5, "rtol": 1.3e-6}
+"""torch.testing's float32 tolerance: for results whose op order differs from the reference's
+(the full block's one down projection, where tensor parallelism sums two halves; Inductor's
+own pointwise kernels), each rounding a few ulps apart."""
+
+
+def tokens_of(model: str, call: int, t: int, world: int, d: int) -> list[torch.Tensor]:
+    """Every rank's tokens for call ``call`` of ``model``: new values at every call; the same on
+    every rank for tensor parallelism, each rank its own for expert parallelism."""
+    def draw(seed: int) -> torch.Tensor:
+        return torch.randn(t, d, generator=torch.Generator().manual_seed(seed))
+
+    if model == "ep":
+        return [draw(1000 + 10 * call + r) for r in range(world)]
+    return [draw(100 + call)] * world
+
+
+def _sequence_number(group: Any) -> int | None:
+    # How many collectives a group has posted (gloo and NCCL count them); None where torch
+    # does not say.
+    get = getattr(group, "_get_sequence_number_for_group", None)
+    try:
+        return int(get()) if get is not None else None
+    except RuntimeError:
+        return None
+
+
+def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: dict[str, Any],
+                 per_model: dict[str, dict[str, Any]] | None = None, tokens: tuple[int, ...] = (8, 8, 5),
+                 exact: bool = True) -> None:
+    """The worker of the CPU tests: compiles the parallel blocks and checks every call.
+
+    Three models, compiled with ``torch.compile(backend="capturepass")`` one after the other:
+    ``"tp"`` (:class:`TensorParallelMoE` of a :data:`SIZES` block), ``"ep"``
+    (:class:`ExpertParallelMoE` of the same block) and ``"draft"`` (a second tensor-parallel
+    model instance, of a :data:`DRAFT_SIZES` block, written with in-place
+    ``dist.all_reduce``). Each is called once per entry of ``tokens`` with new values
+    (:func:`tokens_of`) and must equal the reference in the ranks' op order
+    (:func:`tensor_parallel_reference`, :func:`expert_parallel_reference`): to the last bit
+    with ``exact`` (the eager inner compiler runs the ATen kernels eager runs), within
+    :data:`FLOAT32_TOLERANCE` otherwise; and the full single-process block within
+    :data:`FLOAT32_TOLERANCE`.
 
     ``options`` are the capturepass options of every model, ``per_model`` adds options by
-    model name (``"tp"``, ``"ep"``, ``"draft"``).
-
-    Writes ``rank<r>.json`` into ``out_dir``: the largest error per block and call, and the
-    communicators each compiled model used (``capturepass.communicators``); the dumps go
-    to ``out_dir/rank<r>/<block>``. A target and a draft instance of the tensor-parallel
-    block run one after the other: their owners must not share a communicator.
+    model name. Writes ``rank<r>.json`` into ``out_dir``: per model and call the largest
+    difference from each reference; the communicators each model's owners used
+    (``capturepass.communicators``); the ranks of each of those groups and how many
+    collectives it posted, and how many the world group (the one the graphs were traced
+    with) posted meanwhile (``None`` where torch does not count them). The
+    dumps go to ``out_dir/rank<r>/<model>``.
     """
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     from capturepass.runtime import comms
 
     init_gloo(rank, world, init_file)
-    torch.set_num_threads(1)
-    report: dict[str, Any] = {"errors": {}, "communicators": {}}
+    torch.set_num_threads(1)  # the same kernels, one thread, in the workers and their references
+    report: dict[str, Any] = {"errors": {}, "communicators": {}, "posted": {}}
     try:
         torch.manual_seed(0)
-        full = MoEBlock(d=32, shared=64, experts=4, expert_width=16, topk=2)
+        full = MoEBlock(**SIZES)
         torch.manual_seed(1)
-        draft_full = MoEBlock(d=32, shared=32, experts=4, expert_width=8, topk=2)
+        draft_full = MoEBlock(**DRAFT_SIZES)
         models = {
-            "tp": TensorParallelMoE(full, rank, world),
-            "ep": ExpertParallelMoE(full, rank, world),
-            "draft": TensorParallelMoE(draft_full, rank, world, api="c10d"),
+            "tp": (TensorParallelMoE(full, rank, world), full),
+            "ep": (ExpertParallelMoE(full, rank, world), full),
+            "draft": (TensorParallelMoE(draft_full, rank, world, api="c10d"), draft_full),
         }
-        refs = {"tp": full, "ep": full, "draft": draft_full}
-        before = set(comms.communicators())
-        for name, model in models.items():
+        world_before = _sequence_number(dist.group.WORLD)
+        before: set[str] = set(comms.communicators())
+        for name, (model, block) in models.items():
             opts = dict(options, **(per_model or {}).get(name, {}), dump_dir=os.path.join(out_dir, f"rank{rank}", name))
             compiled = torch.compile(model, backend="capturepass", options=opts, dynamic=False)
             errors = []
-            for i, t in enumerate(tokens):
-                # Tensor parallel: every rank sees the same tokens; expert parallel: its own.
-                torch.manual_seed(100 + i + (rank if name == "ep" else 0))
-                x = torch.randn(t, 32)
+            for call, t in enumerate(tokens):
+                xs = tokens_of(name, call, t, world, block.wg.shape[1])
                 with torch.no_grad():
-                    out = compiled(x)
-                    ref = refs[name](x)
-                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-                errors.append(float((out - ref).abs().max()))
+                    out = compiled(xs[rank])
+                    if name == "ep":
+                        same = expert_parallel_reference(block, xs, world)[rank]
+                    else:
+                        same = tensor_parallel_reference(block, xs[rank], world)
+                    ref = block(xs[rank])
+                if exact:
+                    torch.testing.assert_close(out, same, atol=0, rtol=0, msg=lambda m: f"{name} call {call}: {m}")
+                else:
+                    torch.testing.assert_close(out, same, **FLOAT32_TOLERANCE, msg=lambda m: f"{name} call {call}: {m}")
+                torch.testing.assert_close(out, ref, **FLOAT32_TOLERANCE, msg=lambda m: f"{name} call {call}: {m}")
+                errors.append({"same_order": float((out - same).abs().max()), "full": float((out - ref).abs().max())})
             report["errors"][name] = errors
             now = comms.communicators()
             report["communicators"][name] = {k: v for k, v in now.items() if k not in before}
             before = set(now)
+        report["ranks"] = {}
+        for channel in comms.communicators().values():
+            for group_name in channel.values():
+                group = c10d._resolve_process_group(group_name)
+                report["posted"][group_name] = _sequence_number(group)
+                report["ranks"][group_name] = dist.get_process_group_ranks(group)
+        after = _sequence_number(dist.group.WORLD)
+        report["world_posted"] = None if world_before is None or after is None else after - world_before
         dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
