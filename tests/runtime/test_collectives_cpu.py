@@ -122,3 +122,26 @@ def test_without_a_process_group_the_collective_says_so():
             executor([torch.randn(4)])
     finally:
         executor.close()
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_wait_into_the_merged_host_region(world):
+    """On the host a segment's lanes merge into one Inductor region; the collective stays a region
+    of its own on the comm lane (redirected to the owner's group), and its wait_tensor goes into
+    the merged region after it, where Inductor's fallback for it waits for the owner's work."""
+    from capturepass.backends.compile import last_compiled
+
+    model = Block(0)
+    compiled = torch.compile(model, backend="capturepass", options={"inner": "inductor"})
+    with torch.no_grad():
+        for seed in (0, 1):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+            # Inductor's relu and add are its own kernels: float32 tolerance.
+            torch.testing.assert_close(compiled(x), model(x))
+    program = last_compiled()[-1].program
+    regions = [(r.lane, r.compiler, r.groups, sorted(n.name for n in r.graph.graph.nodes if collectives.is_wait(n)))
+               for r in program.regions]
+    assert regions == [(0, "inductor", (), []), (1, "eager", ("0",), []), (0, "inductor", (), ["wait_tensor"])]
+    (key,) = comms.communicators()
+    assert key.endswith("/s1")
+    capturepass.release(model)
