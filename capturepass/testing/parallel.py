@@ -186,28 +186,32 @@ def _rank_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def tensor_parallel_reference(full: MoEBlock, x: torch.Tensor, world: int) -> torch.Tensor:
+def tensor_parallel_reference(full: MoEBlock, x: torch.Tensor, world: int,
+                              shards: list[TensorParallelMoE] | None = None) -> torch.Tensor:
     """What :class:`TensorParallelMoE` computes on ``world`` ranks, in one process and in its op order.
 
     Each rank's shares are computed with its weights and summed in rank order where the
     all-reduce sums them. For two ranks this is what gloo returns to the last bit: a sum of
     two floats does not depend on their order. (``full(x)`` differs in the last bits: it sums
-    the shared expert's down projection over all its columns at once.)
+    the shared expert's down projection over all its columns at once.) ``shards``: the ranks'
+    modules, when made already (they copy the weights).
     """
-    shards = [TensorParallelMoE(full, r, world) for r in range(world)]
+    shards = shards or [TensorParallelMoE(full, r, world) for r in range(world)]
     shared = _rank_sum([sh.shared_partial(x) for sh in shards])
     routed = _rank_sum([sh.routed_partial(x) for sh in shards])
     return shared + routed
 
 
-def expert_parallel_reference(full: MoEBlock, xs: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+def expert_parallel_reference(full: MoEBlock, xs: list[torch.Tensor], world: int,
+                              shards: list[ExpertParallelMoE] | None = None) -> list[torch.Tensor]:
     """What :class:`ExpertParallelMoE` computes on ``world`` ranks (rank ``r`` with tokens
     ``xs[r]``), in one process and in its op order: every rank's output.
 
     The all-to-alls only move rows (rank ``q`` receives block ``q`` of every rank's buffer,
-    in rank order), so this equals the ranks' results to the last bit.
+    in rank order), so this equals the ranks' results to the last bit. ``shards``: the ranks'
+    modules, when made already (they copy the weights).
     """
-    shards = [ExpertParallelMoE(full, r, world) for r in range(world)]
+    shards = shards or [ExpertParallelMoE(full, r, world) for r in range(world)]
     t = xs[0].shape[0]
     sent = [sh.dispatch_buffer(x) for sh, x in zip(shards, xs)]
     recv = [torch.cat([buf[q * t:(q + 1) * t] for buf in sent]) for q in range(world)]
