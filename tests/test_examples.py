@@ -28,6 +28,24 @@ def _run(name: str, *args: str) -> str:
     return proc.stdout
 
 
+def _torchrun(name: str, *args: str, nproc: int = 2) -> str:
+    """Runs an example on ``nproc`` CPU processes with torchrun (``--standalone``: a free port)."""
+    from capturepass.testing import parallel
+
+    reason = parallel.gloo_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "CAPTUREPASS_DUMP_DIR")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+         os.path.join(ROOT, "examples", name), "--device", "cpu", "--inner", "eager", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def _totals(out: str) -> list[dict[str, int]]:
     return [
         {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", line)}
@@ -83,6 +101,32 @@ def test_custom_op_retention(tmp_path):
     assert ": 6 object(s) retained: Parameter" in owner
     assert re.search(r"capturepass.retain called [1-9]\d* time\(s\) by the op .*returned True 0 time\(s\)", out)
     assert "result equals eager on cpu (three calls, new input values): OK" in out
+
+
+def test_tensor_parallel_moe(tmp_path):
+    out = _torchrun("tensor_parallel_moe.py", "--dump", str(tmp_path))
+    # Rank 0's four graphs (two blocks, two token counts): a comm lane each, waits on it.
+    (total,) = _totals(out)
+    assert total["lanes"] == 4 and total["segments"] == 4 and total["waits"] > 0
+    assert out.count("lane s1 comm: 4 kernel(s)") == 4
+    for block in ("tp", "ep"):
+        for t in (4, 32):
+            # Exact against the ranks' op order redone in one process (eager kernels, gloo).
+            assert re.search(rf"^{block} T={t}: max \|out - reference\| 0\.00e\+00 \(the ranks' op order, one process\), "
+                             r"\S+ \(the full block\); two calls, new values: OK$", out, re.M), out
+    owners = re.findall(r"^  (g\d+:inference/s1): traced group '0' -> '(\w+)'$", out, re.M)
+    assert len(owners) == 4 and len({name for _, name in owners}) == 4
+    assert "results equal the single-process reference on cpu (2 ranks, tensor and expert parallel, " in out
+    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+
+
+def test_tensor_parallel_moe_without_torchrun_says_how_to_start_it():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "tensor_parallel_moe.py"), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "tensor_parallel_moe: start it with torchrun --nproc-per-node 2 (one process per rank)"
 
 
 @pytest.mark.parametrize("name", sorted(

@@ -2,7 +2,9 @@
 
 - Storage aliasing: which nodes share storage (views of one allocation), read
   from op schemas, so that a view read on another lane counts as a read of its
-  base.
+  base. A functional collective's ``wait_tensor`` returns its argument, which its
+  schema does not say (``ir.collectives``); the collective keeps reading its
+  inputs until that wait, so the wait counts as a read of them.
 - Segment structure: the program order cut at break nodes.
 """
 
@@ -15,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
-from capturepass.ir import meta
+from capturepass.ir import collectives, meta
 from capturepass.ir.meta import Effect
 
 
@@ -92,16 +94,21 @@ _SOURCES: dict[int, tuple[object, tuple[int, ...], tuple[int, ...]]] = {}
 def alias_source(node: fx.Node) -> fx.Node | None:
     """The argument whose storage ``node``'s value lives in, or ``None`` for a fresh allocation.
 
-    A view (:func:`aliases_input`), or an in-place op that returns the tensor it wrote
-    (``add_`` returns ``self``, ``copy_`` its destination): either way the value holds
-    the argument's storage, which stays allocated while the value lives.
+    A view (:func:`aliases_input`), an in-place op that returns the tensor it wrote
+    (``add_`` returns ``self``, ``copy_`` its destination), or a collective's
+    ``wait_tensor`` (which returns its argument, though its schema declares no alias):
+    either way the value holds the argument's storage, which stays allocated while the
+    value lives.
     """
     if node.op != "call_function":
         return None
     target = node.target
     entry = _SOURCES.get(id(target))
     if entry is None or entry[0] is not target:
-        entry = (target, _alias_positions(target), _write_alias_positions(target))
+        # NOTE: wait_tensor is not a view (it has an effect: it completes the collective, so it
+        # is never "free" like a view in the scheduler), but its value is its argument's storage.
+        entry = (target, _alias_positions(target),
+                 _write_alias_positions(target) + collectives.returns_argument(target))
         if isinstance(target, torch._ops.OpOverload):
             _SOURCES[id(target)] = entry
     _, views, writes = entry
@@ -213,7 +220,11 @@ def node_device(node: fx.Node) -> torch.device | None:
 
 
 def reads_of(root: fx.Node) -> list[fx.Node]:
-    """Compute nodes that read ``root``'s storage, directly or through any chain of views."""
+    """Compute nodes that read ``root``'s storage, directly or through any chain of views.
+
+    A collective that reads it keeps reading it until its ``wait_tensor``: the wait counts
+    as a read too (:func:`pending_reads`).
+    """
     reads = []
     stack = [root]
     seen = {root}
@@ -223,10 +234,18 @@ def reads_of(root: fx.Node) -> list[fx.Node]:
             if meta.effect_of(u) is not Effect.COMPUTE:
                 continue
             reads.append(u)
+            if collectives.is_collective(u):
+                reads.extend(collectives.waits_of(u))
             if u not in seen and alias_source(u) is n:
                 seen.add(u)
                 stack.append(u)
     return reads
+
+
+def pending_reads(node: fx.Node) -> list[fx.Node]:
+    """Values ``node`` reads beyond its arguments: a ``wait_tensor`` reads the inputs of the
+    collective it completes (NCCL reads them on its own stream until then)."""
+    return collectives.pending_inputs(node)
 
 
 def view_members(root: fx.Node) -> list[fx.Node]:

@@ -26,13 +26,17 @@ An op may also declare ``monolithic=True``: it needs the whole forward in one
 CUDA graph (it communicates across what would be segments). A breakable
 partition is then refused with an error naming the op and the break, and a
 graph asked to be ``breakable`` without any break is captured monolithic.
+An op that communicates with other ranks declares ``collective=True``: it gets
+a lane kind of its own (the comm lane) and starts as early as its inputs allow.
 
 Ops nobody declared get defaults: ops tagged ``cudagraph_unsafe``, host
 synchronisations (ops whose output size or value depends on data: ``.item()``,
 ``.tolist()``, ``nonzero``, any op that binds a data-dependent size) and copies
 between host and device memory are not capturable; aten and prims ops are
-overlap-safe; any other custom op is serialized (the conservative answer), with
-one log line naming it.
+overlap-safe; the functional collectives (namespace ``_c10d_functional``) have one
+declaration for the whole namespace (``ir.collectives.capability``: collective,
+free to overlap, one communicator resource per traced group); any other custom
+op is serialized (the conservative answer), with one log line naming it.
 
 A functionalization or effect wrapper (``auto_functionalized``,
 ``auto_functionalized_v2``, ``with_effects``: a custom op that mutates its
@@ -62,7 +66,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.errors import CapabilityError, is_dynamo_signal
-from capturepass.ir import hops
+from capturepass.ir import collectives, hops
 from capturepass.ir.meta import Capability, Overlap
 
 log = logging.getLogger("capturepass")
@@ -174,6 +178,7 @@ class _Declaration:
     overlap: OverlapSpec
     resources: tuple[str, ...]
     monolithic: bool = False
+    collective: bool = False
 
     def digest(self) -> str:
         if callable(self.overlap):
@@ -183,7 +188,7 @@ class _Declaration:
                 body = getattr(self.overlap, "__qualname__", repr(type(self.overlap)))
         else:
             body = self.overlap
-        return f"{self.capturable}|{body}|{self.resources}|{self.monolithic}"
+        return f"{self.capturable}|{body}|{self.resources}|{self.monolithic}|{self.collective}"
 
 
 def op_qualname(op: Any) -> str:
@@ -210,6 +215,10 @@ class CapabilityRegistry:
 
     def __init__(self) -> None:
         self._decls: dict[str, _Declaration] = {}
+        # Declarations for every op of a namespace that declares none of its own.
+        self._namespaces: dict[str, Callable[[fx.Node, str], Capability]] = {
+            ns: collectives.capability for ns in collectives.NAMESPACES
+        }
         self._learned: dict[str, str] = {}  # op -> why it failed under capture
         self._cache: dict[tuple, Capability] = {}
         self._warned: set[str] = set()
@@ -223,6 +232,7 @@ class CapabilityRegistry:
         overlap: OverlapSpec = Overlap.SAFE,
         resources: tuple[str, ...] = (),
         monolithic: bool = False,
+        collective: bool = False,
     ) -> None:
         """Declares the capability of ``op`` (replacing an earlier declaration)."""
         name = op_qualname(op)
@@ -230,6 +240,8 @@ class CapabilityRegistry:
             raise CapabilityError(f"capability of {name}: capturable must be a bool, got {capturable!r}")
         if not isinstance(monolithic, bool):
             raise CapabilityError(f"capability of {name}: monolithic must be a bool, got {monolithic!r}")
+        if not isinstance(collective, bool):
+            raise CapabilityError(f"capability of {name}: collective must be a bool, got {collective!r}")
         if monolithic and not capturable:
             raise CapabilityError(f"capability of {name}: an op that is not capturable cannot require a monolithic graph")
         if not callable(overlap) and overlap not in OVERLAP_CHOICES:
@@ -239,7 +251,7 @@ class CapabilityRegistry:
             )
         with self._lock:
             level = overlap if callable(overlap) else Overlap(overlap)
-            self._decls[name] = _Declaration(capturable, level, tuple(resources), monolithic)
+            self._decls[name] = _Declaration(capturable, level, tuple(resources), monolithic, collective)
             self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
 
     def unregister(self, op: Any) -> None:
@@ -349,6 +361,7 @@ class CapabilityRegistry:
                 resources=decl.resources,
                 source="registry",
                 monolithic=decl.monolithic,
+                collective=decl.collective,
             )
         call = _call_info(name, target, args, kwargs)
         cache_key = call.key()
@@ -404,6 +417,9 @@ class CapabilityRegistry:
                 return Capability(capturable=False, reason=f"{crossing} copy by {name}: pageable host memory "
                                   "cannot be copied inside a CUDA graph capture")
         ns = name.split("::", 1)[0]
+        namespace_default = self._namespaces.get(ns)
+        if namespace_default is not None:
+            return namespace_default(node, name)
         if ns in _SAFE_NAMESPACES:
             return _ATEN_OP
         if name not in self._warned:
@@ -559,6 +575,7 @@ def _combine(hop: str | None, inner: list[tuple[fx.Node, Capability]]) -> Capabi
         barrier_free=all(c.barrier_free for c in resident),
         ctas=max(ctas) if ctas else None,
         monolithic=any(c.monolithic for _, c in inner),
+        collective=any(c.collective for _, c in inner),
     )
 
 
@@ -593,7 +610,7 @@ def _to_capability(answer: Any, name: str, decl: _Declaration) -> Capability:
                 f"valid fields are {sorted(fields)}"
             )
         cap = Capability(**{"capturable": decl.capturable, "resources": decl.resources,
-                            "monolithic": decl.monolithic, **answer})
+                            "monolithic": decl.monolithic, "collective": decl.collective, **answer})
     else:
         raise CapabilityError(
             f"the launch-plan callable of {name} must return a Capability or a mapping, got {answer!r}"
@@ -619,6 +636,7 @@ def register_capability(
     overlap: OverlapSpec = Overlap.SAFE,
     resources: tuple[str, ...] = (),
     monolithic: bool = False,
+    collective: bool = False,
 ) -> None:
     """Declares what ``op`` may do inside a capture and beside other lanes.
 
@@ -632,11 +650,14 @@ def register_capability(
         resources: names of owner-bound resources (workspaces, channels) the
             op uses; ``bind_resources`` binds them to the capturing owner and lane.
         monolithic: the op needs the whole forward in one CUDA graph.
+        collective: the op communicates with other ranks: it runs on the comm lane
+            (a lane kind of its own) and starts as early as its inputs allow.
 
     Raises:
         CapabilityError: an invalid op or declaration.
     """
-    REGISTRY.register(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic)
+    REGISTRY.register(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic,
+                      collective=collective)
 
 
 def capability(
@@ -645,11 +666,13 @@ def capability(
     overlap: OverlapSpec = Overlap.SAFE,
     resources: tuple[str, ...] = (),
     monolithic: bool = False,
+    collective: bool = False,
 ) -> Callable[[Any], Any]:
     """Decorator form of :func:`register_capability`, for a ``torch.library.custom_op``."""
 
     def deco(op: Any) -> Any:
-        register_capability(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic)
+        register_capability(op, capturable=capturable, overlap=overlap, resources=resources, monolithic=monolithic,
+                            collective=collective)
         return op
 
     return deco

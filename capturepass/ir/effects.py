@@ -18,7 +18,12 @@ This module is the one model of those effects, read from op schemas:
   (an op whose return aliases a written argument, such as ``add_`` or
   ``copy_``, returns that storage: a later reader of its result reads it);
 - a random op (tag ``nondeterministic_seeded``) reads and writes
-  :data:`RNG`, the generator's hidden state.
+  :data:`RNG`, the generator's hidden state;
+- a functional collective returns a new tensor (its own storage) and keeps
+  reading its inputs until its ``wait_tensor``, which returns the collective's
+  output storage (``ir.collectives``): the wait reads the collective's inputs
+  too, so a later write of an input is ordered after the wait, not only after
+  the collective.
 
 :func:`order_deps` turns the effects into the extra dependencies a scheduler
 and ``insert_syncs`` must honour; the verifier checks the same rules from
@@ -127,6 +132,9 @@ def accesses(node: fx.Node) -> Access:
         return _NONE
     written, random = _op_effects(node.target)
     reads = [effect_root(a) for a in node.all_input_nodes]
+    pending = analysis.pending_reads(node)
+    if pending:
+        reads.extend(effect_root(a) for a in pending)
     writes = [effect_root(a) for a in written_args(node)] if written else []
     if random:
         reads.append(RNG)

@@ -222,7 +222,7 @@ class _Validator:
 
     def capability(self, value: Any, field: str) -> None:
         cap = self.obj(value, field)
-        for key in ("capturable", "resident_grid", "barrier_free", "monolithic"):
+        for key in ("capturable", "resident_grid", "barrier_free", "monolithic", "collective"):
             if key in cap:
                 self.boolean(cap[key], f"{field}.{key}")
         for key in ("overlap", "reason", "source"):

@@ -225,6 +225,9 @@ class Capability:
         monolithic: the op needs the whole forward in one CUDA graph (it
             communicates across what would be segments); a breakable partition
             is then refused.
+        collective: the op communicates with other ranks (a functional
+            collective, or a custom op declared so): it runs on the comm lane,
+            a lane kind of its own, and starts as early as its inputs allow.
     """
 
     capturable: bool = True
@@ -236,6 +239,7 @@ class Capability:
     barrier_free: bool = True
     ctas: int | None = None
     monolithic: bool = False
+    collective: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,6 +45,8 @@ class RegionPlan:
         graph: its standalone FX graph (placeholders for ``inputs``, a tuple of ``outputs``).
         compiler: the inner compiler it is to be compiled with.
         kernels: whether it launches any kernel (views and host math do not).
+        groups: the process groups its collectives were traced with (a collective is a
+            region of its own; the runtime redirects it to the running owner's communicators).
     """
 
     index: int
@@ -57,6 +59,7 @@ class RegionPlan:
     graph: fx.GraphModule
     compiler: str
     kernels: bool = True
+    groups: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass

@@ -632,6 +632,19 @@ class _Checker:
                         cross_reads.setdefault(root, []).append(node)
                 elif eff is Effect.RELEASE:
                     released.add(root)
+            if compute:
+                # A wait_tensor reads its collective's inputs (NCCL reads them until the wait)
+                # without holding them: a read for the races below, not a later free point.
+                for p in analysis.pending_reads(node):
+                    root = root_of.get(p)
+                    if root is None:
+                        root = analysis.storage_root(p)
+                    last_read[root] = i
+                    a = alloc.get(root)
+                    if a is None:
+                        a = alloc[root] = meta.lane_of(root).index
+                    if lane != a:
+                        cross_reads.setdefault(root, []).append(node)
         outputs = analysis.output_roots(self.gm.graph)
         points: dict[fx.Node, fx.Node] = {}
         for node, rec in zip(self.nodes, self.recs):

@@ -13,6 +13,21 @@ Lanes come from the policy:
   routed experts) therefore spread over lanes, balanced along the critical
   path, while chains stay together.
 
+Collectives (ops whose capability says ``collective``: the functional
+collectives of ``torch.distributed``) get a lane kind of their own: unless the
+policy is ``off``, every collective without a hint runs on one lane named
+``comm``, which ``max_aux_lanes`` does not count (it bounds the compute lanes,
+hinted and automatic); a hint on a collective wins, and a hint naming ``comm``
+puts compute beside the collectives. A collective's ``wait_tensor`` runs on its
+collective's lane: readers of the result on other lanes wait for an event
+recorded after it. Before lanes are assigned, whatever the policy, the program
+order is rescheduled so that every collective is issued as soon as its inputs
+(and the collective before it: every rank issues them in one order) are, and
+every wait as late as possible: first the work the next collectives need, then
+the independent work, then the waits, each in program order otherwise. Storage
+effects and barriers (a serialized, joined, resident-grid or non-capturable op)
+are never crossed.
+
 Whatever the policy, ops that are not capturable or that must be serialized
 (or joined: ``overlap="join"``) stay on the main lane, and view ops (no kernel)
 follow their consumers. With a capturing mode, each non-capturable op is marked
@@ -33,12 +48,13 @@ After::
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 import torch.fx as fx
 
 from capturepass.errors import CapturePassError
-from capturepass.ir import analysis, cost, effects, meta
+from capturepass.ir import analysis, collectives, cost, effects, meta
 from capturepass.ir.meta import MAIN_LANE, CaptureMode, LaneId, Overlap
 from capturepass.passes.base import CAPABILITIES, HINTS, LANES, Pass, PassContext
 
@@ -50,6 +66,17 @@ SYNC_PENALTY_S = 3e-6
 def _pinned_to_main(node: fx.Node) -> bool:
     cap = meta.info(node).capability
     return cap is not None and (not cap.capturable or cap.overlap != Overlap.SAFE)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    cap = meta.info(node).capability
+    return cap is not None and cap.collective
+
+
+def _is_barrier(node: fx.Node) -> bool:
+    """A node nothing is reordered across: not capturable, gated, or a resident-grid launch."""
+    cap = meta.info(node).capability
+    return cap is not None and (not cap.capturable or cap.overlap != Overlap.SAFE or cap.resident_grid)
 
 
 def _is_free(node: fx.Node) -> bool:
@@ -73,9 +100,18 @@ class AssignStreams(Pass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         opts = ctx.options
         graph = gm.graph
+        talking = [n for n in analysis.compute_nodes(graph) if _is_collective(n)]
+        if talking:
+            _order_for_collectives(graph)
         nodes = list(analysis.compute_nodes(graph))
         lane_names: list[str] = [meta.MAIN_LANE_NAME]
         lanes: dict[fx.Node, LaneId] = {}
+        # The comm lane: a lane kind of its own, not counted by max_aux_lanes.
+        comm: LaneId | None = None
+        if opts.policy != "off" and any(not _pinned_to_main(n) for n in talking):
+            comm = LaneId(len(lane_names))
+            lane_names.append(collectives.COMM_LANE)
+        extra = 0 if comm is None else 1
 
         # Hinted lanes first, in order of first appearance, up to max_aux_lanes.
         folded: list[str] = []
@@ -84,7 +120,7 @@ class AssignStreams(Pass):
             if hint is None or _pinned_to_main(node):
                 continue
             if hint not in lane_names:
-                if len(lane_names) - 1 >= opts.max_aux_lanes:
+                if len(lane_names) - 1 - extra >= opts.max_aux_lanes:
                     if hint not in folded:
                         folded.append(hint)
                     lanes[node] = MAIN_LANE
@@ -101,9 +137,18 @@ class AssignStreams(Pass):
         for node in pinned:
             meta.add_decision(gm, f"%{node.name}: hint ignored, {meta.info(node).capability.reason}")
 
+        if comm is not None:
+            for node in talking:
+                if node not in lanes and not _pinned_to_main(node):
+                    lanes[node] = comm
+        for node in nodes:
+            if collectives.is_wait(node) and not _pinned_to_main(node):
+                source = collectives.collective_of(node)
+                lanes[node] = lanes.get(source, MAIN_LANE) if source is not None else lanes.get(node, MAIN_LANE)
+
         auto_lanes: list[LaneId] = []
         if opts.policy == "auto":
-            for i in range(opts.max_aux_lanes - (len(lane_names) - 1)):
+            for i in range(opts.max_aux_lanes - (len(lane_names) - 1 - extra)):
                 auto_lanes.append(LaneId(len(lane_names)))
                 lane_names.append(f"aux{i}")
             self._schedule(nodes, lanes, [MAIN_LANE] + auto_lanes)
@@ -158,7 +203,27 @@ class AssignStreams(Pass):
                 meta.update(node, self.name, lane=MAIN_LANE)
         ctx.count(self.name, "lanes", len(lane_names))
         ctx.count(self.name, "breaks", len(breaks))
+        if talking:
+            self._explain_collectives(gm, ctx, talking)
         self._gate(gm, ctx)
+
+    def _explain_collectives(self, gm: fx.GraphModule, ctx: PassContext, talking: list[fx.Node]) -> None:
+        """One decision per collective: its group, its lane, and the work issued before its wait."""
+        gi = meta.graph_info(gm)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for node in talking:
+            ctx.count(self.name, "collectives")
+            what = (f"%{node.name}: collective on {collectives.describe_group(collectives.group_of(node))} "
+                    f"on lane {gi.lane_name(meta.lane_of(node))}")
+            waits = sorted(collectives.waits_of(node), key=order.__getitem__)
+            if not waits:
+                meta.add_decision(gm, f"{what}; no wait_tensor in this graph")
+                continue
+            wait = waits[0]
+            between = [n for n in gm.graph.nodes if order[node] < order[n] < order[wait]
+                       and meta.effect_of(n) is meta.Effect.COMPUTE and not _is_free(n)
+                       and not _is_collective(n) and not collectives.is_wait(n)]
+            meta.add_decision(gm, f"{what}; {len(between)} kernel(s) issued before %{wait.name}")
 
     def _gate(self, gm: fx.GraphModule, ctx: PassContext) -> None:
         """Records each capability-gated decision; enqueues other lanes' work before resident launches.
@@ -307,3 +372,77 @@ class AssignStreams(Pass):
                     lanes[node] = lanes[parent]
                 else:
                     lanes.pop(node, None)
+
+
+def _order_for_collectives(graph: fx.Graph) -> None:
+    """Reschedules the program order: collectives as early as possible, their waits as late.
+
+    Between barriers (:func:`_is_barrier`), nodes are issued in a topological order of
+    their data edges, storage-effect edges and the order of the collectives among
+    themselves, choosing among the ready nodes: a collective first; then a node some
+    later collective needs; then any other node that is not a wait; then a wait. Ties go
+    to program order, so a graph is rescheduled the same way on every rank.
+    """
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    deps = effects.order_deps(body)
+    spans: list[list[fx.Node]] = [[]]
+    for node in body:
+        if _is_barrier(node):
+            spans.append([node])
+            spans.append([])
+        else:
+            spans[-1].append(node)
+    new: list[fx.Node] = []
+    for span in spans:
+        new.extend(_ordered_span(span, deps) if len(span) > 1 else span)
+    if new == body:
+        return
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for node in new:
+        out.prepend(node)
+
+
+def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
+    index = {n: i for i, n in enumerate(span)}
+    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
+    previous: fx.Node | None = None
+    for node in span:
+        mine = preds[node]
+        mine.update(a for a in node.all_input_nodes if a in index)
+        mine.update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+        if _is_collective(node):
+            if previous is not None:
+                mine.add(previous)  # every rank must issue the collectives in one order
+            previous = node
+    feeds: set[fx.Node] = set()
+    stack = [n for n in span if _is_collective(n)]
+    while stack:
+        for p in preds[stack.pop()]:
+            if p not in feeds:
+                feeds.add(p)
+                stack.append(p)
+
+    def rank(n: fx.Node) -> int:
+        if _is_collective(n):
+            return 0
+        if collectives.is_wait(n):
+            return 3
+        return 1 if n in feeds else 2
+
+    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
+    missing = {n: len(preds[n]) for n in span}
+    for n in span:
+        for p in preds[n]:
+            succs[p].append(n)
+    ready = [(rank(n), index[n], n) for n in span if missing[n] == 0]
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in succs[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, (rank(u), index[u], u))
+    assert len(out) == len(span), "the dependencies of a span form a cycle"
+    return out

@@ -6,7 +6,10 @@ consumer), segment boundaries and breaks. Each region becomes a standalone FX
 graph, stripped of every capturepass and hint tag, to be compiled by the inner
 compiler (Inductor, eager, or Torch-TensorRT); regions without a kernel (only
 views and tuple selections), and breaks, which run eagerly between segments, are
-marked for the eager compiler. The plan (``capturepass.ir.plan``) lists the
+marked for the eager compiler. A collective is a region of its own, run by
+the eager compiler: the runtime redirects it to the communicator of the owner
+that runs it (it names its process group by a string the inner compiler would
+bake in). The plan (``capturepass.ir.plan``) lists the
 regions in the order the outer program calls them (each at the point where its
 lane closes it), with the ``capturepass::`` ops in between: records, waits,
 releases, retentions and external joins. The backend compiles the regions; the
@@ -36,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.errors import EmitError
-from capturepass.ir import analysis, hops, meta
+from capturepass.ir import analysis, collectives, hops, meta
 from capturepass.ir.meta import MAIN_LANE, Effect, LaneId
 from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
 from capturepass.passes.base import EMITTED, VERIFIED, Pass, PassContext
@@ -79,7 +82,7 @@ def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
 
     With ``merge_lanes`` (a host graph, whose lanes run in program order) a region is a whole
     segment: every lane's nodes in program order, one compile; records, waits and releases
-    order nothing there and are left out.
+    order nothing there and are left out. A collective is a region of its own either way.
     """
     steps: list[Step] = []
     open_regions: dict[LaneId, _Region] = {}
@@ -158,6 +161,15 @@ def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
                 # reader's region would be emitted first and read a value not yet computed.
                 close(src.lane)
         seg = rec.segment.index if rec.segment is not None else None
+        if collectives.is_collective(node):
+            # Alone in its region: the runtime binds it to each owner's communicator. It keeps
+            # its own lane with merged lanes too: the communicator is the owner's for that lane
+            # (the dump's comm:<group>@<owner>/<lane>), whichever way the host runs it.
+            close(lane)
+            region = _Region(meta.lane_of(node), seg, eager_break=False, nodes=[node])
+            region_of[node] = region
+            steps.append(Step(StepKind.REGION, lane=region.lane, payload=region))
+            continue
         region = open_regions.get(lane)
         if region is None or region.segment != seg:
             close(lane)
@@ -301,7 +313,12 @@ class Emit(Pass):
             # compiler would only wrap its one op in a fallback call, and tracing an opaque op
             # alone can fail (torch 2.11's Inductor raised "Attempting to use FunctionalTensor on
             # its own" on transformers' grouped_mm_fallback as a region of its own).
-            compiler = ctx.options.inner if kernels and not region.eager_break else "eager"
+            groups = tuple(dict.fromkeys(g for n in region.nodes if (g := collectives.group_of(n)) is not None))
+            talking = any(collectives.is_collective(n) or collectives.is_wait(n) for n in region.nodes) and all(
+                collectives.is_collective(n) or collectives.is_wait(n) or analysis.is_getitem(n) for n in region.nodes)
+            # NOTE: a region of collectives and waits only calls into the process group: nothing
+            # for an inner compiler to generate.
+            compiler = ctx.options.inner if kernels and not region.eager_break and not talking else "eager"
             planned[id(region)] = RegionPlan(
                 index=i,
                 lane=region.lane.index,
@@ -313,6 +330,7 @@ class Emit(Pass):
                 graph=rgm,
                 compiler=compiler,
                 kernels=kernels,
+                groups=groups,
             )
             ctx.count(self.name, f"regions_{compiler}")
         for step in steps:

@@ -19,6 +19,10 @@ one (a cache, a deferred check) must not pin it past the call. What the break
 returns is copied by the runtime into the next segment's static input buffers
 (the caller-provided outputs); an output that aliases an argument is turned
 back into a strong view before anything else sees it.
+
+A region of collectives is bound to the owner's communicators
+(``runtime.comms.redirected``): its collectives post on the groups of the owner
+that runs it, never on the group they were traced with.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch.fx as fx
 from capturepass.ir import meta
 from capturepass.ir.meta import EventRole, GraphInfo
 from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
-from capturepass.runtime import context
+from capturepass.runtime import comms, context
 from capturepass.runtime.owner import GraphOwner
 
 if TYPE_CHECKING:
@@ -57,6 +61,7 @@ class RegionSpec:
         graph: its standalone FX graph (for dumps and debugging).
         compiler: which inner compiler produced ``fn``.
         kernels: whether it launches any kernel (views and host math do not).
+        groups: the process groups its collectives were traced with.
     """
 
     index: int
@@ -69,6 +74,7 @@ class RegionSpec:
     graph: fx.GraphModule
     compiler: str
     kernels: bool = True
+    groups: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, region: RegionPlan, fn: Callable[..., Sequence[Any]]) -> "RegionSpec":
@@ -76,7 +82,7 @@ class RegionSpec:
         return cls(
             index=region.index, lane=region.lane, segment=region.segment, eager=region.eager, fn=fn,
             inputs=region.inputs, outputs=region.outputs, graph=region.graph, compiler=region.compiler,
-            kernels=region.kernels,
+            kernels=region.kernels, groups=region.groups,
         )
 
 
@@ -270,6 +276,8 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
     for step in piece.steps:
         if step.kind == StepKind.REGION:
             spec: RegionSpec = step.payload
+            if spec.groups:
+                spec = dataclasses.replace(spec, fn=comms.redirected(spec.graph, spec.groups, owner.name, spec.lane))
             runner = lanes.region_runner(spec.lane)
             if spec.eager and owner.captured:
                 runner = _weak_args(runner, lanes)

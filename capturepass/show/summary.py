@@ -89,6 +89,8 @@ def _capability_text(cap: dict[str, Any]) -> str:
                      + ("barrier-free" if cap.get("barrier_free", True) else "with a grid barrier"))
     if cap.get("monolithic"):
         parts.append("needs one monolithic CUDA graph")
+    if cap.get("collective"):
+        parts.append("a collective: runs on the comm lane")
     if cap.get("resources"):
         parts.append("uses " + ", ".join(cap["resources"]))
     return "; ".join(parts) + f"; because: {cap.get('reason') or '?'} ({cap.get('source', '?')})"

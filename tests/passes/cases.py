@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 import capturepass
+from capturepass.ir import collectives
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.passes.base import PassContext
 from capturepass.backends.compile import compile_graph
@@ -195,6 +196,16 @@ def random_order(x):
     return a, b
 
 
+def collective(x, w1, w2, w3):
+    """An all-reduce of one matmul beside an independent branch, its wait right after it (as AOT
+    autograd traces ``dist.all_reduce``): the collective goes to the comm lane, the wait after the
+    branch."""
+    r = torch.ops._c10d_functional.all_reduce(torch.mm(x, w1), "sum", "0")
+    r = torch.ops._c10d_functional.wait_tensor(r)
+    y = torch.mm(torch.relu(torch.mm(x, w2)), w3)
+    return r + y
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A traced function and the options it runs under.
@@ -206,6 +217,8 @@ class Case:
         static_inputs: input positions whose storage the caller keeps fixed.
         options: pass options (``policy`` and the like).
         needs_fused: whether ``cptest_passes::fused`` must be declared.
+        needs_world: whether running it needs a process group (its collectives name the
+            world group ``"0"``): :func:`world_for` makes a gloo world of one rank.
     """
 
     fn: Callable
@@ -214,6 +227,7 @@ class Case:
     static_inputs: tuple[int, ...] = ()
     options: tuple[tuple[str, Any], ...] = (("policy", "hints"),)
     needs_fused: bool = False
+    needs_world: bool = False
 
     def inputs(self, seed: int = 0) -> tuple[torch.Tensor, ...]:
         """Real inputs (deterministic), for running emitted programs."""
@@ -244,6 +258,27 @@ CASES: dict[str, Case] = {
     "read_after_write": Case(read_after_write, 2),
     "random_order": Case(random_order, 1),
 }
+if collectives.WAIT_TENSOR is not None:  # a torch built with distributed
+    CASES["collective"] = Case(collective, 4, options=(("policy", "auto"),), needs_world=True)
+
+
+@contextlib.contextmanager
+def world_for(*names: str) -> Iterator[None]:
+    """A one-rank gloo world while the block runs cases ``names`` if any of them needs one
+    (their collectives then run for real: on one rank, the identity); skips the test where gloo
+    is unavailable."""
+    if not any(CASES[n].needs_world for n in names):
+        yield
+        return
+    import pytest
+
+    from capturepass.testing import parallel
+
+    reason = parallel.gloo_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with parallel.one_rank_world():
+        yield
 
 
 def build(name: str, upto: str, **options: Any) -> tuple[fx.GraphModule, PassContext]:

@@ -17,7 +17,7 @@ from hypothesis import event, given, settings
 from capturepass.ir import meta
 from capturepass.ir.meta import Effect
 from capturepass.testing.simulate import Race, explore, same, seeded_rng, serial, simulate
-from tests.passes.cases import CASES, build
+from tests.passes.cases import CASES, build, world_for
 from tests.passes.test_properties import _compile, _inputs, cases
 
 SEEDS = range(12)
@@ -45,12 +45,13 @@ def test_every_case_equals_serial_execution_in_every_interleaving(name):
     case = CASES[name]
     gm, _ = build(name, "verify")
     inputs = case.inputs(seed=3)
-    report = explore(gm, inputs, SEEDS, replay=True)
-    assert report.ok, report.describe()
-    # The oracle itself is the traced function (drawing from the generator state serial runs use).
-    expected, _ = serial(gm, inputs)
-    with seeded_rng():
-        direct = case.fn(*inputs)
+    with world_for(name):
+        report = explore(gm, inputs, SEEDS, replay=True)
+        assert report.ok, report.describe()
+        # The oracle itself is the traced function (drawing from the generator state serial runs use).
+        expected, _ = serial(gm, inputs)
+        with seeded_rng():
+            direct = case.fn(*inputs)
     assert same(expected, direct) is None
 
 
@@ -68,7 +69,8 @@ def test_the_emitted_program_is_simulated_through_its_graph():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_emitted_program_equals_serial_execution_in_its_own_host_order(name):
     gm, ctx = build(name, "emit")
-    report = explore(ctx.artifacts["program"], CASES[name].inputs(seed=3), SEEDS, replay=True)
+    with world_for(name):
+        report = explore(ctx.artifacts["program"], CASES[name].inputs(seed=3), SEEDS, replay=True)
     assert report.ok, report.describe()
 
 

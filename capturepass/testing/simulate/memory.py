@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.ir import collectives
+
 _RNG_KEY = -2  # the generator's hidden state, as a storage block random ops read and write
 
 
@@ -127,7 +129,14 @@ def _copy_into(buf: Any, value: Any) -> None:
 def _run_node(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     args = fx.node.map_arg(node.args, lambda n: env[n])
     kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
-    return node.target(*args, **kwargs)
+    value = node.target(*args, **kwargs)
+    if collectives.is_collective(node):
+        # NOTE: a functional collective returns before its work completes; wait_tensor finds the
+        # work by the output's storage. The simulator copies values into buffers of its own (its
+        # allocations), so the graph's wait_tensor would see another storage and wait for
+        # nothing: complete the work here. The lanes and events model when it completes.
+        value = torch.utils._pytree.tree_map_only(torch.Tensor, collectives.WAIT_TENSOR, value)
+    return value
 
 
 @dataclasses.dataclass

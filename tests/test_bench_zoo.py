@@ -1,4 +1,4 @@
-"""The GPU benchmarks' CPU-checkable parts: arguments, model configs, the report's arithmetic."""
+"""bench/zoo.py on the CPU: arguments, model configs, the report's arithmetic."""
 
 from __future__ import annotations
 
