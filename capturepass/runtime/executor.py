@@ -210,9 +210,10 @@ class Executor:
         program: the emitted program.
         options: the graph's resolved options (:meth:`Options.for_graph`); the executor reads
             ``max_captures`` (capture shapes kept before falling back to uncaptured runs),
-            ``static_outputs`` (return replay outputs without copying them), ``capture_sizes``
-            (batch sizes to capture on the first call) and ``check_replay`` (check at every
-            replay that baked-in addresses are unchanged). Defaults: :class:`Options`' own.
+            ``static_outputs`` (return replay outputs as they are, overwritten by the next
+            call), ``capture_sizes`` (batch sizes to capture on the first call) and
+            ``check_replay`` (check at every replay that baked-in addresses are unchanged).
+            Defaults: :class:`Options`' own.
         rebuild: re-runs the passes on the graph as it was before them, with the named
             nodes made breaks (``{node name: reason}``), and returns the new program;
             without it a capture that fails on one op turns capture off for this graph.
