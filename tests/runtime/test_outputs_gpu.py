@@ -135,10 +135,11 @@ def _step_args(step: int):
 
 
 @torch.no_grad()
-def test_a_cache_at_a_fixed_address_is_written_in_place_without_a_copy():
+@pytest.mark.parametrize("check_replay", [False, True])
+def test_a_cache_at_a_fixed_address_is_written_in_place_without_a_copy(check_replay):
     torch.manual_seed(0)
     model = _Cache()
-    compiled = _compile(model)
+    compiled = _compile(model, check_replay=check_replay)
     cache, ref = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")
     ptr = cache.data_ptr()
     for step in range(5):
