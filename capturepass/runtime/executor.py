@@ -63,8 +63,9 @@ capture is made in place; when a later call brings one of those inputs at
 another address (a caller that allocates a new tensor per call), that input is
 copied into a static buffer from then on, the in-place capture is released and
 a copy capture replaces it (logged). So a caller whose tensors stay put pays no
-copy, one whose tensors move pays one extra capture per shape, and captures
-never multiply per address within ``max_captures``. A capture made on a
+copy, one whose tensors move pays one extra capture per shape (at most one per
+input that moves, as they are found), and captures never multiply per address
+within ``max_captures``. A capture made on a
 caller's tensor is released when that tensor's storage dies
 (``lifetime.watch_capture``).
 
