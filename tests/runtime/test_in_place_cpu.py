@@ -138,7 +138,9 @@ def test_the_capture_made_on_a_cache_goes_when_its_storage_dies(host_captures, c
         del cache
         gc.collect()
     assert cap.owner.closed and ex.num_captures == 0
-    assert "released a capture: an input it was made on was collected" in caplog.text
+    said = [r.getMessage() for r in caplog.records if "was collected" in r.getMessage()]
+    assert said == [f"capturepass: inference graph {ex.graph_owner}: released 1 owner(s) of model "
+                    f"{cap.owner.name.rsplit('.', 1)[0]} ({cap.owner.name}): an input it was made on was collected"]
     fresh, ref = torch.zeros(8, 4), torch.zeros(8, 4)
     torch.testing.assert_close(compiled(x, fresh, pos, r), model(x, ref, pos, r))
     torch.testing.assert_close(fresh, ref)
