@@ -65,9 +65,10 @@ copied into a static buffer from then on, the in-place capture is released and
 a copy capture replaces it (logged). So a caller whose tensors stay put pays no
 copy, one whose tensors move pays one extra capture per shape (at most one per
 input that moves, as they are found), and captures never multiply per address
-within ``max_captures``. A capture made on a
-caller's tensor is released when that tensor's storage dies
-(``lifetime.watch_capture``).
+within ``max_captures``. A capture made on a caller's tensor is released when
+that tensor's storage dies (``lifetime.watch_capture``). The capture key is
+(model instance, shapes, in-place addresses); the in-place capture and the copy
+capture that replaces it are one capture shape of the model (``g3.m0.c0``).
 
 Owners die with their model: the executor watches each instance's static input
 tensors and releases that instance's owners when the model is collected
