@@ -134,7 +134,7 @@ class OutputAliases:
                 fresh[key] = alias
                 self._live.append((alias, static))
             self.aliased += 1
-            return torch.empty(0, dtype=v.dtype, device=v.device).set_(alias, v.storage_offset(), v.size(), v.stride())
+            return v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
 
         return fx.node.map_aggregate(out, one)
 
