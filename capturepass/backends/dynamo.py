@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
@@ -40,6 +41,7 @@ import torch
 import torch._inductor.decomposition  # noqa: F401  (the table _decompositions reads)
 import torch.fx as fx
 
+from capturepass.backends import candidates
 from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
@@ -48,6 +50,7 @@ from capturepass.ir import meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
 from capturepass.runtime.executor import Executor
+from capturepass.runtime.pick import Picker, PickRecord, ScheduleCache, append_record, default_cache_dir
 
 log = logging.getLogger("capturepass")
 
@@ -149,6 +152,14 @@ def _aten_compiler(
                 not_capturable=not_capturable, record=record,
             )
 
+        def plan_with(overrides: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
+            graph = _pristine_copy(pristine)
+            new = driver.compile_graph(
+                graph, examples, dataclasses.replace(opts, **overrides), name=kind, regions=False, record=False,
+                log_decisions=False,
+            )
+            return new.graph, new.plan
+
         compiled = run_passes(gm, {}, True)
         gi = meta.graph_info(gm)
         log.info(
@@ -169,7 +180,10 @@ def _aten_compiler(
 
             rebuild = rebuild_program
 
-        executor = Executor(compiled.program, graph_opts, rebuild=rebuild)
+        picker = None
+        if pristine is not None and gi.on_cuda and graph_opts.pick == "measure":
+            picker = _picker(kind, compiled, pristine, graph_opts, plan_with, _tracing_context(), dump_dir)
+        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, picker=picker)
         compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:
@@ -181,6 +195,30 @@ def _aten_compiler(
         return run
 
     return compile_aten
+
+
+def _picker(
+    kind: str, compiled: CompiledGraph, pristine: fx.GraphModule, opts: Options,
+    plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]], tc: Any, dump_dir: str | None,
+) -> Picker | None:
+    """The measured lane choice of a captured CUDA graph, or ``None`` when the cost model's
+    schedule has no cheaper alternative (one lane)."""
+    def compile_plan(plan: Any) -> Any:
+        with _tracing(tc):  # Inductor compiles a candidate at its first capture, in the compile's shape env
+            return driver.compile_regions(plan)
+
+    cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
+    if len(cands) < 2:
+        return None
+    log.info("capturepass: %s graph: %d schedule candidates to measure at capture: %s", kind, len(cands),
+             ", ".join(f"{c.name} ({c.lanes} lane(s), estimate {c.estimate_us:.1f} us)" for c in cands))
+
+    def on_pick(record: PickRecord) -> None:
+        meta.add_decision(compiled.graph, record.text())
+        append_record(dump_dir, record)
+
+    cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
+    return Picker(kind, cands, candidates.graph_key(pristine, opts, cands), opts.pick_budget_ms, cache, on_pick)
 
 
 def _decompositions(inner: str) -> dict | None:

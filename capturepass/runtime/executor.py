@@ -156,6 +156,9 @@ class Executor:
         rebuild: re-runs the passes on the graph as it was before them, with the named
             nodes made breaks (``{node name: reason}``), and returns the new program;
             without it a capture that fails on one op turns capture off for this graph.
+        picker: chooses among schedule candidates by measuring them when a shape is first
+            captured (:class:`~capturepass.runtime.pick.Picker`; ``None``: the program's
+            schedule, as the cost model chose it).
 
     Attributes:
         uncaptured_reason: why this graph stopped capturing, if it did.
@@ -167,6 +170,7 @@ class Executor:
         program: Program,
         options: Options | None = None,
         rebuild: Callable[[dict[str, str]], Program] | None = None,
+        picker: Any = None,
     ) -> None:
         options = options if options is not None else Options()
         self.options = options
@@ -181,6 +185,7 @@ class Executor:
         self._watchers: dict[tuple, list] = {}  # instance -> finalizers of its static inputs
         self._uncaptured_depth = 0
         self._rebuild = rebuild
+        self._picker = picker
         self._rebuilds = 0
         self.not_capturable: dict[str, str] = {}
         self.uncaptured_reason: str | None = None
@@ -324,6 +329,8 @@ class Executor:
         return None
 
     def _capture_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        if self._picker is not None and self._picker.serves(self.program) and profiling.active() is None:
+            return self._pick_new(args, key, real)
         with self._lock, lifetime.capturing():
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
@@ -338,6 +345,29 @@ class Executor:
             self._watch(key[0], args)
             if prof is not None:
                 prof.adopt(owner, lambda: self._forget(key, cap))
+        return cap, out
+
+    def _pick_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
+        with self._lock, lifetime.capturing():
+            static = set(self.program.static_inputs)
+            # Timed replays write these at the caller's addresses: the picker restores them.
+            protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
+            cap, out = self._picker.capture(self, args, real, protect, self._device(args))
+            self._captures[key] = cap
+            self._watch(key[0], args)
+        return cap, out
+
+    def _capture_program(self, program: Program, args: Sequence[Any], real: bool) -> tuple[Capture, Any]:
+        """Captures ``program`` for ``args`` into a new owner, not kept (the picker keeps one)."""
+        info = program.info
+        owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
+        cap = Capture(program, owner, self.static_outputs, mutated_inputs(program))
+        try:
+            out = cap.run(args, real)
+        except BaseException:
+            owner.close()
+            raise
         return cap, out
 
     def _forget(self, key: tuple, cap: Capture) -> None:
