@@ -181,8 +181,9 @@ def _aten_compiler(
             rebuild = rebuild_program
 
         picker = None
-        if pristine is not None and gi.on_cuda and graph_opts.pick == "measure":
-            picker = _picker(kind, compiled, pristine, graph_opts, plan_with, _tracing_context(), dump_dir)
+        if pristine is not None:
+            picker = _picker(kind, compiled, pristine, graph_opts, plan_with, _tracing_context(), dump_dir,
+                             on_cuda=gi.on_cuda)
         executor = Executor(compiled.program, graph_opts, rebuild=rebuild, picker=picker)
         compiled.attach(executor)
 
@@ -200,9 +201,12 @@ def _aten_compiler(
 def _picker(
     kind: str, compiled: CompiledGraph, pristine: fx.GraphModule, opts: Options,
     plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]], tc: Any, dump_dir: str | None,
+    *, on_cuda: bool,
 ) -> Picker | None:
-    """The measured lane choice of a captured CUDA graph, or ``None`` when the cost model's
-    schedule has no cheaper alternative (one lane)."""
+    """The measured lane choice of a captured CUDA graph, or ``None``: not captured on CUDA (nothing
+    to measure), ``pick="model"``, or a cost model's schedule with no cheaper alternative (one lane)."""
+    if not on_cuda or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
+        return None
     def compile_plan(plan: Any) -> Any:
         with _tracing(tc):  # Inductor compiles a candidate at its first capture, in the compile's shape env
             return driver.compile_regions(plan)

@@ -315,8 +315,8 @@ class ScheduleCache:
         try:
             with open(path) as f:
                 entry = json.load(f)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # no entry (a folder that cannot be made is reported when a choice is written)
         except (OSError, ValueError) as e:
             _warn_once(f"read:{path}", "capturepass: the schedule cache file %s cannot be read (%s: %s); "
                        "measuring the candidates again", path, type(e).__name__, e)

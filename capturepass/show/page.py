@@ -224,6 +224,9 @@ def _section(gi: int, name: str, summary: dict[str, Any], model: dict[str, Any])
                        "every op capturable and free to overlap (the defaults)"))
     parts.append(_list("Decisions of the passes", "decisions",
                        [_e(d["text"][len("decision: "):]) for d in decisions if d["kind"] == "pass"]))
+    picks = [_e(d["text"][len("pick: "):]) for d in decisions if d["kind"] == "pick"]
+    if picks:
+        parts.append(_list("Schedules measured at capture (estimate against measured)", "picks", picks))
     retained = [f"<code>{_e(o['object'])}</code> {_e(o['kind'])} {_e(o['type'] or '')} — owner {_e(o['owner'])}, "
                 f"segment {_e(o['segment'])}" for o in g["retained_objects"]]
     parts.append(_list("Retained objects (kept alive for the captured segments)", "retained", retained,
