@@ -404,11 +404,18 @@ class Picker:
         self.measure_round = measure_round
         self.device_name = device_name
         self.records: list[PickRecord] = []
+        self._said_stale = False
 
     def serves(self, program: Any) -> bool:
         """Whether this picker's candidates are alternatives to ``program`` (the cost model's; not
-        once a capture failure rebuilt the graph with another break)."""
-        return program is self.candidates[0].program
+        once a capture failure rebuilt the graph with another break: that is logged once)."""
+        if program is self.candidates[0].program:
+            return True
+        if not self._said_stale:
+            self._said_stale = True
+            log.info("capturepass: %s graph was rebuilt with a break; its schedule candidates were derived "
+                     "without it, so new shapes run the cost model's schedule, unmeasured", self.graph)
+        return False
 
     def capture(
         self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor] = (),
@@ -472,25 +479,27 @@ class Picker:
         cap, out = executor._capture_program(self.candidates[0].program, args, real)
         caps.append(cap)
         kept.append(0)
-        for i, cand in enumerate(self.candidates[1:], start=1):
-            try:
-                program = cand.program
-            except Exception as e:  # noqa: BLE001 - a candidate the inner compiler fails on is left out
-                notes[i] = f"compile failed: {type(e).__name__}"
-                log.warning("capturepass: %s graph: schedule candidate %s failed to compile (%s: %s); not measured",
-                            self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                continue
-            try:
-                c, _ = executor._capture_program(program, args, False)
-            except CaptureFailure as e:
-                notes[i] = f"capture failed: {type(e.error).__name__}"
-                log.info("capturepass: %s graph: schedule candidate %s failed to capture (%s); not measured",
-                         self.graph, cand.name, e)
-                continue
-            caps.append(c)
-            kept.append(i)
-        saved = [(t, t.clone()) for t in protect]
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
+            for i, cand in enumerate(self.candidates[1:], start=1):
+                try:
+                    program = cand.program
+                except Exception as e:  # noqa: BLE001 - a candidate the inner compiler fails on is left out
+                    notes[i] = f"compile failed: {type(e).__name__}"
+                    log.warning("capturepass: %s graph: schedule candidate %s failed to compile (%s: %s); "
+                                "not measured", self.graph, cand.name, type(e).__name__,
+                                str(e).splitlines()[0] if str(e) else "")
+                    continue
+                try:
+                    c, _ = executor._capture_program(program, args, False)
+                except CaptureFailure as e:
+                    notes[i] = f"capture failed: {type(e.error).__name__}"
+                    log.info("capturepass: %s graph: schedule candidate %s failed to capture (%s); not measured",
+                             self.graph, cand.name, e)
+                    continue
+                caps.append(c)
+                kept.append(i)
+            saved = [(t, t.clone()) for t in protect]
             samples, replays = time_rounds(
                 len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3
             )
