@@ -179,10 +179,11 @@ def derive(
     return out
 
 
-def graph_key(gm: fx.GraphModule, opts: Options, candidates: Sequence[Candidate]) -> str:
+def graph_key(gm: fx.GraphModule, opts: Options, candidates: Sequence[Candidate], breaks: Sequence[str] = ()) -> str:
     """A stable hash of a graph before lane assignment, the options that change its schedule,
-    the candidates' names and the torch build (the graph part of the schedule cache's key)."""
-    parts = [str(gm.graph), opts.key(), [c.name for c in candidates], torch.__version__]
+    the candidates' names, the nodes made breaks after a failed capture and the torch build
+    (the graph part of the schedule cache's key)."""
+    parts = [str(gm.graph), opts.key(), [c.name for c in candidates], list(breaks), torch.__version__]
     vals = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":

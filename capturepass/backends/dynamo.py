@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -152,11 +152,14 @@ def _aten_compiler(
                 not_capturable=not_capturable, record=record,
             )
 
+        # The nodes the last rebuild made breaks: schedule candidates derived later have them too.
+        breaks: dict[str, str] = {}
+
         def plan_with(overrides: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
             graph = _pristine_copy(pristine)
             new = driver.compile_graph(
                 graph, examples, dataclasses.replace(opts, **overrides), name=kind, regions=False, record=False,
-                log_decisions=False,
+                log_decisions=False, not_capturable=breaks,
             )
             return new.graph, new.plan
 
@@ -167,10 +170,13 @@ def _aten_compiler(
             kind, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
         )
         rebuild: Callable[[dict[str, str]], Any] | None = None
+        picker = None
         if pristine is not None:
             tc = _tracing_context()
 
             def rebuild_program(not_capturable: dict[str, str]) -> Any:
+                breaks.clear()
+                breaks.update(not_capturable)
                 graph = _pristine_copy(pristine)
                 with _tracing(tc):
                     new = run_passes(graph, not_capturable, False)
@@ -180,10 +186,18 @@ def _aten_compiler(
 
             rebuild = rebuild_program
 
-        picker = None
-        if pristine is not None:
-            picker = _picker(kind, compiled, pristine, graph_opts, plan_with, _tracing_context(), dump_dir,
-                             on_cuda=gi.on_cuda)
+            def make_picker() -> Picker | None:
+                # After a rebuild this runs at a call, outside the compile: re-enter its tracing context.
+                scope = _tracing(tc) if _tracing_context() is not tc else contextlib.nullcontext()
+                with scope:
+                    new = _picker(kind, compiled, pristine, graph_opts, plan_with, tc, dump_dir, on_cuda=gi.on_cuda,
+                                  breaks=breaks)
+                if new is not None:
+                    # A capture failure rebuilds the graph with a break: derive its candidates again.
+                    new.renew = lambda program: make_picker() if program is compiled.program else None
+                return new
+
+            picker = make_picker()
         executor = Executor(compiled.program, graph_opts, rebuild=rebuild, picker=picker)
         compiled.attach(executor)
 
@@ -201,15 +215,21 @@ def _aten_compiler(
 def _picker(
     kind: str, compiled: CompiledGraph, pristine: fx.GraphModule, opts: Options,
     plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]], tc: Any, dump_dir: str | None,
-    *, on_cuda: bool,
+    *, on_cuda: bool, breaks: Mapping[str, str] | None = None,
 ) -> Picker | None:
     """The measured lane choice of a captured CUDA graph, or ``None``: not captured on CUDA (nothing
-    to measure), ``pick="model"``, or a cost model's schedule with no cheaper alternative (one lane)."""
+    to measure), ``pick="model"``, or a cost model's schedule with no cheaper alternative (one lane).
+
+    ``breaks``: the nodes a rebuild made breaks (after a capture failed on them), which the
+    candidates (derived by ``plan_with``) have too; part of the cache key.
+    """
     if not on_cuda or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
         return None
+    rebuilt = bool(breaks)
+
     def compile_plan(plan: Any) -> Any:
         with _tracing(tc):  # Inductor compiles a candidate at its first capture, in the compile's shape env
-            return driver.compile_regions(plan)
+            return driver.compile_regions(plan, eager_fallback=rebuilt)
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
     if len(cands) < 2:
@@ -222,7 +242,8 @@ def _picker(
         append_record(dump_dir, record)
 
     cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
-    return Picker(kind, cands, candidates.graph_key(pristine, opts, cands), opts.pick_budget_ms, cache, on_pick)
+    key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
+    return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick)
 
 
 def _decompositions(inner: str) -> dict | None:

@@ -329,8 +329,10 @@ class Executor:
         return None
 
     def _capture_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
-        if self._picker is not None and self._picker.serves(self.program) and profiling.active() is None:
-            return self._pick_new(args, key, real)
+        if self._picker is not None and profiling.active() is None:
+            self._picker = self._picker.for_program(self.program)  # another picker after a rebuild
+            if self._picker is not None:
+                return self._pick_new(args, key, real)
         with self._lock, lifetime.capturing():
             info = self.program.info
             owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)

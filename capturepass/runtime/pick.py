@@ -387,6 +387,11 @@ class Picker:
         measure_round: replays captures and times them (:func:`replay_round`; tests pass a
             fake with the same signature).
         device_name: names the device for the cache key (:func:`device_name`; tests pass a fake).
+
+    Attributes:
+        renew: given the program a rebuild made (a capture failed on an op, now a break), the
+            picker of that program's candidates, or ``None`` (set by the backend).
+        records: the choices made so far, one per shape.
     """
 
     def __init__(
@@ -404,18 +409,22 @@ class Picker:
         self.measure_round = measure_round
         self.device_name = device_name
         self.records: list[PickRecord] = []
-        self._said_stale = False
+        self.renew: Callable[[Any], Picker | None] | None = None
 
-    def serves(self, program: Any) -> bool:
-        """Whether this picker's candidates are alternatives to ``program`` (the cost model's; not
-        once a capture failure rebuilt the graph with another break: that is logged once)."""
+    def for_program(self, program: Any) -> "Picker | None":
+        """The picker of ``program``: this one while it is the cost model's program of these
+        candidates; after a rebuild (a capture failed on an op, now a break) one of the rebuilt
+        graph's candidates, or ``None`` when there is none (logged)."""
         if program is self.candidates[0].program:
-            return True
-        if not self._said_stale:
-            self._said_stale = True
-            log.info("capturepass: %s graph was rebuilt with a break; its schedule candidates were derived "
-                     "without it, so new shapes run the cost model's schedule, unmeasured", self.graph)
-        return False
+            return self
+        renewed = self.renew(program) if self.renew is not None else None
+        if renewed is None:
+            log.info("capturepass: %s graph was rebuilt with a break and has no schedule candidates to measure; "
+                     "new shapes run the cost model's schedule", self.graph)
+        else:
+            log.info("capturepass: %s graph was rebuilt with a break; its schedule candidates were derived again",
+                     self.graph)
+        return renewed
 
     def capture(
         self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor] = (),
@@ -448,14 +457,36 @@ class Picker:
                      self.graph, entry["choice"])
             entry = None
         if entry is not None:
-            return self._cached(executor, args, real, entry, shape, dev)
+            return self._cached(executor, args, real, protect, entry, shape, dev, key)
         return self._measure(executor, args, real, protect, shape, dev, key)
 
-    def _cached(self, executor: Any, args: Sequence[Any], real: bool, entry: dict[str, Any], shape: str,
-                dev: str) -> tuple[Any, Any]:
+    def _cached(self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor],
+                entry: dict[str, Any], shape: str, dev: str, key: str) -> tuple[Any, Any]:
+        from capturepass.runtime.replay import CaptureFailure
+
         index = [c.name for c in self.candidates].index(entry["choice"])
         cand = self.candidates[index]
-        cap, out = executor._capture_program(cand.program, args, real)
+        try:
+            program = cand.program
+        except Exception as e:  # noqa: BLE001 - the inner compiler failed on it here: measure the others
+            log.warning("capturepass: %s graph: the cached schedule %s failed to compile (%s: %s); measuring again",
+                        self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return self._measure(executor, args, real, protect, shape, dev, key)
+        try:
+            cap, out = executor._capture_program(program, args, real)
+        except CaptureFailure as first:
+            if index == 0:
+                raise  # the cost model's program: the executor makes the op a break
+            log.info("capturepass: %s graph: the cached schedule %s failed to capture (%s); measuring again",
+                     self.graph, cand.name, first)
+            # Its warm-up was the call (when real): the others warm up on copies, and the call's
+            # results are that warm-up's.
+            try:
+                cap, _ = self._measure(executor, args, False, protect, shape, dev, key)
+            except CaptureFailure as failure:
+                failure.outputs = first.outputs
+                raise
+            return cap, first.outputs
         measured = {c.get("name"): c.get("measured_us") for c in entry["record"].get("candidates", [])
                     if isinstance(c, dict)}
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us),

@@ -146,6 +146,7 @@ def test_graph_key_is_stable_and_changes_with_graph_and_options():
     b, pb, ob, _ = _compile(f, inputs)
     names = [candidates.Candidate(n, {}, 1, 0.0, None, None) for n in ("model", "one_lane")]
     assert candidates.graph_key(pa, oa, names) == candidates.graph_key(pb, ob, names)
+    assert candidates.graph_key(pa, oa, names, breaks=["mm"]) != candidates.graph_key(pa, oa, names)
     _, pc, oc, _ = _compile(f, inputs, max_aux_lanes=1)
     assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pc, oc, names)
     _, pd, od, _ = _compile(_chain_tiny, (torch.randn(8, 8), torch.randn(8, 8)))
@@ -378,6 +379,63 @@ def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
     assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
                                        "note": "compile failed: RuntimeError"}
     assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
+
+
+class _FailFirst(_Executor):
+    """Its first capture of ``program`` fails, as a capture of an op that calls ``.tolist()`` does."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.failing = program
+
+    def _capture_program(self, program, args, real):
+        from capturepass.runtime.replay import CaptureFailure
+
+        if program is self.failing:
+            self.failing = None
+            self.captured.append((program, real))
+            raise CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
+        return super()._capture_program(program, args, real)
+
+
+def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, _, _ = _picker(tmp_path, us)
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    fresh, timer, picked, cands = _picker(tmp_path, us)
+    ex = _FailFirst(cands[2].program)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
+    # The failed warm-up was the call; everything after it warms up on copies.
+    assert [(c.name, real) for prog, real in ex.captured for c in cands if c.program is prog] == [
+        ("aux1", True), ("model", False), ("one_lane", False), ("aux1", False)]
+    assert out == ("failed warm-up of", cands[2].program)
+    assert timer.replays == 18 and picked[0].choice == "aux1" and not picked[0].cached
+    assert any("the cached schedule aux1 failed to capture" in r.getMessage() for r in caplog.records)
+
+
+def test_cost_model_candidate_that_fails_to_capture_is_the_executors(tmp_path):
+    from capturepass.runtime.replay import CaptureFailure
+
+    p, timer, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    with pytest.raises(CaptureFailure):
+        p.capture(_FailFirst(cands[0].program), [torch.randn(2)], real=True)
+    assert timer.replays == 0 and picked == []
+
+
+def test_a_rebuilt_program_gets_the_renewed_picker(tmp_path, caplog):
+    p, _, _, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    assert p.for_program(cands[0].program) is p
+    other, _, _, rebuilt = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    p.renew = lambda program: other if program is rebuilt[0].program else None
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert p.for_program(rebuilt[0].program) is other
+        assert p.for_program(object()) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "capturepass: inference graph was rebuilt with a break; its schedule candidates were derived again",
+        "capturepass: inference graph was rebuilt with a break and has no schedule candidates to measure; new "
+        "shapes run the cost model's schedule",
+    ]
 
 
 # -- the option, the backend's wiring, the dump and show ---------------------------------------------

@@ -80,7 +80,8 @@ def test_moe_block_picks_a_measured_candidate_and_equals_eager(tmp_path, caplog)
     assert not record.cached and record.rounds >= 1
     _check_record(record, ex)
     messages = [r.getMessage() for r in caplog.records]
-    assert sum("schedule candidate" in m for m in messages) == len(record.candidates)
+    assert sum(": schedule candidate " in m for m in messages) == len(record.candidates)
+    assert sum("schedule candidates to measure at capture" in m for m in messages) == 1
     assert sum("chose schedule" in m for m in messages) == 1
     graph = [g for g in last_compiled() if g.name == "inference"][-1].graph
     assert meta.graph_info(graph).decisions[-1] == record.text()
