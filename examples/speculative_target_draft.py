@@ -7,8 +7,10 @@ scratch memory. The op takes it from ``capturepass.workspace``: scratch bound
 to the graph owner that is running and to its lane. The target and the draft
 are two compiled graphs with two owners, so their scratch never aliases, even
 when a serving loop runs (or captures) them back to back, or on different
-streams. The script prints what capturepass did for each model, the scratch
-address of each owner (they are disjoint), and checks both results against eager.
+streams. The script prints what capturepass did for each model (each dump names
+its graph's owner, ``g0`` and ``g1``, and the owners that ran it, ``g0.m0.c0``
+on a GPU or ``g0.m0.eager`` on the CPU), the scratch address of each owner (they
+are disjoint), and checks both results against eager.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def main() -> None:
     draft_ranges = [r for g in graphs["draft"] for r in _ranges(g)]
     target_ranges = [r for g in graphs["target"] for r in _ranges(g)]
     for name, gs in graphs.items():
-        print(f"owners of the {name}: {sorted(o.name for g in gs for o in g.executor.owners)}")
+        # The dump's owner (gN) names the graph; its runtime owners are named after it (gN.m0.<...>).
+        owners = sorted(o.name for g in gs for o in g.executor.owners)
+        print(f"owners of the {name} (graph owner {', '.join(g.executor.graph_owner for g in gs)}): {owners}")
     for label, lo, hi in draft_ranges + target_ranges:
         print(f"  workspace {label}: [{lo:#x}, {hi:#x})")
     assert draft_ranges and target_ranges, "the op ran outside any owner"

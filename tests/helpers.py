@@ -69,7 +69,9 @@ def run_passes(
 
 
 def dump(gm: fx.GraphModule, **settings: Any) -> str:
-    """The canonical dump every golden test compares (no title, shapes on)."""
+    """The canonical dump every golden test compares (no title, shapes on, owners numbered in
+    print order: a test's graph owner id depends on what the process compiled before)."""
+    settings.setdefault("canonical_owners", True)
     return printer.dump(gm, settings=printer.PrintSettings(**settings))
 
 

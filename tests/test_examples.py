@@ -62,6 +62,13 @@ def test_speculative_target_draft(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("owners of the ")]
     draft, target = (set(re.findall(r"'([^']+)'", line)) for line in lines)
     assert draft and target and not draft & target
+    # Two graph owners, one per dump, and each model's runtime owners named after its graph's.
+    graph_owners = re.findall(r"^graph \S+ \(inference, owner (g\d+), ", out, re.M)
+    assert len(set(graph_owners)) == 2
+    for line, owners, graph_owner in zip(lines, (draft, target), graph_owners):
+        assert f"(graph owner {graph_owner}): " in line
+        assert owners == {f"{graph_owner}.m0.eager"}
+        assert f"    model {graph_owner}.m0: {graph_owner}.m0.eager (uncaptured runs, the first of f32[8,64])" in out
     assert len(re.findall(r"workspace \S+ s0 gated_mlp.up: \[0x", out)) == 2
     assert "workspaces are disjoint (on the CPU, read from the owner objects): OK" in out
     assert "results equal eager on cpu (draft and target, two steps): OK" in out
@@ -92,9 +99,13 @@ def test_engine_resources(tmp_path):
     (graph_dir,) = os.listdir(tmp_path)
     assert os.path.isfile(tmp_path / graph_dir / "graph.json")
     assert "  external stream offload (before): 1 join(s)" in out
-    assert re.search(r"profiling capture: 2 throwaway owner\(s\) g\d+:inference, g\d+:inference; .* left allocated 0 B", out)
-    assert re.search(r"channels released with them: g\d+:inference/s0, g\d+:inference/s0; live now: none", out)
-    assert "channels: 3 live, one per owner and lane:" in out and "eager/s0: 3 call(s)" in out
+    # One graph for the class (the dump's owner), two models: two owners of each kind, named after it.
+    (owner,) = re.findall(r"^graph \S+ \(inference, owner (g\d+), ", out, re.M)
+    assert f"profiling capture: 2 throwaway owner(s) {owner}.m0.profile, {owner}.m1.profile; " in out
+    assert re.search(r"profiling capture: .* left allocated 0 B", out)
+    assert f"channels released with them: {owner}.m0.profile/s0, {owner}.m1.profile/s0; live now: none" in out
+    assert "channels: 3 live, one per owner and lane:" in out and "  eager/s0: 3 call(s)" in out
+    assert f"  {owner}.m0.eager/s0: 3 call(s)" in out and f"  {owner}.m1.eager/s0: 3 call(s)" in out
     assert "external stream joins in the dump: 1" in out
     assert "result equals eager on cpu (target and draft interleaved, weights from the offload stream): OK" in out
 

@@ -128,6 +128,7 @@ def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
         EmitError: an inner compiler failed on a region (Dynamo's own signals pass through).
     """
     fns: dict[int, Callable[..., Sequence[Any]]] = {}
+    title = meta.graph_info(plan.graph).title
     for region in plan.regions:
         example = [analysis.fake_value(n) for n in region.inputs]
         compiler = region.compiler
@@ -141,13 +142,14 @@ def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
                     f"{names}...): {type(exc).__name__}: {exc}")
             if not eager_fallback or compiler == "eager":
                 raise EmitError(what) from exc
-            log.warning("capturepass: %s; the region runs its graph eagerly instead", what.splitlines()[0])
+            log.warning("capturepass: %s: %s; the region runs its graph eagerly instead", title, what.splitlines()[0])
             compiler = "eager"
             fn = inner_compilers.compile_region(region.graph, example, compiler)
         if compiler != "eager":
             # NOTE: a compiled region may return another layout than its fake values say, and
             # each consumer region is compiled for (and asserts) those: keep them exact.
-            exact = ExactLayouts(fn, example, [analysis.fake_value(n) for n in region.outputs], f"region {region.index}")
+            exact = ExactLayouts(fn, example, [analysis.fake_value(n) for n in region.outputs],
+                                 f"region {region.index} of the {title}")
             if exact.needed:
                 fn = exact
         fns[region.index] = fn

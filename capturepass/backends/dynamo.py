@@ -12,7 +12,9 @@ importing capturepass. The backend
    (inference, or forward and backward) through the compile driver
    (``capturepass.backends.compile``): the passes, ``emit``'s plan, the regions
    compiled by the inner compiler, and the outer program that runs them, which
-   an :class:`~capturepass.runtime.executor.Executor` runs and captures.
+   an :class:`~capturepass.runtime.executor.Executor` runs and captures (its
+   owners named after the graph owner the dump prints, listed in the dump
+   folder's ``owners.json``).
 
 The backward graph runs on one lane and is not captured (``policy="off"``,
 ``cudagraphs="none"``); it is verified and dumped like the forward.
@@ -166,8 +168,8 @@ def _aten_compiler(
         compiled = run_passes(gm, {}, True)
         gi = meta.graph_info(gm)
         log.info(
-            "capturepass: compiled %s graph: %d lane(s), %d segment(s), %d region(s)",
-            kind, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
+            "capturepass: compiled %s: %d lane(s), %d segment(s), %d region(s)",
+            gi.title, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
         )
         rebuild: Callable[[dict[str, str]], Any] | None = None
         picker = None
@@ -198,7 +200,7 @@ def _aten_compiler(
                 return new
 
             picker = make_picker()
-        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, picker=picker)
+        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir, picker=picker)
         compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:

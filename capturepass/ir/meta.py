@@ -158,7 +158,8 @@ class EventId:
 
 @dataclasses.dataclass(frozen=True, order=True)
 class OwnerId:
-    """A graph owner: one per compiled graph and capture shape."""
+    """A graph owner: one per compiled graph, numbered by the compile driver across the process
+    (``g3``). The runtime names its owners after it (``g3.m0.c1``: ``runtime.naming``)."""
 
     index: int
 
@@ -330,6 +331,11 @@ class GraphInfo:
         if 0 <= lane.index < len(self.lanes):
             return self.lanes[lane.index]
         return f"<unknown lane {lane.index}>"
+
+    @property
+    def title(self) -> str:
+        """How messages name the graph: its kind and its owner, ``"inference graph g3"``."""
+        return f"{self.name} graph {self.owner}"
 
     @property
     def captured(self) -> bool:

@@ -5,10 +5,15 @@ One line per node::
     %mm : f32[16,64] = aten.mm.default(%x, %w)  {lane=s1, owner=g0}
     %record : () = capturepass.record(0, 1)  {lane=s1, record=e0, role=join, lease=l0, by=insert_syncs, why=%mm->%add}
 
-Identifiers are canonical: events, leases, owners and segments are renumbered
-in print order (``e0``, ``l0``, ``g0``, ``k0``), and anything that looks like a
-pointer is scrubbed, so that two runs of the same compile print the same text
-and golden tests can compare it. Attributes follow the op in a fixed key order.
+Identifiers are canonical: events, leases and segments are renumbered in print
+order (``e0``, ``l0``, ``k0``), and anything that looks like a pointer is
+scrubbed, so that two runs of the same compile print the same text and golden
+tests can compare it. The graph owner prints as its own id (``g3``: the
+process-wide number of the compiled graph, see ``backends.compile.new_owner``),
+which the runtime's owner names start with (``g3.m0.c0``, see
+``runtime.naming``), so that a dump and a runtime message name one owner the
+same way; ``PrintSettings(canonical_owners=True)`` numbers owners in print order
+too (``g0``), for golden tests. Attributes follow the op in a fixed key order.
 Nodes are grouped under their owner and segment; break nodes sit between the
 segments they separate.
 """
@@ -52,21 +57,34 @@ class PrintSettings:
         cost: print each node's estimated FLOPs and bytes.
         provenance: print which passes changed each node (``changed=``).
         capability: print non-default capability answers.
+        canonical_owners: number graph owners in print order (``g0``), as events and
+            segments are, instead of printing each owner's own id (``g3``, the number the
+            runtime's owner names start with). For golden tests, whose compiles get
+            different owner ids depending on what the process compiled before.
     """
 
     shapes: bool = True
     cost: bool = False
     provenance: bool = False
     capability: bool = True
+    canonical_owners: bool = False
 
 
 class _Canon:
-    """Assigns canonical short ids in print order."""
+    """Assigns canonical short ids in print order.
 
-    def __init__(self) -> None:
+    Args:
+        canonical_owners: renumber graph owners (kind ``"g"``) too; by default an owner
+            prints as its own id (``str(OwnerId)``), the one runtime owner names start with.
+    """
+
+    def __init__(self, canonical_owners: bool = False) -> None:
         self._maps: dict[str, dict[Any, int]] = {}
+        self.canonical_owners = canonical_owners
 
     def __call__(self, kind: str, key: Any) -> str:
+        if kind == "g" and not self.canonical_owners:
+            return str(key)
         table = self._maps.setdefault(kind, {})
         if key not in table:
             table[key] = len(table)
@@ -205,7 +223,7 @@ def dump(gm: fx.GraphModule, title: str | None = None, settings: PrintSettings |
     """The canonical text of an annotated graph."""
     settings = settings or PrintSettings()
     gi = meta.graph_info(gm)
-    canon = _Canon()
+    canon = _Canon(settings.canonical_owners)
     canon("g", gi.owner)
     lines: list[str] = []
     if title:
@@ -248,10 +266,11 @@ def _input_names(gm: fx.GraphModule, positions: frozenset[int]) -> list[str]:
     return [placeholders[i] for i in sorted(positions) if i < len(placeholders)]
 
 
-def to_json(gm: fx.GraphModule) -> dict[str, Any]:
-    """The annotated graph as a JSON-ready dict (canonical ids, no pointers)."""
+def to_json(gm: fx.GraphModule, settings: PrintSettings | None = None) -> dict[str, Any]:
+    """The annotated graph as a JSON-ready dict (the ids of :func:`dump`, no pointers); of
+    ``settings`` only ``canonical_owners`` applies."""
     gi = meta.graph_info(gm)
-    canon = _Canon()
+    canon = _Canon(settings is not None and settings.canonical_owners)
     canon("g", gi.owner)
     nodes = []
     for node in gm.graph.nodes:
@@ -320,6 +339,6 @@ def _scrub(value: Any) -> Any:
     return value
 
 
-def dumps_json(gm: fx.GraphModule) -> str:
+def dumps_json(gm: fx.GraphModule, settings: PrintSettings | None = None) -> str:
     """:func:`to_json` as deterministic text."""
-    return json.dumps(to_json(gm), indent=1, sort_keys=True) + "\n"
+    return json.dumps(to_json(gm, settings), indent=1, sort_keys=True) + "\n"

@@ -3,19 +3,24 @@
 ``capturepass.trace(fn, *args)`` calls ``fn`` (a ``torch.compile(..., backend="capturepass")``
 callable, or any function that calls some) under :mod:`torch.profiler` with CUDA activity
 (CUPTI), and returns a :class:`MeasuredTrace`: a Chrome trace with one process per compiled
-graph, one row per lane (named as in the dump: ``s0 main``, ``s1 aux0``, ...), each kernel at
-its measured start and duration, and a row with each run's measured span; plus a per-lane
-summary (kernels, busy time, overlap between lanes). With ``dump=True`` (the default) each
+graph (named with its owner, ``g3``, as the dump names it), one row per lane (named as in the
+dump: ``s0 main``, ``s1 aux0``, ...; one row per runtime owner and lane where several owners ran
+the graph, ``s0 main · g3.m1.c0``: two models of one class), each kernel at its measured start
+and duration, and a row with each run's measured span; plus a per-lane summary (kernels, busy
+time, overlap between lanes) and each runtime owner's kernels. With ``dump=True`` (the default) each
 graph compiled with a ``dump_dir`` also gets a ``measured.json`` next to its ``graph.json``;
 ``capturepass show DIR --trace out.json`` then writes the measured times instead of the
 cost-model estimates (and says which it wrote).
 
 How kernels find their lane and node:
 
-- every call of a compiled graph, and every region call of an uncaptured run, is wrapped in a
-  ``record_function`` range while the trace is recorded (``capturepass.trace/graph:N``,
+- every call of a compiled graph, every run of one of its owners inside it, and every region
+  call of an uncaptured run, is wrapped in a ``record_function`` range while the trace is
+  recorded (``capturepass.trace/graph:N``, ``capturepass.trace/owner:g3.m0.c0``,
   ``capturepass.trace/region:I``); a kernel belongs to the ranges that enclose its launch (the
-  CUDA runtime or driver call with the kernel's correlation id);
+  CUDA runtime or driver call with the kernel's correlation id), and so to the graph, the
+  runtime owner (the model instance and capture shape, named after the graph owner the dump
+  prints: ``runtime.naming``) and the region;
 - after the runs, a one-element fill is launched on every lane's stream, each inside its own
   range: the profiler's stream id of that fill names the lane of every kernel on that stream.
   Lane 0 is the caller's current stream; lane ``i`` is the owner's ``streams[i - 1]``;
@@ -167,7 +172,10 @@ def _instrumented(session: _Session) -> Iterator[None]:
     def region_range(spec: Any) -> Any:
         return torch.profiler.record_function(f"{PREFIX}region:{spec.index}")
 
-    with context.instrumented(context.Instrumentation(graph=graph_range, region=region_range)):
+    def owner_range(owner: Any) -> Any:
+        return torch.profiler.record_function(f"{PREFIX}owner:{owner.name}")
+
+    with context.instrumented(context.Instrumentation(graph=graph_range, region=region_range, owner=owner_range)):
         yield
 
 
@@ -210,7 +218,8 @@ def _graph_spec(key: int, executor: Any, uncaptured: bool) -> GraphSpec:
         dump_dir, digest = None, None
         name = f"{info.name} {info.owner}"
     return GraphSpec(key=key, name=name, kind=info.name, lanes=list(info.lanes), regions=_region_infos(executor.program),
-                     replayed=bool(executor.captured) and not uncaptured, dump_dir=dump_dir, graph_sha256=digest)
+                     replayed=bool(executor.captured) and not uncaptured, dump_dir=dump_dir, graph_sha256=digest,
+                     owner=str(info.owner))
 
 
 def _mark_streams(executors: Sequence[Any]) -> None:
@@ -301,7 +310,7 @@ def trace(
             host = [ex for ex in session.executors if not ex.program.info.on_cuda]
             if host:
                 raise TraceError(
-                    f"the {host[0].program.info.name} graph runs on the host (its tensors are not on a CUDA device); "
+                    f"the {host[0].program.info.title} runs on the host (its tensors are not on a CUDA device); "
                     "capturepass.trace measures GPU kernels"
                 )
             replaying = [ex for ex in session.executors if ex.captured] if not uncaptured else []

@@ -92,6 +92,8 @@ class GraphSpec:
         replayed: whether the measured runs replay CUDA graphs.
         dump_dir: its dump folder, if any.
         graph_sha256: the digest of its ``graph.json``, if dumped.
+        owner: its graph owner as the dump prints it (``g3``); the runtime owners that ran
+            its calls (``g3.m0.c0``, ...) are named after it.
     """
 
     key: int
@@ -102,6 +104,7 @@ class GraphSpec:
     replayed: bool
     dump_dir: str | None = None
     graph_sha256: str | None = None
+    owner: str | None = None
 
 
 def records_from_chrome_trace(doc: dict[str, Any]) -> tuple[list[Activity], list[HostRange]]:
@@ -154,6 +157,7 @@ def records_from_chrome_trace(doc: dict[str, Any]) -> tuple[list[Activity], list
 class _Tags:
     phase: tuple | None = None  # ("run", r) | ("reference",) | ("marker", device, graph, lane)
     graph: int | None = None
+    owner: str | None = None  # the runtime owner whose run launched it (g3.m0.c0)
     region: int | None = None
     ops: list[HostRange] = dataclasses.field(default_factory=list)  # host operators around the launch, outer first
 
@@ -195,7 +199,10 @@ def _tag(activities: Sequence[Activity], ranges: Sequence[HostRange]) -> list[_T
                     tag.phase = ("marker", int(dev), None if graph == "*" else int(graph), int(lane))
                 elif what.startswith("graph:"):
                     tag.graph = int(what[6:])
+                    tag.owner = None
                     tag.region = None
+                elif what.startswith("owner:"):
+                    tag.owner = what[6:]
                 elif what.startswith("region:"):
                     tag.region = int(what[7:])
             except ValueError:
@@ -308,11 +315,11 @@ def _label_nodes(entries: Sequence[tuple[RegionInfo | None, Sequence[HostRange]]
 
 
 def _kernel(a: Activity, lane: int | None, run: int, region: int | None, nodes: list[str], op: str | None,
-            origin: float) -> dict[str, Any]:
+            origin: float, owner: str | None = None) -> dict[str, Any]:
     return {
         "name": a.name, "kind": a.kind, "lane": lane, "stream": a.stream, "run": run,
         "start": round(a.start - origin, 3), "dur": round(a.dur, 3), "region": region, "nodes": nodes,
-        "op": op, "graph_kernel": a.via_graph,
+        "op": op, "graph_kernel": a.via_graph, "owner": owner,
     }
 
 
@@ -386,7 +393,7 @@ def build_measurements(
             direct = sorted(((a, t) for a, t in mine if not a.via_graph), key=lambda at: (at[0].launch or 0.0, at[0].start))
             regions = [g.regions.get(t.region) if t.region is not None else None for _, t in direct]
             for (a, t), nodes in zip(direct, _label_nodes([(rg, t.ops) for rg, (_, t) in zip(regions, direct)])):
-                kernels.append(_kernel(a, stream_lane(g.key, a), r, t.region, nodes, t.op, origin))
+                kernels.append(_kernel(a, stream_lane(g.key, a), r, t.region, nodes, t.op, origin, t.owner))
             if not replayed:
                 continue
             ref = reference.get(g.key, {})
@@ -397,7 +404,7 @@ def build_measurements(
             if lanes is None:
                 unmatched_runs += 1
                 for a, t in replayed:
-                    kernels.append(_kernel(a, None, r, None, [], t.op, origin))
+                    kernels.append(_kernel(a, None, r, None, [], t.op, origin, t.owner))
                 continue
             # Walk the replay in start order (as match_lanes did) to hand out each lane's entries.
             pos: Counter = Counter()
@@ -407,7 +414,7 @@ def build_measurements(
                 lane = lanes[i]
                 _, region, nodes, op = ref[lane][pos[lane]]
                 pos[lane] += 1
-                kernels.append(_kernel(a, lane, r, region, nodes, op, origin))
+                kernels.append(_kernel(a, lane, r, region, nodes, op, origin, t.owner))
         kernels.sort(key=lambda k: (k["run"], k["start"], k["lane"] if k["lane"] is not None else 1 << 30))
         spans = []
         for r in runs:
@@ -431,6 +438,8 @@ def build_measurements(
         m = {
             "format": FORMAT,
             "graph": g.name,
+            "owner": g.owner,
+            "owners": sorted({k["owner"] for k in kernels if k["owner"]}),
             "kind": g.kind,
             "graph_sha256": g.graph_sha256,
             "lanes": list(g.lanes),
@@ -509,7 +518,10 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
 
     Busy time is the union of a lane's kernel intervals; ``overlap_us`` is the time at least two
     lanes are busy, ``pairs`` the time each two lanes are both busy. Kernels without a lane are
-    counted under ``unmatched``. ``span_us`` runs from the graph's first kernel to its last
+    counted under ``unmatched``. Where several runtime owners ran the graph (two models of one
+    class: ``g3.m0.c0`` and ``g3.m1.c0``), each owner's lanes are its own streams: unions and
+    overlaps are taken per owner and added up, and ``owners`` gives each owner's kernels and
+    busy time (the union over its lanes). ``span_us`` runs from the graph's first kernel to its last
     (with a replay: the input copy before the CUDA graph launch, the output copy after it);
     ``graph_span_us`` covers the kernels of the CUDA graph replays alone (``None`` without any).
     """
@@ -520,9 +532,17 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
     overlap = 0.0
     pairs: dict[str, float] = {}
     by_run: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    by_owner: dict[tuple[int, Any], list[dict[str, Any]]] = defaultdict(list)
+    owners: dict[str, dict[str, float]] = {}
     for k in m.get("kernels", []):
         by_run[k["run"]].append(k)
-    for ks in by_run.values():
+        by_owner[(k["run"], k.get("owner"))].append(k)
+    for (_, owner), ks in by_owner.items():
+        if owner:
+            o = owners.setdefault(owner, {"kernels": 0.0, "busy_us": 0.0})
+            o["kernels"] += len(ks)
+            o["busy_us"] += interval_length(interval_union((k["start"], k["start"] + k["dur"]) for k in ks))
+    for ks in by_owner.values():
         unions = []
         for i in range(len(lanes)):
             mine = [(k["start"], k["start"] + k["dur"]) for k in ks if k["lane"] == i]
@@ -557,6 +577,8 @@ def summarize_measurement(m: dict[str, Any]) -> dict[str, Any]:
         "unmatched": {"kernels": avg(unmatched["kernels"]), "busy_us": avg(unmatched["busy_us"])},
         "overlap_us": avg(overlap),
         "pairs": {k: avg(v) for k, v in pairs.items()},
+        "owners": {name: {"kernels": avg(v["kernels"]), "busy_us": avg(v["busy_us"])}
+                   for name, v in sorted(owners.items())},
     }
 
 
@@ -567,9 +589,12 @@ def _count(x: float) -> str:
 def format_measurement(m: dict[str, Any]) -> str:
     """The human-readable summary of one measurement."""
     s = m.get("summary") or summarize_measurement(m)
-    lines = [f"graph {m['graph']} ({m.get('kind', '?')}, {m['mode']}, {s['runs']} run(s); lanes from "
+    owner = f"owner {m['owner']}, " if m.get("owner") else ""
+    lines = [f"graph {m['graph']} ({owner}{m.get('kind', '?')}, {m['mode']}, {s['runs']} run(s); lanes from "
              f"{m['lanes_from']}): span {s['span_us']:.1f} us per run"
              + (f" (CUDA graph kernels {s['graph_span_us']:.1f} us)" if s.get("graph_span_us") is not None else "")]
+    for name, v in (s.get("owners") or {}).items():
+        lines.append(f"  owner {name}: {_count(v['kernels'])} kernel(s), busy {v['busy_us']:.1f} us")
     for key, v in s["lanes"].items():
         lines.append(f"  {key} {v['name']}: {_count(v['kernels'])} kernel(s), busy {v['busy_us']:.1f} us")
     if s["unmatched"]["kernels"]:

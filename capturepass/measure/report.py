@@ -22,6 +22,7 @@ MEASURED_FILE = "measured.json"
 
 SPAN_TID = 1000
 _UNMATCHED_TID = 2000
+_OWNER_TIDS = 10000  # rows of the i-th of several runtime owners start at (i + 1) * this
 
 
 def short_name(name: str, limit: int = 60) -> str:
@@ -35,18 +36,37 @@ def _finite(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def process_title(graph: str, owner: str | None) -> str:
+    """A graph's name with its owner, as the dump names it: ``000_inference · g3``."""
+    return graph if not owner or owner in graph.split() else f"{graph} · {owner}"
+
+
 def measurement_events(m: dict[str, Any], pid: int) -> list[dict[str, Any]]:
-    """The Chrome trace events of one measurement: its process, a row per lane, a span row."""
+    """The Chrome trace events of one measurement: its process, a row per lane (per runtime owner
+    and lane where several owners ran the graph), a span row."""
     lanes = list(m["lanes"])
+    owners = sorted({k["owner"] for k in m["kernels"] if k.get("owner")})
+    ran = f"; owners {', '.join(owners)}" if owners else ""
     events: list[dict[str, Any]] = [
-        {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"capturepass {m['graph']} (measured)"}},
+        {"ph": "M", "pid": pid, "name": "process_name",
+         "args": {"name": f"capturepass {process_title(m['graph'], m.get('owner'))} (measured)"}},
         {"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}},
         {"ph": "M", "pid": pid, "name": "process_labels",
-         "args": {"labels": f"{m['mode']}, {m['runs']} run(s), lanes from {m['lanes_from']}"}},
+         "args": {"labels": f"{m['mode']}, {m['runs']} run(s), lanes from {m['lanes_from']}{ran}"}},
     ]
-    for li, lname in enumerate(lanes):
-        events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_name", "args": {"name": f"s{li} {lname}"}})
-        events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_sort_index", "args": {"sort_index": li}})
+    # Two owners (two models of one class) run on streams of their own: a row per owner and lane.
+    rows: list[tuple[str | None, int]] = [(None, 0)]
+    if len(owners) > 1:
+        rows = [(o, (oi + 1) * _OWNER_TIDS) for oi, o in enumerate(owners)]
+        if any(not k.get("owner") for k in m["kernels"]):
+            rows.append((None, 0))
+    base = dict(rows)
+    for owner, first in rows:
+        for li, lname in enumerate(lanes):
+            title = f"s{li} {lname}" + (f" · {owner}" if owner else " · owner not known" if len(rows) > 1 else "")
+            events.append({"ph": "M", "pid": pid, "tid": first + li, "name": "thread_name", "args": {"name": title}})
+            events.append({"ph": "M", "pid": pid, "tid": first + li, "name": "thread_sort_index",
+                           "args": {"sort_index": first + li}})
     extra: dict[tuple[int, bool], int] = {}
     for k in m["kernels"]:
         lane = k["lane"]
@@ -62,7 +82,7 @@ def measurement_events(m: dict[str, Any], pid: int) -> list[dict[str, Any]]:
                                "args": {"sort_index": tid}})
             tid = extra[key]
         else:
-            tid = lane
+            tid = base.get(k.get("owner"), 0) + lane
         nodes = k.get("nodes") or []
         label = short_name(k["name"])
         if len(nodes) == 1:
@@ -71,7 +91,7 @@ def measurement_events(m: dict[str, Any], pid: int) -> list[dict[str, Any]]:
             label = f"region {k['region']} ({len(nodes)} nodes) · {label}"
         args = {"kernel": k["name"], "stream": k["stream"], "run": k["run"], "kind": k.get("kind", "kernel"),
                 "graph_kernel": bool(k.get("graph_kernel"))}
-        for key in ("region", "nodes", "op"):
+        for key in ("owner", "region", "nodes", "op"):
             if k.get(key) not in (None, []):
                 args[key] = k[key]
         events.append({"ph": "X", "pid": pid, "tid": tid, "ts": k["start"], "dur": k["dur"], "name": label,
@@ -165,6 +185,8 @@ def _malformed(m: dict[str, Any]) -> str | None:
     lanes = m.get("lanes")
     if not isinstance(lanes, list) or not all(isinstance(x, str) for x in lanes):
         return "lanes: must be a list of strings"
+    if m.get("owner") is not None and not isinstance(m["owner"], str):
+        return "owner: must be a string or null"
     for key in ("mode", "lanes_from"):
         if not isinstance(m.get(key), str):
             return f"{key}: must be a string"
@@ -181,6 +203,8 @@ def _malformed(m: dict[str, Any]) -> str | None:
             return f"kernels[{i}].lane: must be an integer or null"
         if not isinstance(k.get("name"), str):
             return f"kernels[{i}].name: must be a string"
+        if k.get("owner") is not None and not isinstance(k["owner"], str):
+            return f"kernels[{i}].owner: must be a string or null"
         for key in ("stream", "run", "start", "dur"):
             if not _is_number(k.get(key)):
                 return f"kernels[{i}].{key}: must be a finite number"

@@ -168,11 +168,63 @@ def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
     return steps
 
 
-def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+def _sym_exprs(val: object) -> list:
+    """The sympy expressions of a value's symbolic sizes and strides (of a SymInt: itself)."""
+    if isinstance(val, torch.SymInt):
+        return [val.node.expr]
+    if isinstance(val, torch.Tensor):
+        return [d.node.expr for d in (*val.size(), *val.stride()) if isinstance(d, torch.SymInt)]
+    if isinstance(val, (tuple, list)):
+        return [e for v in val for e in _sym_exprs(v)]
+    return []
+
+
+def _symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
+    """Graph inputs that bind a size symbol on their own: a SymInt input that is the symbol,
+    else a tensor input with the symbol as a whole size or stride (first found wins)."""
+    providers: dict[object, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for want_symint in (True, False):
+        for n in placeholders:
+            val = n.meta.get("val")
+            if isinstance(val, torch.SymInt) != want_symint:
+                continue
+            for expr in _sym_exprs(val):
+                if getattr(expr, "is_Symbol", False):
+                    providers.setdefault(expr, n)
+    return providers
+
+
+def _unbound_symbols(region: _Region, members: set[fx.Node]) -> set:
+    """Size symbols the region's values use that none of its inputs binds by itself.
+
+    Inductor binds a symbol from an input that is the symbol (a SymInt) or has it as a whole
+    size or stride; a region that only sees ``s0*s1`` (a flattened activation cut from the
+    graph that reshaped it) cannot recover ``s0`` and ``s1`` and fails to generate code.
+    """
+    used, bound = set(), set()
+    for node in region.nodes:
+        for expr in _sym_exprs(node.meta.get("val")):
+            used |= expr.free_symbols
+        for a in node.all_input_nodes:
+            if a in members:
+                continue
+            for expr in _sym_exprs(a.meta.get("val")):
+                used |= expr.free_symbols
+                if getattr(expr, "is_Symbol", False):
+                    bound.add(expr)
+    return used - bound
+
+
+def _region_graph(
+    region: _Region, needed_outside: set[fx.Node], providers: dict[object, fx.Node] | None = None
+) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
     """A standalone graph for one region: external values become placeholders.
 
     Modules named by ``get_attr`` (subgraphs of higher-order ops) stay ``get_attr`` nodes, on a
-    root that holds them; tensor constants are placeholders like any other outside value.
+    root that holds them; tensor constants are placeholders like any other outside value. Size
+    symbols the region's inputs do not bind are passed in from the graph inputs that do
+    (``providers``): host values, or a tensor read for its size only.
     """
     members = set(region.nodes)
     graph = fx.Graph()
@@ -199,6 +251,10 @@ def _region_graph(region: _Region, needed_outside: set[fx.Node]) -> tuple[fx.Gra
         inputs.append(n)
         return ph
 
+    if providers:
+        for symbol in sorted(_unbound_symbols(region, members), key=str):
+            if symbol in providers and providers[symbol] not in members:
+                arg(providers[symbol])
     for node in region.nodes:
         for a in node.all_input_nodes:
             arg(a)
@@ -237,8 +293,9 @@ class Emit(Pass):
                 if src is not None and src is not mine:
                     needed[id(src)].add(a)
         planned: dict[int, RegionPlan] = {}
+        providers = _symbol_providers(gm)
         for i, region in enumerate(regions):
-            rgm, inputs, outputs = _region_graph(region, needed[id(region)])
+            rgm, inputs, outputs = _region_graph(region, needed[id(region)], providers)
             kernels = _has_kernel(region)
             # NOTE: a break runs eagerly between captured segments, outside any graph: the inner
             # compiler would only wrap its one op in a fallback call, and tracing an opaque op

@@ -109,13 +109,13 @@ class LogDecisions(PassInstrument):
             return
         after = meta.graph_info(gm)
         for line in after.decisions[len(before.decisions):]:
-            log.log(getattr(line, "level", logging.INFO), "capturepass: %s %s: %s", after.name, p.name, line)
+            log.log(getattr(line, "level", logging.INFO), "capturepass: %s: %s: %s", after.title, p.name, line)
         if Property.LANES in p.ensures:
-            log.info("capturepass: %s %s: lanes %s", after.name, p.name, lane_summary(gm))
+            log.info("capturepass: %s: %s: lanes %s", after.title, p.name, lane_summary(gm))
         for brk in after.breaks:
             if brk not in before.breaks:
                 where = f" at %{brk.node}" if brk.node else ""
-                log.info("capturepass: %s %s: %s break%s: %s", after.name, p.name, brk.source, where, brk.reason)
+                log.info("capturepass: %s: %s: %s break%s: %s", after.title, p.name, brk.source, where, brk.reason)
 
 
 class VerifyEach(PassInstrument):

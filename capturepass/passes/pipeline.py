@@ -141,7 +141,7 @@ def run_pipeline(
         inst.enter_pipeline(gm, ctx)
     for p in passes:
         if not all(inst.should_run(p, gm, ctx) for inst in instruments):
-            log.info("capturepass: %s: pass %s skipped by an instrument", meta.graph_info(gm).name, p.name)
+            log.info("capturepass: %s: pass %s skipped by an instrument", meta.graph_info(gm).title, p.name)
             continue
         for inst in instruments:
             inst.run_before_pass(p, gm, ctx)

@@ -255,7 +255,8 @@ def first_failing_node(program: "Program", index: int, env: dict[fx.Node, Any],
             try:
                 found = _probe(specs, env, device, opaque)
             except Exception as exc:  # noqa: BLE001 - the probe is inconclusive, not the call
-                log.info("capturepass: probing piece %d failed eagerly (%s: %s)", index, type(exc).__name__, exc)
+                log.info("capturepass: probing piece %d of the %s failed eagerly (%s: %s)", index,
+                         program.info.title, type(exc).__name__, exc)
                 return None
             if found is not None:
                 return found

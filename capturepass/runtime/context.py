@@ -6,9 +6,10 @@ replay set-up, or inside an outer capture); ``capturepass.retain`` and
 
 A tool that observes the runtime (``capturepass.trace``) installs an
 :class:`Instrumentation` for the current thread with :func:`instrumented`:
-every compiled-graph call and every region call of that thread then runs inside
-the context managers it returns (profiler ranges, say). Other threads are not
-affected.
+every compiled-graph call, every run of an owner (inside a call: a replay with
+its copies in and out, an uncaptured run, a capture) and every region call of
+that thread then runs inside the context managers it returns (profiler ranges,
+say). Other threads are not affected.
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ class Instrumentation:
     Args:
         graph: called with the executor of each compiled-graph call.
         region: called with the ``RegionSpec`` of each region call.
+        owner: called with the ``GraphOwner`` whose run starts (see :func:`running`).
     """
 
     def __init__(
         self,
         graph: Callable[[Any], contextlib.AbstractContextManager] | None = None,
         region: Callable[[Any], contextlib.AbstractContextManager] | None = None,
+        owner: Callable[[Any], contextlib.AbstractContextManager] | None = None,
     ) -> None:
         self.graph = graph
         self.region = region
+        self.owner = owner
 
 
 def instrumentation() -> Instrumentation | None:
@@ -74,5 +78,15 @@ def current_segment() -> int | None:
 
 
 def running(owner: "GraphOwner") -> contextlib.AbstractContextManager:
-    """Marks ``owner`` as the executing owner of this thread inside the block."""
-    return _set("owner", owner)
+    """Marks ``owner`` as the executing owner of this thread inside the block (inside the
+    instrumentation's ``owner`` context too, when one is installed)."""
+    inst = instrumentation()
+    if inst is None or inst.owner is None:
+        return _set("owner", owner)
+    return _observed(owner, inst.owner)
+
+
+@contextlib.contextmanager
+def _observed(owner: "GraphOwner", observe: Callable[[Any], contextlib.AbstractContextManager]) -> Iterator[None]:
+    with observe(owner), _set("owner", owner):
+        yield

@@ -51,6 +51,12 @@ that consume them before the next call, as engines do).
 Owners die with their model: the executor watches each instance's static input
 tensors and releases that instance's owners when the model is collected
 (``runtime.lifetime``); ``capturepass.release(model)`` does it explicitly.
+
+Owners are named after the graph owner the dump prints (``g3``): ``g3.m1`` is the
+second model instance the graph ran, ``g3.m1.c0`` the owner of its first capture
+shape, ``g3.m1.eager`` that of its uncaptured runs (``runtime.naming``). Messages
+and errors use these names; given the graph's dump folder, the executor lists its
+owners in ``owners.json`` there, which ``capturepass show`` reads.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -67,7 +74,7 @@ import torch
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
-from capturepass.runtime import capture, context, lifetime, pools, profiling
+from capturepass.runtime import capture, context, lifetime, naming, pools, profiling
 from capturepass.runtime.owner import GraphOwner
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
@@ -92,9 +99,19 @@ def mutated_inputs(program: Program) -> frozenset[int]:
     return program.info.mutated_inputs
 
 
-def _shape_key(args: Sequence[Any]) -> tuple:
+# Compares a call's tensors' addresses at given positions with recorded ones, in C++ (what
+# PyTorch's cudagraph trees use for their static inputs); absent from some builds.
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> tuple:
+    """Shapes, strides, dtypes and devices of the tensors at ``positions`` (all by default),
+    and the values of host scalars: what a capture is specific to."""
     key = []
-    for a in args:
+    for i in range(len(args)) if positions is None else positions:
+        if i >= len(args):
+            continue
+        a = args[i]
         if isinstance(a, torch.Tensor):
             # torch.Size is a hashable tuple already; this runs on every call.
             key.append((a.shape, a.stride(), a.dtype, a.device))
@@ -135,6 +152,14 @@ def _args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any
 
 
 @dataclasses.dataclass
+class _Model:
+    """One model instance the callable ran: its name (``g3.m1``) and its capture shapes' numbers."""
+
+    name: str
+    shapes: dict[tuple, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class _EagerOwner:
     """The owner of one model instance's uncaptured runs, and its bound programs."""
 
@@ -156,11 +181,15 @@ class Executor:
         rebuild: re-runs the passes on the graph as it was before them, with the named
             nodes made breaks (``{node name: reason}``), and returns the new program;
             without it a capture that fails on one op turns capture off for this graph.
+        record_dir: the graph's dump folder: the executor lists the owners it creates in
+            ``owners.json`` there (``runtime.naming``).
         picker: chooses among schedule candidates by measuring them when a shape is first
             captured (:class:`~capturepass.runtime.pick.Picker`; ``None``: the program's
             schedule, as the cost model chose it).
 
     Attributes:
+        graph_owner: the graph owner's name, as the dump prints it (``"g3"``); every owner
+            of this callable is named after it.
         uncaptured_reason: why this graph stopped capturing, if it did.
         not_capturable: nodes made breaks after they failed under capture (name -> reason).
     """
@@ -170,6 +199,7 @@ class Executor:
         program: Program,
         options: Options | None = None,
         rebuild: Callable[[dict[str, str]], Program] | None = None,
+        record_dir: str | None = None,
         picker: Any = None,
     ) -> None:
         options = options if options is not None else Options()
@@ -183,6 +213,7 @@ class Executor:
         self._eager_owners: dict[tuple, _EagerOwner] = {}
         self._profile_owners: dict[tuple, _EagerOwner] = {}
         self._watchers: dict[tuple, list] = {}  # instance -> finalizers of its static inputs
+        self._models: dict[tuple, _Model] = {}  # instance -> its name and capture shapes, while it lives
         self._uncaptured_depth = 0
         self._rebuild = rebuild
         self._picker = picker
@@ -192,14 +223,26 @@ class Executor:
         self._lock = threading.RLock()
         self.closed = False
         self._adopt(program)
+        self._record = (naming.OwnersRecord(record_dir, self.graph_owner, program.info.name)
+                        if record_dir is not None else None)
         lifetime.register(self)
 
     def _adopt(self, program: Program) -> None:
         self.program = program
         info = program.info
+        # A rebuilt program keeps the graph record, and with it the owner id.
+        self.graph_owner = str(info.owner)
+        self._what = info.title
         self.captured = info.captured and info.on_cuda and self.uncaptured_reason is None
         self._on_cuda = info.on_cuda
         self._static_positions = tuple(sorted(program.static_inputs))
+        # NOTE: the static inputs (parameters, buffers) are left out of the shape key: Dynamo
+        # guards their shapes (another shape is another graph), and their addresses are the
+        # instance key. A model has hundreds; keying each call on them cost more than a replay.
+        self._dynamic_positions = tuple(i for i in range(len(program.inputs)) if i not in program.static_inputs)
+        self._last_instance: tuple | None = None
+        self._last_ptrs: list[int | None] = []
+        self._static_indices: list[int] = []
         self._written = mutated_inputs(program)
         self._warned_bound = False
 
@@ -220,9 +263,23 @@ class Executor:
         share this callable. Owners are therefore kept per instance, so that two models
         never share graphs, pools, channels or workspaces.
         """
-        return tuple(
+        last = self._last_instance
+        if (
+            last is not None and _ptrs_equal is not None and len(self._last_ptrs) == len(args)
+            and _ptrs_equal(args, self._last_ptrs, self._static_indices)
+        ):
+            return last
+        instance = tuple(
             args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
         )
+        ptrs: list[int | None] = [None] * len(args)
+        indices = []
+        for i in self._static_positions:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                ptrs[i] = args[i].data_ptr()
+                indices.append(i)
+        self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, indices
+        return instance
 
     def _watch(self, instance: tuple, args: Sequence[Any]) -> None:
         """Releases the owners of ``instance`` when one of its static input tensors is collected."""
@@ -231,19 +288,44 @@ class Executor:
         tensors = [args[i] for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)]
         self._watchers[instance] = lifetime.watch(self, instance, tensors)
 
+    def _model(self, instance: tuple) -> _Model:
+        """The model instance of these static-input addresses, named on first use (``g3.m1``)."""
+        model = self._models.get(instance)
+        if model is None:
+            model = self._models[instance] = _Model(naming.next_model(self.graph_owner))
+        return model
+
+    def _capture_owner_name(self, key: tuple) -> tuple[_Model, str]:
+        """The model of a capture key (instance, shape) and the name of its capture owner: shapes
+        are numbered per model in the order first captured (``g3.m1.c0``, ``g3.m1.c1``)."""
+        model = self._model(key[0])
+        shape = model.shapes.setdefault(key[1], len(model.shapes))
+        return model, naming.capture_owner(model.name, shape)
+
+    def _new_owner(self, name: str, model: _Model, role: str, args: Sequence[Any], device: torch.device | None,
+                   captured: bool) -> GraphOwner:
+        owner = GraphOwner(name, len(self.program.info.lanes), device, captured=captured)
+        if self._record is not None:
+            self._record.add(name, model.name, role, naming.describe_inputs(args, self._static_positions),
+                             str(owner.device) if owner.device is not None else "cpu")
+        return owner
+
     def _eager_owner_for(self, args: Sequence[Any]) -> "_EagerOwner":
         instance = self._instance(args)
         rec = self._eager_owners.get(instance)
         if rec is None:
             if len(self._eager_owners) >= self.max_captures:
                 oldest = next(iter(self._eager_owners))
+                evicted = self._eager_owners.pop(oldest).owner
                 log.info(
-                    "capturepass: %s graph: more than max_captures=%d model instances ran uncaptured; "
-                    "releasing the owner of the oldest", self.program.info.name, self.max_captures,
+                    "capturepass: %s: more than max_captures=%d model instances ran uncaptured; "
+                    "releasing %s, the owner of the oldest", self._what, self.max_captures, evicted.name,
                 )
-                self._eager_owners.pop(oldest).owner.close()
+                evicted.close()
             info = self.program.info
-            owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=info.captured)
+            model = self._model(instance)
+            owner = self._new_owner(naming.eager_owner(model.name), model, "eager", args, self._device(args),
+                                    captured=info.captured)
             rec = self._eager_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
             self._watch(instance, args)
         return rec
@@ -278,7 +360,8 @@ class Executor:
 
     def _call(self, args: list[Any]) -> Any:
         if self.closed:
-            raise CapturePassError(f"this compiled {self.program.info.name} graph was closed; compile it again")
+            raise CapturePassError(f"this compiled {self._what} was closed (its owners {self.graph_owner}.m* "
+                                   "are released); compile it again")
         if lifetime.PENDING:
             lifetime.drain()
         # An engine capturing around us comes first, whatever our own mode: its graph must
@@ -291,7 +374,7 @@ class Executor:
             self._precapture(args)
             if not self.captured:
                 return self._run_eager(args)
-        key = (self._instance(args), _shape_key(args))
+        key = (self._instance(args), _shape_key(args, self._dynamic_positions))
         cap = self._captures.get(key)
         if cap is not None:
             return cap.replay(args, self.check_replay)
@@ -299,9 +382,9 @@ class Executor:
             if not self._warned_bound:
                 self._warned_bound = True
                 log.warning(
-                    "capturepass: %s graph reached max_captures=%d capture shapes; new shapes run uncaptured "
+                    "capturepass: %s reached max_captures=%d capture owners; new shapes and models run uncaptured "
                     "(raise max_captures, or give capture_sizes)",
-                    self.program.info.name, self.max_captures,
+                    self._what, self.max_captures,
                 )
             return self._run_eager(args)
         try:
@@ -317,7 +400,7 @@ class Executor:
         leaves no visible effect. A capture that fails on one op makes it a break and
         captures the rebuilt program; returns ``None`` when the graph stopped capturing.
         """
-        key = (self._instance(args), _shape_key(args)) if key is None else key
+        key = (self._instance(args), _shape_key(args, self._dynamic_positions)) if key is None else key
         while self.captured:
             program = self.program
             try:
@@ -334,8 +417,8 @@ class Executor:
             if self._picker is not None:
                 return self._pick_new(args, key, real)
         with self._lock, lifetime.capturing():
-            info = self.program.info
-            owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
+            model, name = self._capture_owner_name(key)
+            owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True)
             cap = Capture(self.program, owner, self.static_outputs, self._written)
             prof = profiling.active()
             try:
@@ -352,18 +435,27 @@ class Executor:
     def _pick_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
         """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
         with self._lock, lifetime.capturing():
+            model, name = self._capture_owner_name(key)
             static = set(self.program.static_inputs)
             # Timed replays write these at the caller's addresses: the picker restores them.
             protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
-            cap, out = self._picker.capture(self, args, real, protect, self._device(args))
+            device = self._device(args)
+            # Every candidate's owner bears the shape's owner name; the chosen one stays.
+            captures = types.SimpleNamespace(
+                _capture_program=lambda program, a, r: self._capture_program(program, a, r, name, device)
+            )
+            cap, out = self._picker.capture(captures, args, real, protect, device)
+            if self._record is not None:
+                self._record.add(name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
+                                 str(cap.owner.device) if cap.owner.device is not None else "cpu")
             self._captures[key] = cap
             self._watch(key[0], args)
         return cap, out
 
-    def _capture_program(self, program: Program, args: Sequence[Any], real: bool) -> tuple[Capture, Any]:
-        """Captures ``program`` for ``args`` into a new owner, not kept (the picker keeps one)."""
-        info = program.info
-        owner = GraphOwner(info.name, len(info.lanes), self._device(args), captured=True)
+    def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
+                         device: torch.device | None) -> tuple[Capture, Any]:
+        """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps one)."""
+        owner = GraphOwner(name, len(program.info.lanes), device, captured=True)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program))
         try:
             out = cap.run(args, real)
@@ -382,12 +474,12 @@ class Executor:
             sized = _args_for_size(self.program, args, size)
             if sized is None:
                 log.warning(
-                    "capturepass: capture_sizes given, but the %s graph has no dynamic batch dimension; "
+                    "capturepass: capture_sizes given, but the %s has no dynamic batch dimension; "
                     "capturing the shapes it is called with instead",
-                    self.program.info.name,
+                    self._what,
                 )
                 return
-            key = (self._instance(sized), _shape_key(sized))
+            key = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
             if key not in self._captures and len(self._captures) < self.max_captures:
                 if self.capture(sized, key) is None:
                     return
@@ -398,7 +490,7 @@ class Executor:
         program = self.program
         piece = program.pieces[failure.piece]
         error = failure.error
-        where = f"segment {piece.segment} of the {program.info.name} graph"
+        where = f"segment {piece.segment} of the {self._what}" + (f" (owner {failure.owner})" if failure.owner else "")
         culprits = self._learned_in(piece)
         if not culprits:
             found = capture.first_failing_node(program, failure.piece, failure.env, failure.device)
@@ -434,8 +526,8 @@ class Executor:
             return
         self._release_all()
         self._adopt(rebuilt)
-        log.info("capturepass: %s graph rebuilt with %s as break(s); the next call captures it",
-                 program.info.name, ", ".join(f"%{n}" for n, _ in culprits))
+        log.info("capturepass: %s rebuilt with %s as break(s); the next call captures it",
+                 self._what, ", ".join(f"%{n}" for n, _ in culprits))
 
     def _learned_in(self, piece: Any) -> list[tuple[str, str]]:
         """Nodes of ``piece`` whose op the registry learned not capturable after this program was built."""
@@ -456,7 +548,7 @@ class Executor:
     def _stop_capturing(self, reason: str) -> None:
         self.uncaptured_reason = reason
         self.captured = False
-        log.warning("capturepass: the %s graph runs uncaptured from now on: %s", self.program.info.name, reason)
+        log.warning("capturepass: the %s runs uncaptured from now on: %s", self._what, reason)
         for cap in self._captures.values():
             cap.owner.close()
         self._captures.clear()
@@ -476,8 +568,8 @@ class Executor:
         instance = self._instance(args)
         rec = self._profile_owners.get(instance)
         if rec is None or rec.owner.closed:
-            info = self.program.info
-            owner = GraphOwner(info.name, len(info.lanes), None, captured=True)
+            model = self._model(instance)
+            owner = self._new_owner(naming.profile_owner(model.name), model, "profile", args, None, captured=True)
             rec = self._profile_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
             prof.adopt(owner, lambda: self._profile_owners.pop(instance, None))
             self._watch(instance, args)
@@ -521,40 +613,60 @@ class Executor:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            n = self._release(lambda inst: inst == instance)
+            closed = self._release(lambda inst: inst == instance, forget=True)
         finally:
             self._lock.release()
-        if n:
-            log.info("capturepass: %s graph: released %d owner(s) of a model instance: %s",
-                     self.program.info.name, n, why)
+        self._log_released(closed, why)
         return True
 
     def release_addresses(self, addresses: set[int]) -> int:
         """Closes every owner of the model instances whose static inputs live at any of
         ``addresses``; returns how many."""
         with self._lock:
-            return self._release(lambda inst: not addresses.isdisjoint(inst))
+            closed = self._release(lambda inst: not addresses.isdisjoint(inst))
+        self._log_released(closed, "capturepass.release")
+        return len(closed)
 
-    def _release(self, match: Callable[[tuple], bool]) -> int:
-        n = 0
+    def _log_released(self, closed: list[tuple[str, str]], why: str) -> None:
+        models: dict[str, list[str]] = {}
+        for model, name in closed:
+            models.setdefault(model, []).append(name)
+        for model, names in models.items():
+            log.info("capturepass: %s: released %d owner(s) of model %s (%s): %s",
+                     self._what, len(names), model, ", ".join(names), why)
+
+    def _release(self, match: Callable[[tuple], bool], forget: bool = False) -> list[tuple[str, str]]:
+        """Closes the owners of the matching instances and returns them, as ``(model, owner)``
+        names; with ``forget`` (the model died, or the callable is closed) also stops watching
+        them and drops their names, so that a new model at the same addresses is a new
+        instance. A model whose owners were released while it lives keeps its name and its
+        capture shapes' numbers."""
+        closed: list[tuple[str, str]] = []
+
+        def close(instance: tuple, owner: GraphOwner) -> None:
+            model = self._models.get(instance)
+            closed.append((model.name if model is not None else "?", owner.name))
+            owner.close()
+
         for key in [k for k in self._captures if match(k[0])]:
-            self._captures.pop(key).owner.close()
-            n += 1
+            close(key[0], self._captures.pop(key).owner)
         for table in (self._eager_owners, self._profile_owners):
             for instance in [i for i in table if match(i)]:
-                table.pop(instance).owner.close()
-                n += 1
-        for instance in [i for i in self._watchers if match(i)]:
-            for finalizer in self._watchers.pop(instance):
-                finalizer.detach()
-        return n
+                close(instance, table.pop(instance).owner)
+        if forget:
+            for instance in [i for i in self._watchers if match(i)]:
+                for finalizer in self._watchers.pop(instance):
+                    finalizer.detach()
+            for instance in [i for i in self._models if match(i)]:
+                del self._models[instance]
+        return closed
 
     def _release_all(self) -> None:
         self._release(lambda inst: True)
 
     def close(self) -> None:
         """Synchronizes and releases every owner (graphs, pools, leases, retained objects)."""
-        self._release_all()
+        self._release(lambda inst: True, forget=True)
         self.closed = True
 
     def __del__(self) -> None:

@@ -1,4 +1,8 @@
-"""GraphOwner: one per compiled graph and capture shape; owns what its captures reference.
+"""GraphOwner: one per model instance and capture shape of a compiled graph; owns what its captures reference.
+
+Owners are named after their graph's owner id, the one the dump prints
+(``g3.m0.c0``: graph ``g3``, model instance 0, capture shape 0; see
+``runtime.naming``); a name is unique among the open owners of the process.
 
 An owner holds its lanes' streams, its event leases (one lane runtime per event
 scope: eager, each capture), its CUDA graphs and their private memory pool, the
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 
+from capturepass.errors import CapturePassError
 from capturepass.ir.meta import ResourceBinding
 from capturepass.runtime import pools
 from capturepass.runtime.events import POOL
@@ -74,16 +79,18 @@ def retained_kind(obj: Any) -> str:
 
 
 class GraphOwner:
-    """Owns one compiled graph's (one capture shape's) streams, events, graphs and retained objects.
+    """Owns one model instance's (and capture shape's) streams, events, graphs and retained objects.
 
     Args:
-        graph_name: the graph's name (``"forward"``, ...), for messages.
+        name: its name, unique among the open owners of the process (leases, channels and
+            workspaces are keyed by it); the executor names its owners after the graph owner
+            (``"g3.m0.c0"``, ``"g3.m0.eager"``: see ``runtime.naming``).
         num_lanes: lanes of the graph (lane 0 is the caller's stream).
         device: the CUDA device, or ``None`` for a host graph.
         captured: whether its segments are captured (CPU: simulated for bookkeeping).
 
     Attributes:
-        name: a process-unique name, ``"g<N>:<graph>"``.
+        name: its name, as given.
         retained: per segment, the objects its capture keeps alive.
         graphs: segment index -> captured CUDA graph.
         pool: the private memory pool of its graphs.
@@ -93,11 +100,18 @@ class GraphOwner:
         profiling: it belongs to a profiling capture and is released at its end.
     """
 
-    def __init__(self, graph_name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
+    def __init__(self, name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
         with _lock:
+            # NOTE: leases, channels and workspaces are keyed by the name, and closing an owner
+            # releases every lease of its name: two open owners of one name would share them.
+            clash = next((o for o in _live if o.name == name and not o.closed), None)
+            if clash is not None:
+                raise CapturePassError(f"an open owner is named {name!r} already ({clash!r}); owner names must be "
+                                       "unique among open owners")
             self.id = next(_ids)
+            self.name = name
+            self.closed = False
             _live.add(self)
-        self.name = f"g{self.id}:{graph_name}"
         self.device = device if device is not None and device.type == "cuda" else None
         self.num_lanes = num_lanes
         self.captured = captured
@@ -116,7 +130,6 @@ class GraphOwner:
             self.name, max(num_lanes, 1), device=self.device if self.device is not None else device or "cpu"
         )
         self.profiling = False
-        self.closed = False
 
     # -- lanes and events ---------------------------------------------------------------------
     def lanes(self, scope: str = "eager") -> Lanes:

@@ -57,7 +57,7 @@ class ChannelKey:
     """Who a channel belongs to: an owner's name and a lane of that owner.
 
     Attributes:
-        owner: the owner's name (``"g3:forward"``), or ``"eager"`` outside any graph.
+        owner: the owner's name (``"g3.m0.c0"``), or ``"eager"`` outside any graph.
         lane: the lane index (0 is the owner's main lane).
     """
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -337,9 +338,13 @@ def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
+_describe_ids = itertools.count()
+
+
 def describe(program: Program) -> str:
     """The outer program's generated code, bound to a throwaway host owner (handles as in the IR)."""
-    owner = GraphOwner(program.info.name, len(program.info.lanes), None, captured=False)
+    owner = GraphOwner(f"{program.info.owner}.describe{next(_describe_ids)}", len(program.info.lanes), None,
+                       captured=False)
     try:
         return program.bind(owner, owner.lanes("eager")).code().strip()
     finally:

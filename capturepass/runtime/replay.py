@@ -56,11 +56,13 @@ class CaptureFailure(Exception):
         env: values of every node the failing piece reads, for a probe (inputs the graph
             writes replaced by copies).
         device: the CUDA device.
+        owner: the name of the owner whose capture failed (``g3.m0.c1``).
     """
 
     def __init__(self, piece: int, error: BaseException, outputs: Any, env: dict[fx.Node, Any],
-                 device: torch.device) -> None:
-        super().__init__(f"capturing piece {piece} failed: {type(error).__name__}: {error}")
+                 device: torch.device, owner: str = "") -> None:
+        super().__init__(f"capturing piece {piece} of {owner or 'an owner'} failed: {type(error).__name__}: {error}")
+        self.owner = owner
         self.piece = piece
         self.error = error
         self.outputs = outputs
@@ -184,7 +186,7 @@ class Capture:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the capture failed: the executor decides
                     owner.graphs.pop(piece.segment, None)
-                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device) from exc
+                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device, owner.name) from exc
                 finally:
                     owner.capturing = None
                 self.seg_in[p] = staged
@@ -206,17 +208,18 @@ class Capture:
         program = self.program
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
-        # Static inputs are where the capture saw them: their addresses are part of the key.
-        for i, buf in self.inputs.items():
-            arg = args[i]
-            if arg.data_ptr() != buf.data_ptr():
-                buf.copy_(arg)
-        env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
-        env.update(program.constants)
-        for node, buf in self.input_nodes:
-            env[node] = buf  # breaks read and write what the segments read and write
-        graphs = self.owner.graphs
+        # The copies in and out are this owner's work too (an observer's owner range holds them).
         with context.running(self.owner):
+            # Static inputs are where the capture saw them: their addresses are part of the key.
+            for i, buf in self.inputs.items():
+                arg = args[i]
+                if arg.data_ptr() != buf.data_ptr():
+                    buf.copy_(arg)
+            env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
+            env.update(program.constants)
+            for node, buf in self.input_nodes:
+                env[node] = buf  # breaks read and write what the segments read and write
+            graphs = self.owner.graphs
             for p, piece in enumerate(program.pieces):
                 if piece.kind == "break" or p in self.uncaptured or not self._stage(p, piece, env):
                     self.eager.run_piece(p, env)
@@ -231,18 +234,18 @@ class Capture:
                         self.eager_lanes.join_external(name, False)
                 for node, value in zip(piece.live_out, self.seg_out[p]):
                     env[node] = value
-        for i in self.copy_back:
-            arg, buf = args[i], self.inputs[i]
-            if arg.data_ptr() != buf.data_ptr():
-                arg.copy_(buf)
-        env.update(zip(program.inputs, args))  # an input returned as is is the caller's tensor
-        out = self.eager.result(env)
-        if self.static_outputs:
-            return out
-        static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
-        return fx.node.map_aggregate(
-            out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
-        )
+            for i in self.copy_back:
+                arg, buf = args[i], self.inputs[i]
+                if arg.data_ptr() != buf.data_ptr():
+                    arg.copy_(buf)
+            env.update(zip(program.inputs, args))  # an input returned as is is the caller's tensor
+            out = self.eager.result(env)
+            if self.static_outputs:
+                return out
+            static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
+            return fx.node.map_aggregate(
+                out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
+            )
 
     def _stage(self, p: int, piece: Any, env: dict[fx.Node, Any]) -> bool:
         """Copies a segment's fresh inputs into its staged buffers; ``False`` if it must run uncaptured."""

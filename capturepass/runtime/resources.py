@@ -111,7 +111,7 @@ def workspace(
         key = str(device)
         owner = _unowned.get(key)
         if owner is None:
-            owner = _unowned[key] = GraphOwner("unowned", 1, device, captured=False)
+            owner = _unowned[key] = GraphOwner(f"unowned:{key}", 1, device, captured=False)
     lane = owner.lane_of_stream(torch.cuda.current_stream(device)) if device.type == "cuda" else 0
     ws = owner.workspaces
     if ws.device != device:

@@ -1,7 +1,8 @@
 """``capturepass show DIR``: what capturepass did, read back from a dump directory.
 
 Prints, for every compiled graph under ``DIR`` (each a directory holding
-``graph.json``), its owner, lanes and counts; then its decisions: the schedule's
+``graph.json``), its owner, lanes and counts; the owners its callable created at
+run time, per model instance (``owners.json``); then its decisions: the schedule's
 time on one lane and on its lanes (measured where the folder holds a measured run,
 estimated otherwise), every lane with its kernels and why they are on it (hinted,
 placed by the scheduler, kept from their hint), every capability other than the
@@ -12,8 +13,8 @@ with the dependency that made it necessary; every break with its reason.
 ``--json`` prints the same as one JSON object whose keys are ``lanes``,
 ``records``, ``waits``, ``leases``, ``retained``, ``segments``, ``breaks``
 (totals over the graphs; ``lanes`` is the most any graph uses) and ``graphs``
-(one object per graph: the counts, ``retained_objects``, ``wait_reasons``,
-``timing`` and ``decisions``, each decision with its ``kind`` and the ``text``
+(one object per graph: the counts, ``runtime_owners``, ``retained_objects``,
+``wait_reasons``, ``timing`` and ``decisions``, each decision with its ``kind`` and the ``text``
 the plain output prints). ``--html OUT`` also writes the schedule as a
 self-contained HTML page (:mod:`capturepass.show.page`), ``--trace OUT`` as a
 Chrome trace (:mod:`capturepass.show.trace`): with measured times for each graph whose folder holds

@@ -3,9 +3,10 @@
 For every graph under ``DIR`` the page holds a timeline and, beside it, what one lane
 would have taken against what the lanes took and the overlap gained, in numbers and as
 bars (:func:`capturepass.show.schedule.graph_timing`); then the lanes and why each kernel is
-on its lane, the capability decisions, the decisions of the passes, the retained
-objects with their owner and segment, the waits with their reasons and the breaks (the
-same lists as ``capturepass show``).
+on its lane, the capability decisions, the decisions of the passes, the owners its
+callable created at run time (``owners.json``), the retained objects with their owner
+and segment, the waits with their reasons and the breaks (the same lists as
+``capturepass show``).
 
 The timeline is drawn by a small inline script from a JSON model of the graph, so that
 it fits the window at any width and zooms (the ``−``/``fit``/``+`` buttons, Ctrl +
@@ -126,6 +127,8 @@ def measured_model(m: dict[str, Any]) -> dict[str, Any]:
         label = f"%{nodes[0]}" if len(nodes) == 1 else short_op(k["op"]) if k.get("op") else short_name(k["name"], 40)
         title = [k["name"], f"lane s{lane}, start {k['start'] - origin:.3f} us, measured {k['dur']:.3f} us",
                  f"stream {k['stream']}" + (", from the CUDA graph" if k.get("graph_kernel") else "")]
+        if k.get("owner"):
+            title.append(f"owner {k['owner']}")
         if k.get("op"):
             title.append(f"op {k['op']}")
         if nodes:
@@ -227,6 +230,13 @@ def _section(gi: int, name: str, summary: dict[str, Any], model: dict[str, Any])
     picks = [_e(d["text"][len("pick: "):]) for d in decisions if d["kind"] == "pick"]
     if picks:
         parts.append(_list("Schedules measured at capture (estimate against measured)", "picks", picks))
+    owners = [f"<code>{_e(o['name'])}</code> — model {_e(o['model'])}, {_e(o['role'])}, inputs "
+              f"{_e(o['inputs'] or 'none')}" for o in g["runtime_owners"]]
+    if g["runtime_owners_not_shown"]:
+        parts.append(_list("Owners at run time", "owners", [], f"not shown ({_e(g['runtime_owners_not_shown'])})"))
+    elif owners or g["runtime_owners_recorded"]:
+        parts.append(_list("Owners at run time (named after the graph owner: model instance, capture shape)", "owners",
+                           owners, "none yet (no model ran this graph)"))
     retained = [f"<code>{_e(o['object'])}</code> {_e(o['kind'])} {_e(o['type'] or '')} — owner {_e(o['owner'])}, "
                 f"segment {_e(o['segment'])}" for o in g["retained_objects"]]
     parts.append(_list("Retained objects (kept alive for the captured segments)", "retained", retained,

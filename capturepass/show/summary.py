@@ -1,33 +1,38 @@
 """What capturepass did, read back from a dump directory: the summary ``capturepass show`` prints.
 
 Prints, for every compiled graph under ``DIR`` (each a directory holding
-``graph.json``), its owner, lanes and counts; then its decisions: the schedule's
-time on one lane and on its lanes (measured where the folder holds a measured run,
-estimated otherwise), every lane with its kernels and why they are on it (hinted,
-placed by the scheduler, kept from their hint), every capability other than the
-default with its reason and source, and the decisions the passes recorded; the
-retained objects with their owner and segment; the external streams; every wait
-with the dependency that made it necessary; every break with its reason.
-``--json`` prints the same as one JSON object whose keys are ``lanes``,
-``records``, ``waits``, ``leases``, ``retained``, ``segments``, ``breaks``
-(totals over the graphs; ``lanes`` is the most any graph uses) and ``graphs``
-(one object per graph: the counts, ``retained_objects``, ``wait_reasons``,
-``timing`` and ``decisions``, each decision with its ``kind`` and the ``text``
-the plain output prints). A graph whose schedule was measured at capture (its folder
-holds ``schedules.json``, :mod:`capturepass.runtime.pick`) has one decision of kind
-``pick`` per capture shape: every candidate's estimate against its measured time, and
-the choice. The command itself is :mod:`capturepass.show.cli`.
+``graph.json``), its owner, lanes and counts; the owners its callable created at
+run time, per model instance (from ``owners.json``, when the folder has one: see
+``runtime.naming``); then its decisions: the schedule's time on one lane and on
+its lanes (measured where the folder holds a measured run, estimated otherwise),
+every lane with its kernels and why they are on it (hinted, placed by the
+scheduler, kept from their hint), every capability other than the default with
+its reason and source, and the decisions the passes recorded; the retained
+objects with their owner and segment; the external streams; every wait with the
+dependency that made it necessary; every break with its reason. ``--json``
+prints the same as one JSON object whose keys are ``lanes``, ``records``,
+``waits``, ``leases``, ``retained``, ``segments``, ``breaks`` (totals over the
+graphs; ``lanes`` is the most any graph uses) and ``graphs`` (one object per
+graph: the counts, ``runtime_owners`` (each with its ``name``, ``model``,
+``role``, ``inputs`` and ``device``; ``runtime_owners_recorded`` says whether the
+folder has an ``owners.json``, ``runtime_owners_not_shown`` why one was not
+used), ``retained_objects``, ``wait_reasons``, ``timing`` and ``decisions``, each
+decision with its ``kind`` and the ``text`` the plain output prints). A graph whose
+schedule was measured at capture (its folder holds ``schedules.json``,
+:mod:`capturepass.runtime.pick`) has one decision of kind ``pick`` per capture
+shape: every candidate's estimate against its measured time, and the choice. The
+command itself is :mod:`capturepass.show.cli`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
 import os
+from typing import Any
 
 from capturepass.errors import DumpError
 from capturepass.ir.graph_json import GraphDoc
+from capturepass.runtime import naming
 from capturepass.runtime.pick import PICKS_FILE, PickRecord, load_records
 from capturepass.show.dumps import load_graph_dirs
 from capturepass.show.schedule import duration_us, graph_timing, short_op, timing_line
@@ -179,6 +184,33 @@ def _retained_lines(objects: list[dict[str, Any]]) -> list[str]:
     return [f"retained by segment {seg} (owner {owner}): " + ", ".join(items) for (seg, owner), items in groups.items()]
 
 
+_ROLE_TEXT = {"capture": "capture of {}", "eager": "uncaptured runs, the first of {}",
+              "profile": "profiling capture of {}"}
+
+
+def runtime_owners(graph: GraphDoc, folder: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """The owners the graph's callable created at run time (``owners.json`` beside ``graph.json``),
+    and why there are none to show when the file is there but not used."""
+    if folder is None:
+        return [], None
+    doc, why_not = naming.load_owners(folder, graph["owner"])
+    return (list(doc["owners"]) if doc is not None else []), why_not
+
+
+def _owner_lines(owners: list[dict[str, Any]], why_not: str | None, recorded: bool) -> list[str]:
+    if why_not is not None:
+        return [f"owners at run time: not shown ({why_not})"]
+    if not owners:
+        return ["owners at run time: none yet (no model ran this graph)"] if recorded else []
+    models: dict[str, list[str]] = {}
+    for o in owners:
+        what = _ROLE_TEXT.get(o["role"], o["role"] + " of {}").format(o["inputs"] or "no inputs")
+        models.setdefault(o["model"], []).append(f"{o['name']} ({what})")
+    lines = [f"owners at run time: {len(models)} model(s), {len(owners)} owner(s)"]
+    lines += [f"  model {m}: " + ", ".join(items) for m, items in models.items()]
+    return lines
+
+
 def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> dict[str, Any]:
     """The summary of one ``graph.json`` document (``folder``: its dump folder, for a measured run)."""
     nodes = graph["nodes"]
@@ -194,6 +226,8 @@ def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> di
     decisions += capability_decisions(graph)
     decisions += [{"kind": "pass", "text": f"decision: {d}"} for d in graph.get("decisions", [])]
     decisions += pick_decisions(folder)
+    owners, owners_not_shown = runtime_owners(graph, folder)
+    recorded = folder is not None and os.path.isfile(os.path.join(folder, naming.OWNERS_FILE))
     return {
         "name": name,
         "graph": graph["graph"],
@@ -205,6 +239,9 @@ def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> di
         "waits": len(waits),
         "leases": len(leases),
         "retained": retained,
+        "runtime_owners": owners,
+        "runtime_owners_recorded": recorded,
+        "runtime_owners_not_shown": owners_not_shown,
         "retained_objects": retained_objects(graph),
         "segments": len(graph["segments"]),
         "segment_names": list(graph["segments"]),
@@ -248,6 +285,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  records {g['records']}, waits {g['waits']}, leases {g['leases']}, releases {g['releases']}, "
             f"retained {g['retained']}, segments {g['segments']}, breaks {len(g['breaks'])}"
         )
+        owner_lines = _owner_lines(g["runtime_owners"], g["runtime_owners_not_shown"], g["runtime_owners_recorded"])
+        lines.extend(f"  {line}" for line in owner_lines)
         for d in g["decisions"]:
             lines.append(f"  {d['text']}")
         lines.extend(f"  {line}" for line in _retained_lines(g["retained_objects"]))

@@ -1,8 +1,10 @@
 """The schedule of a dump directory as a Chrome trace (Perfetto and ``chrome://tracing`` open it).
 
-One process per graph, one thread per lane, a complete event per node and a flow
-event per record→wait edge. A graph whose folder holds a ``measured.json`` of its
-``graph.json`` (:func:`capturepass.trace`) is drawn from the measured run instead:
+One process per graph (named with its owner as the dump names it, ``000_inference · g3``,
+and labelled with the owners its callable created at run time, from ``owners.json``),
+one thread per lane, a complete event per node and a flow event per record→wait edge.
+A graph whose folder holds a ``measured.json`` of its ``graph.json``
+(:func:`capturepass.trace`) is drawn from the measured run instead:
 one row per lane (the kernels each lane's stream ran, or, for CUDA graph replays,
 the kernels matched to their lane), each kernel at its measured start and
 duration, and a ``measured span`` row with each run's span. ``otherData.times``
@@ -16,7 +18,8 @@ import json
 import math
 from typing import Any
 
-from capturepass.measure.report import load_measurement, measurement_events
+from capturepass.measure.report import load_measurement, measurement_events, process_title
+from capturepass.runtime import naming
 from capturepass.show.dumps import load_graph_dirs
 from capturepass.show.schedule import SYNC_US, short_op, simulate, times_note
 
@@ -46,8 +49,13 @@ def render_trace(root: str, measured: bool = True) -> dict[str, Any]:
             continue
         which[name] = "estimated" + (f" ({why_not})" if why_not else "")
         s = simulate(graph, name)
-        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"capturepass {name}"}})
+        events.append({"ph": "M", "pid": pid, "name": "process_name",
+                       "args": {"name": f"capturepass {process_title(name, graph['owner'])}"}})
         events.append({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}})
+        owners, _ = naming.load_owners(folder, graph["owner"])
+        if owners is not None and owners["owners"]:
+            events.append({"ph": "M", "pid": pid, "name": "process_labels",
+                           "args": {"labels": "owners at run time: " + ", ".join(o["name"] for o in owners["owners"])}})
         for li, lname in enumerate(s.lanes):
             events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_name", "args": {"name": f"s{li} {lname}"}})
             events.append({"ph": "M", "pid": pid, "tid": li, "name": "thread_sort_index", "args": {"sort_index": li}})

@@ -30,6 +30,7 @@ from backends.e2e_util import (
 )
 
 import capturepass
+import capturepass.show.cli
 from capturepass.show.summary import summarize
 from capturepass.ir import meta
 from capturepass.ir import verify as ir_verify
@@ -431,3 +432,28 @@ def test_a_host_graph_is_one_region_per_segment_its_lanes_kept_in_the_ir():
                 assert n == count and compiled.counters["emit"]["merged_lanes"] == 1
             else:
                 assert n > lanes and "merged_lanes" not in compiled.counters["emit"]
+
+
+def test_regions_get_the_size_symbols_their_inputs_do_not_bind():
+    """A region that only sees a flattened activation (``s0*s1`` rows) still compiles with
+    Inductor: the graph's size inputs are passed in where its own inputs cannot bind them."""
+
+    def f(x, w1, w2, w3):
+        t = x.reshape(-1, x.shape[-1])
+        a = torch.relu(t @ w1)
+        b = torch.sigmoid(t @ w2)
+        return ((a * b) @ w3).view(x.shape[0], x.shape[1], -1) + x
+
+    torch.manual_seed(0)
+    w1, w2, w3 = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)
+    compiled = torch.compile(f, backend="capturepass", dynamic=True, options={"regions": "lanes"})
+    with new_compiles() as graphs:
+        for shape in [(2, 3, 8), (4, 5, 8)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(compiled(x, w1, w2, w3), f(x, w1, w2, w3))
+    assert len(graphs) == 1
+    assert len(graphs[0].program.regions) > 1
+    sym_inputs = {
+        n.name for r in graphs[0].program.regions for n in r.inputs if isinstance(n.meta.get("val"), torch.SymInt)
+    }
+    assert sym_inputs, "no region took a size input"

@@ -13,6 +13,7 @@ from backends.e2e_util import new_compiles, unwrap
 
 import capturepass
 from capturepass.backends.dynamo import capturepass_backend
+from capturepass.ir import meta
 from capturepass.ir.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
 from capturepass.passes.pipeline import PIPELINE
 
@@ -119,10 +120,17 @@ def test_dump_dir_from_the_environment(tmp_path, monkeypatch):
     graph_dir, files = _dump_files(tmp_path)
     assert re.fullmatch(r"\d{3}_inference", graph_dir)
     passes = [cls.name for cls in PIPELINE]
-    assert files == sorted([f"{i:03d}_{name}.txt" for i, name in enumerate(passes)] + ["graph.json"])
+    assert files == sorted([f"{i:03d}_{name}.txt" for i, name in enumerate(passes)] + ["graph.json", "owners.json"])
     with open(tmp_path / graph_dir / "graph.json") as f:
         doc = json.load(f)
     assert doc["graph"] == "inference" and doc["lanes"][0] == "main"
+    # The runtime's owners, named after the graph owner: one model, run uncaptured on the host.
+    assert doc["owner"] == str(meta.graph_info(graphs[0].graph).owner) == graphs[0].executor.graph_owner
+    with open(tmp_path / graph_dir / "owners.json") as f:
+        owners = json.load(f)
+    assert (owners["format"], owners["graph"], owners["owner"]) == ("capturepass-owners/1", "inference", doc["owner"])
+    assert owners["owners"] == [{"name": f"{doc['owner']}.m0.eager", "model": f"{doc['owner']}.m0", "role": "eager",
+                                 "inputs": "f32[4,8]", "device": "cpu"}]
     assert {n["name"] for n in doc["nodes"]} >= {"relu", "tanh"}
     with open(tmp_path / graph_dir / "010_emit.txt") as f:
         text = f.read()

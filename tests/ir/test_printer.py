@@ -1,9 +1,11 @@
 """Tests of the canonical dump and its JSON form.
 
 Golden tests compare dumps across runs, so the text must not depend on
-anything but the graph: owners, events, leases and segments are renumbered in
-print order, anything that looks like a pointer is scrubbed, and two traces of
-the same function print the same text.
+anything but the graph: events, leases and segments are renumbered in print
+order, anything that looks like a pointer is scrubbed, and two traces of the
+same function print the same text. The graph owner prints as its own id (the
+one runtime owner names start with), or renumbered too with
+``PrintSettings(canonical_owners=True)``, which the golden tests use.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def test_two_traces_print_the_same_text():
         second, _ = build(name, "partition")
         assert meta.graph_info(first).owner != meta.graph_info(second).owner
         assert dump(first) == dump(second)
-        assert printer.dumps_json(first) == printer.dumps_json(second)
+        canonical = printer.PrintSettings(canonical_owners=True)
+        assert printer.dumps_json(first, canonical) == printer.dumps_json(second, canonical)
         assert dump(first, cost=True, provenance=True) == dump(second, cost=True, provenance=True)
 
 
@@ -84,15 +87,37 @@ owner g0:
 
 def test_json_uses_the_same_ids():
     gm = _partitioned(out_of_order, torch.randn(4, 4))
-    data = json.loads(printer.dumps_json(gm))
-    by_name = {n["name"]: n for n in data["nodes"]}
-    for line in dump(gm).splitlines():
-        m = re.match(r"\s*%(\w+) .*record=(e\d+), role=\w+, lease=(l\d+), owner=(g\d+), segment=(k\d+)", line)
-        if m:
-            node = by_name[m.group(1)]
-            assert (node["event"], node["lease"], node["owner"], node["segment"]) == m.groups()[1:]
-    assert data["owner"] == "g0" and data["segments"] == ["k0"]
-    assert data["lanes"] == ["main", "a1", "a2"]
+    owner = f"g{meta.graph_info(gm).owner.index}"
+    for settings, want in ((None, owner), (printer.PrintSettings(canonical_owners=True), "g0")):
+        data = json.loads(printer.dumps_json(gm, settings))
+        by_name = {n["name"]: n for n in data["nodes"]}
+        matched = 0
+        for line in printer.dump(gm, settings=settings).splitlines():
+            m = re.match(r"\s*%(\w+) .*record=(e\d+), role=\w+, lease=(l\d+), owner=(g\d+), segment=(k\d+)", line)
+            if m:
+                node = by_name[m.group(1)]
+                assert (node["event"], node["lease"], node["owner"], node["segment"]) == m.groups()[1:]
+                matched += 1
+        assert matched == 4
+        assert data["owner"] == want and data["segments"] == ["k0"]
+        assert data["lanes"] == ["main", "a1", "a2"]
+
+
+def test_dumps_name_each_graph_by_its_own_owner():
+    """Two compiled graphs: two owner names, each the graph's own id (canonical: both ``g0``)."""
+    first, _ = build("two_joins", "partition")
+    second, _ = build("two_joins", "partition")
+    names = []
+    for gm in (first, second):
+        owner = f"g{meta.graph_info(gm).owner.index}"
+        text = printer.dump(gm)
+        assert f"owner {owner}:" in text
+        assert set(re.findall(r"owner=(g\d+)", text)) == {owner}
+        assert json.loads(printer.dumps_json(gm))["owner"] == owner
+        names.append(owner)
+    assert names[0] != names[1]
+    assert printer.dump(first) != printer.dump(second)
+    assert dump(first) == dump(second)  # canonical: the golden tests' form
 
 
 def test_owner_segment_and_break_ids_start_at_zero():

@@ -13,6 +13,7 @@ measured run of the MoE block on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -99,9 +100,9 @@ class _Recorder:
         self.host += 0.1
 
 
-def _uncaptured_run(rec: _Recorder, gpu0: float) -> None:
+def _uncaptured_run(rec: _Recorder, gpu0: float, streams: dict[int, int] = STREAM) -> None:
     """The program on the lanes' streams: lane 0 waits for lanes 1 and 2 before its add."""
-    clocks = {lane: gpu0 for lane in STREAM}
+    clocks = {lane: gpu0 for lane in streams}
     for region, op, kernel, dur in PROGRAM:
         lane = REGIONS[region].lane
         if region == 3:
@@ -109,7 +110,7 @@ def _uncaptured_run(rec: _Recorder, gpu0: float) -> None:
 
         def body(region=region, op=op, kernel=kernel, dur=dur, lane=lane):
             def launch():
-                rec.launch(kernel, STREAM[lane], clocks[lane], dur)
+                rec.launch(kernel, streams[lane], clocks[lane], dur)
                 clocks[lane] += dur
             rec.range(op, launch)
 
@@ -246,6 +247,50 @@ def test_summary_text():
     assert "two or more lanes busy 10.0 us (s0&s1 10.0 us, s0&s2 10.0 us, s1&s2 10.0 us)" in text
 
 
+def test_two_owners_of_one_graph_get_rows_and_summaries_of_their_own():
+    """Two models of one class run one graph: its kernels carry their runtime owner's name (the
+    owner ranges around each run), each owner gets its own rows, and overlaps stay per owner."""
+    other = {0: MAIN, 1: 31, 2: 32}  # the second owner's own auxiliary streams
+    rec = _Recorder()
+
+    def body():
+        def one():
+            rec.range(f"{PREFIX}owner:g5.m0.eager", lambda: _uncaptured_run(rec, 1000.0))
+            rec.range(f"{PREFIX}owner:g5.m1.eager", lambda: _uncaptured_run(rec, 1100.0, other))
+
+        rec.range(f"{PREFIX}run:0", lambda: rec.range(f"{PREFIX}graph:0", one))
+        _markers(rec)
+        base = rec.acts[-1].end + 100
+        rec.range(f"{PREFIX}marker:0:0:1", lambda: rec.launch("fill", 31, base, 1.0))
+        rec.range(f"{PREFIX}marker:0:0:2", lambda: rec.launch("fill", 32, base + 2, 1.0))
+
+    rec.range(f"{PREFIX}session", body)
+    spec = dataclasses.replace(_spec(False), owner="g5")
+    (m,), session = measure.build_measurements(rec.acts, rec.ranges, [spec])
+    assert m["owner"] == "g5" and m["owners"] == ["g5.m0.eager", "g5.m1.eager"]
+    assert [k["owner"] for k in m["kernels"]] == ["g5.m0.eager"] * 6 + ["g5.m1.eager"] * 6
+    assert all(k["lane"] is not None for k in m["kernels"])
+    s = m["summary"]
+    # Each owner's program: busy 0-15 us over its lanes, two or more lanes busy 10 us; the two
+    # programs run 100 us apart, and each lane's numbers add the two owners'.
+    assert s["owners"] == {"g5.m0.eager": {"kernels": 6, "busy_us": 15.0},
+                           "g5.m1.eager": {"kernels": 6, "busy_us": 15.0}}
+    assert s["overlap_us"] == 20.0 and s["lanes"]["s0"] == {"name": "main", "kernels": 6, "busy_us": 30.0}
+    text = measure.format_measurement(m)
+    assert text.splitlines()[0].startswith("graph 000_inference (owner g5, inference, uncaptured, 1 run(s)")
+    assert "  owner g5.m1.eager: 6 kernel(s), busy 15.0 us" in text
+    doc = measure.trace_document([m], session)
+    ev = doc["traceEvents"]
+    (process,) = [e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"]
+    assert process == "capturepass 000_inference · g5 (measured)"
+    threads = {e["tid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    kernels = [e for e in ev if e["ph"] == "X" and e["cat"] == "kernel"]
+    for e in kernels:  # each kernel on a row of its own owner and lane
+        assert threads[e["tid"]].endswith(f" · {e['args']['owner']}")
+    assert {threads[e["tid"]] for e in kernels} == {
+        f"s{lane} {name} · g5.m{i}.eager" for i in (0, 1) for lane, name in enumerate(["main", "aux0", "aux1"])}
+
+
 # -- records from torch.profiler's Chrome trace --------------------------------------------------
 
 
@@ -298,10 +343,13 @@ def test_profiler_ranges_wrap_each_graph_call_and_region(tmp_path):
     names = [r.name for r in ranges]
     (ex,) = session.executors
     assert names.count(PREFIX + "graph:0") == 1
+    # The run of its owner, named as the dump's owner: model 0 of graph gN, uncaptured on the host.
+    assert [n for n in names if n.startswith(PREFIX + "owner:")] == [f"{PREFIX}owner:{ex.graph_owner}.m0.eager"]
     assert sorted(n for n in names if n.startswith(PREFIX + "region:")) == sorted(
         f"{PREFIX}region:{r.index}" for r in ex.program.regions)
     spec = measure._graph_spec(0, ex, uncaptured=False)
     assert re.fullmatch(r"\d{3}_inference", spec.name) and spec.lanes == ["main", "aux0", "aux1"]
+    assert spec.owner == ex.graph_owner == json.loads((tmp_path / spec.name / "graph.json").read_text())["owner"]
     assert spec.graph_sha256 == measure.graph_digest(str(tmp_path / spec.name / "graph.json"))
     assert any("mm" in r.ops[i] for r in spec.regions.values() for i in range(len(r.ops)))
     # The patch is gone afterwards.
@@ -451,6 +499,10 @@ def test_measured_trace_of_the_moe_block_on_cuda(tmp_path, uncaptured, capsys):
     (m,) = result.measurements
     assert m["mode"] == ("uncaptured" if uncaptured else "replay")
     assert m["lanes"] == list(last_compiled()[-1].executor.program.info.lanes) and len(m["lanes"]) >= 2
+    # Every measured kernel ran in one runtime owner, named after the graph owner the dump prints.
+    owner = last_compiled()[-1].executor.graph_owner
+    assert m["owner"] == owner and m["owners"] == [f"{owner}.m0.{'eager' if uncaptured else 'c0'}"]
+    assert all(k["owner"] == m["owners"][0] for k in m["kernels"])
     doc = json.loads((tmp_path / "trace.json").read_text())
     kernels = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "kernel" and e["pid"] == 1]
     lanes = {e["tid"] for e in kernels if e["tid"] < len(m["lanes"])}

@@ -100,9 +100,12 @@ def test_passes_do_not_log_decisions_the_instrument_does(caplog):
 
     gm = aten_graph(fn, torch.randn(4, 4))
     with caplog.at_level("INFO", logger="capturepass"):
-        compile_graph(gm, [torch.randn(4, 4)], {"inner": "eager", "policy": "hints", "max_aux_lanes": 1}, record=False)
+        compiled = compile_graph(gm, [torch.randn(4, 4)], {"inner": "eager", "policy": "hints", "max_aux_lanes": 1},
+                                 record=False)
     folds = [r for r in caplog.records if "hinted lane(s) b run on the main lane" in r.getMessage()]
-    # Once, at WARNING, from the instrument (naming graph and pass): never again from the pass.
+    # Once, at WARNING, from the instrument (naming graph, owner and pass): never again from the pass.
+    owner = meta.graph_info(compiled.graph).owner
     assert [(r.levelname, r.getMessage()) for r in folds] == [
-        ("WARNING", "capturepass: inference assign_streams: max_aux_lanes=1: hinted lane(s) b run on the main lane")
+        ("WARNING", f"capturepass: inference graph {owner}: assign_streams: max_aux_lanes=1: hinted lane(s) b run "
+                    "on the main lane")
     ]

@@ -347,7 +347,8 @@ def test_when_no_break_can_help_the_graph_runs_uncaptured_and_says_why(fails_und
     compiled, executor = _prepare(model, x)
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         executor._capture_failed(_failure(executor, model, x, "cptest_sem.grouped"))
-    assert executor.uncaptured_reason.startswith("capturing segment 0 of the inference graph failed (RuntimeError:")
+    assert executor.uncaptured_reason.startswith(
+        f"capturing segment 0 of the inference graph {executor.graph_owner} failed (RuntimeError:")
     assert "no single op of it fails when captured alone" in executor.uncaptured_reason
     assert "runs uncaptured from now on" in caplog.text
     assert not executor.captured

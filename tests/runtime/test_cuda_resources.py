@@ -123,7 +123,7 @@ def test_workspace_growth_under_capture_raises():
     capturepass.register_capability("cptest_res_gpu::grows", overlap="safe")
     compiled = torch.compile(lambda x: torch.ops.cptest_res_gpu.grows(x + 1), backend="capturepass")
     with pytest.raises(capturepass.ResourceError, match=r"workspace 'grows' .* would grow from 256 to 512 bytes "
-                                                        r"while locked \(capture of g\d+:inference\)"):
+                                                        r"while locked \(capture of g\d+\.m0\.c0\)"):
         compiled(torch.randn(64, device="cuda"))
 
 
@@ -308,8 +308,13 @@ def test_check_replay_names_a_retained_buffer_that_moved():
     torch.testing.assert_close(compiled(x), x.sin() * 2)
     torch.testing.assert_close(compiled(x), x.sin() * 2)
     SCRATCH["s"].resize_(1 << 20)  # reallocated under the captured graph
-    with pytest.raises(capturepass.ResourceError, match=r"check_replay: retained Tensor \d+ of segment 0 of "
-                                                        r"g\d+:inference changed storage since capture"):
+    # The error names the owner as the dump and capturepass show do: graph gN, model 0, capture shape 0.
+    graph = last_compiled()[-1]
+    owner = f"{graph.executor.graph_owner}.m0.c0"
+    assert graph.executor.graph_owner == str(meta.graph_info(graph.graph).owner)
+    assert [o.name for o in graph.executor.owners] == [owner]
+    with pytest.raises(capturepass.ResourceError, match=rf"check_replay: retained Tensor \d+ of segment 0 of "
+                                                        rf"{owner} changed storage since capture"):
         compiled(x)
 
 

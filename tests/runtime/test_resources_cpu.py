@@ -142,12 +142,13 @@ def test_pool_errors():
             capturepass.resource_pool("dup", lambda k: k)
     finally:
         pools.unregister_pool("dup")
-    owner = GraphOwner("forward", 2, None, captured=False)
+    owner = GraphOwner("g900.m0.eager", 2, None, captured=False)
     pool = pools.ResourcePool("p", lambda k: k)
     with context.running(owner):
         assert pool.channel(lane=1) == pools.ChannelKey(owner.name, 1)
-        with pytest.raises(ResourceError, match=r"lane s2 does not exist in owner g\d+:forward: its lanes are s0..s1"):
+        with pytest.raises(ResourceError, match=r"lane s2 does not exist in owner g900\.m0\.eager: its lanes are s0..s1"):
             pool.channel(lane=2)
+    owner.close()
 
 
 # -- workspaces --------------------------------------------------------------------------------------
@@ -215,13 +216,14 @@ def test_workspace_bad_requests(call, message):
 
 
 def test_owner_workspaces_locked_while_capturing():
-    owner = GraphOwner("forward", 2, None, captured=True)
+    owner = GraphOwner("g901.m0.c0", 2, None, captured=True)
     with context.running(owner):
         ws = capturepass.workspace("scratch", (16,), torch.float32)
         with owner.workspaces.locked(f"capture of {owner.name}"):
             assert capturepass.workspace("scratch", (16,), torch.float32).data_ptr() == ws.data_ptr()
-            with pytest.raises(ResourceError, match=r"workspace 'scratch' of 'g\d+:forward' \(lane s0, micro-batch 0\) "
-                                                    r"would grow from 64 to 68 bytes while locked"):
+            with pytest.raises(ResourceError, match=r"workspace 'scratch' of 'g901\.m0\.c0' \(lane s0, micro-batch 0\) "
+                                                    r"would grow from 64 to 68 bytes while locked \(capture of "
+                                                    r"g901\.m0\.c0\)"):
                 capturepass.workspace("scratch", (17,), torch.float32)
     owner.close()
     assert owner.workspaces.nbytes == 0
@@ -264,7 +266,7 @@ def test_profiling_captures_do_not_nest():
 
 
 def test_retain_returns_whether_it_retained_and_suspend_scope():
-    owner = GraphOwner("forward", 1, None, captured=True)
+    owner = GraphOwner("g902.m0.c0", 1, None, captured=True)
     obj = object()
     assert capturepass.retain(obj) is False  # nothing running
     with context.running(owner):
@@ -347,7 +349,7 @@ def test_break_output_aliasing_a_weak_argument_is_made_strong():
 
 
 def test_replay_check_names_what_moved():
-    owner = GraphOwner("forward", 1, None, captured=True)
+    owner = GraphOwner("g903.m1.c0", 1, None, captured=True)
     weight = torch.randn(4)
     binding = torch.zeros(8)
     owner.keep(0, [weight, binding])
@@ -357,11 +359,11 @@ def test_replay_check_names_what_moved():
     snap = _Snapshot.of(cap)
     snap.check(cap, [weight, buf])  # unchanged: no error
     binding.resize_(1024)  # a retained buffer reallocated under the graph
-    with pytest.raises(ResourceError, match=r"retained Tensor 1 of segment 0 of g\d+:forward changed storage"):
+    with pytest.raises(ResourceError, match=r"retained Tensor 1 of segment 0 of g903\.m1\.c0 changed storage"):
         snap.check(cap, [weight, buf])
     snap = _Snapshot.of(cap)
     cap.inputs[1] = torch.zeros(2)  # the static input buffer itself replaced
-    with pytest.raises(ResourceError, match=r"the static buffer of input 1 \(%arg0_1\) of g\d+:forward moved"):
+    with pytest.raises(ResourceError, match=r"the static buffer of input 1 \(%arg0_1\) of g903\.m1\.c0 moved"):
         snap.check(cap, [weight, buf])
     cap.inputs[1] = buf
     owner.retained[0][0] = torch.randn(4)

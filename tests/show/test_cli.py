@@ -21,7 +21,8 @@ simulation: main's fork record, aux's fork wait and join record, main's join
 wait). Both aux kernels are there by their hint; nothing has a capability other
 than the default. The four retained objects are the linear layers' weights and
 biases (``arg0_1``, ``arg1_1``, ``arg3_1``, ``arg4_1``), kept by segment ``k0`` of
-owner ``g0``.
+the graph's owner: ``gN``, the number the compile driver gave the graph in this
+process (``OWNER`` below), the name its runtime owners start with.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ import torch
 import torch.nn as nn
 
 import capturepass
+from capturepass.backends.compile import last_compiled
+from capturepass.ir import meta
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
 
 EXPECTED = {"lanes": 2, "records": 2, "waits": 2, "leases": 2, "retained": 4, "segments": 1, "breaks": []}
+OWNER: dict[str, str] = {}  # the dump_dir fixture's graph owner, as the compile driver numbered it
 
 
 class TwoBranch(nn.Module):
@@ -65,6 +69,7 @@ def dump_dir(tmp_path_factory):
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(model, backend="capturepass", options=options)(x), model(x))
+    OWNER["graph"] = str(meta.graph_info(last_compiled()[-1].graph).owner)
     torch._dynamo.reset()
     return str(root)
 
@@ -74,19 +79,23 @@ def test_show_prints_what_the_compile_did(dump_dir, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     (graph_dir,) = os.listdir(dump_dir)
-    assert lines[0] == f"graph {graph_dir} (inference, owner g0, cudagraphs=monolithic)"
+    owner = OWNER["graph"]
+    assert lines[0] == f"graph {graph_dir} (inference, owner {owner}, cudagraphs=monolithic)"
     assert lines[1] == "  lanes 2: s0=main s1=aux"
     assert lines[2] == "  records 2, waits 2, leases 2, releases 0, retained 4, segments 1, breaks 0"
+    # The one model that ran, by the runtime's name for it (owners.json): graph owner, model 0.
+    assert lines[3:5] == ["  owners at run time: 1 model(s), 1 owner(s)",
+                          f"    model {owner}.m0: {owner}.m0.eager (uncaptured runs, the first of f32[4,8])"]
     waits = [line for line in lines if line.startswith("  wait ")]
     assert len(waits) == 2
     assert waits[0].startswith("  wait %") and " on s1 for e0 (fork, lease l0): fork k0" in waits[0]
     assert " on s0 for e1 (join, lease l1): %relu->%add" in waits[1]
     assert lines[-1] == "total: lanes 2, records 2, waits 2, leases 2, retained 4, segments 1, breaks 0"
-    assert lines[3:7] == [
+    assert lines[5:9] == [
         "  schedule (estimated, nominal device): one lane 10.00 us, on 2 lane(s) 6.04 us; overlap gains 3.96 us (40%)",
         "  lane s0 main: 3 kernel(s): %addmm_1, %tanh, %add",
         "  lane s1 aux: 2 kernel(s), 2 hinted to it (capturepass.lane or a stream region): %addmm, %relu",
-        "  retained by segment k0 (owner g0): %arg0_1 f32[8,8], %arg1_1 f32[8], %arg3_1 f32[8,8], %arg4_1 f32[8]",
+        f"  retained by segment k0 (owner {owner}): %arg0_1 f32[8,8], %arg1_1 f32[8], %arg3_1 f32[8,8], %arg4_1 f32[8]",
     ]
 
 
@@ -105,7 +114,8 @@ def test_show_json_holds_the_decisions_and_retained_objects(dump_dir, capsys):
     assert (main["kernels"], main["hinted"], main["scheduled"]) == (["addmm_1", "tanh", "add"], [], [])
     assert (aux["kernels"], aux["hinted"]) == (["addmm", "relu"], ["addmm", "relu"])
     assert graph["retained_objects"] == [
-        {"object": a, "kind": "input", "type": t, "owner": "g0", "segment": "k0", "by": graph["retained_objects"][0]["by"]}
+        {"object": a, "kind": "input", "type": t, "owner": OWNER["graph"], "segment": "k0",
+         "by": graph["retained_objects"][0]["by"]}
         for a, t in (("arg0_1", "f32[8,8]"), ("arg1_1", "f32[8]"), ("arg3_1", "f32[8,8]"), ("arg4_1", "f32[8]"))]
     assert len(graph["retained_objects"]) == graph["retained"] == 4
 

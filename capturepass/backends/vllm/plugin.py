@@ -38,6 +38,41 @@ log = logging.getLogger("capturepass")
 
 _lock = threading.Lock()
 _piece_ids = itertools.count()
+_said_unapplied = threading.Event()
+
+
+def inductor_lowers_streams() -> tuple[bool, str]:
+    """Whether the installed Inductor lowers user streams itself (``node.meta["custom"]["stream"]``),
+    and why not: detected by the functions that lowering consists of, never by version."""
+    try:
+        from torch._inductor.graph import GraphLowering
+        from torch._inductor.scheduler import Scheduler
+    except ImportError as e:  # pragma: no cover - torch without Inductor
+        return False, f"torch._inductor cannot be imported ({e})"
+    missing = [
+        name for owner, name in ((GraphLowering, "_get_node_stream"), (Scheduler, "_populate_stream_assignments"))
+        if not hasattr(owner, name)
+    ]
+    if missing:
+        return False, f"this torch's Inductor does not lower user streams (it has no {', '.join(missing)})"
+    return True, ""
+
+
+def _say_unapplied() -> None:
+    """Logs once per process why the pass route leaves the graph Inductor compiles unchanged."""
+    if _said_unapplied.is_set():
+        return
+    _said_unapplied.set()
+    lowers, why = inductor_lowers_streams()
+    if not lowers:
+        reason = why
+    else:
+        reason = ("writing lanes into the graph for Inductor's own stream lowering is not done by this route "
+                  "yet; the backend route (backend=\"capturepass\") applies them")
+    log.warning(
+        "capturepass: the post-grad pass analyses, verifies and dumps each piece, but the pieces Inductor "
+        "compiles keep one stream: %s", reason,
+    )
 _registered_pass_class = False
 
 
@@ -113,6 +148,7 @@ class PostGradPass:
         from capturepass.ir.meta import OwnerId
         from capturepass.passes.pipeline import ANALYSIS
 
+        _say_unapplied()
         copy = fx.Graph()
         value_map: dict[fx.Node, fx.Node] = {}
         out = copy.graph_copy(graph, value_map)

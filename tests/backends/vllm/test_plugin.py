@@ -3,9 +3,11 @@ the post-grad pass and the serializable backend result (torch's AOT compile, sav
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -127,3 +129,17 @@ def test_aot_compile_saves_and_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["CapturePassFunction", "True", "equal"]
+
+
+def test_post_grad_pass_says_once_why_the_pieces_keep_one_stream(caplog, monkeypatch):
+    monkeypatch.setattr(vllm_plugin, "_said_unapplied", threading.Event())
+    lowers, why = vllm_plugin.inductor_lowers_streams()
+    from torch._inductor.graph import GraphLowering
+
+    assert lowers == hasattr(GraphLowering, "_get_node_stream")
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        capturepass.post_grad_pass(_post_grad_graph().graph)
+        capturepass.post_grad_pass(_post_grad_graph().graph)
+    said = [r.getMessage() for r in caplog.records if "keep one stream" in r.getMessage()]
+    assert len(said) == 1
+    assert (why in said[0]) if not lowers else ("backend=\"capturepass\"" in said[0])

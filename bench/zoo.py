@@ -1,0 +1,349 @@
+"""The zoo's decoders at realistic sizes on a GPU: capturepass against what a user would pick instead.
+
+Models (transformers, random weights, bf16, ``attn_implementation="sdpa"``): the zoo's catalogue
+entries (``capturepass.testing.zoo``) rebuilt with hidden sizes of 1024 to 2048 and two to four
+layers; the MoE models at the layer shapes of released checkpoints (Qwen2-MoE at
+Qwen1.5-MoE-A2.7B's: 60 experts top-4 beside a 5632-wide shared expert). Shapes: a decode-like
+batch (``--decode B``: B sequences of one token) and a prefill (``--prefill B,S``).
+
+Variants, each in its own process (so that no compile cache or pool of one variant helps
+another; compiles run in parallel, timings one process at a time under a file lock):
+
+- ``eager``;
+- ``inductor``: ``torch.compile(model)``;
+- ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``;
+- ``capturepass``: ``torch.compile(model, backend="capturepass")`` (default options);
+- ``capturepass-off``: the same with ``policy="off"`` (one lane).
+
+Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
+many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
+``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the timed
+calls. The table gives capturepass default against the faster of reduce-overhead and
+capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
+
+Run: ``python bench/zoo.py --out DIR`` (``--models``, ``--variants``, ``--jobs``, ``--procs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
+
+# Config overrides per zoo model: realistic widths, few layers (the per-layer schedule repeats).
+SIZES: dict[str, dict] = {
+    "llama": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000),
+    "qwen2_moe": dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,
+                      num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, intermediate_size=5632, vocab_size=32000),
+    "mixtral": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=16,
+                    num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000),
+    "qwen3_moe": dict(hidden_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+                      head_dim=64, num_local_experts=32, num_experts_per_tok=4, moe_intermediate_size=768,
+                      vocab_size=32000),
+    "deepseek_v3": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
+                        num_key_value_heads=16, moe_intermediate_size=512, n_routed_experts=16,
+                        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, q_lora_rank=384,
+                        kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                        vocab_size=32000),
+    "gpt2": dict(n_embd=1024, n_inner=4096, n_layer=4, n_head=16, vocab_size=32000),
+}
+SHARED_EXPERT = ("qwen2_moe", "deepseek_v3")
+
+
+def build(name: str, device: str, sizes: str = "real"):
+    """The zoo model ``name`` rebuilt at :data:`SIZES` in bf16 (``sizes="real"``), or as the
+    catalogue builds it in float32 (``"zoo"``: tiny, where the host's share of a call shows), on
+    ``device``; and its vocabulary size."""
+    import torch
+    import transformers
+
+    from capturepass.testing import zoo
+
+    if sizes == "zoo":
+        model, _ = zoo.build(name, device=None if device == "meta" else device)
+        return model, zoo.VOCAB
+    small, _ = zoo.build(name)
+    fields = small.config.to_dict()
+    fields.update(SIZES[name])
+    fields.pop("layer_types", None)  # derived from the layer count when the config is made
+    for key in ("max_position_embeddings", "n_positions"):
+        if key in fields:
+            fields[key] = max(fields[key], 4096)
+    config = type(small.config)(**fields)
+    kwargs = {"experts_implementation": "grouped_mm"} if hasattr(config, "num_experts_per_tok") else {}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **kwargs)
+    return model.to(dtype=torch.bfloat16).eval(), config.vocab_size
+
+
+def compiled(model, variant: str):
+    import torch
+
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return torch.compile(model)
+    if variant == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    import capturepass  # noqa: F401 - registers the backend where no entry point is installed
+
+    opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}}.get(variant, {})
+    return torch.compile(model, backend="capturepass", options=opts)
+
+
+def timed(fn, iters: int, reps: int = 7, warmup: int = 5, device: str = "cuda") -> float:
+    """Median over ``reps`` of the mean milliseconds per call of ``fn`` (CUDA events; on the
+    CPU the wall clock)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    if device == "cpu":
+        out = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / iters)
+        return statistics.median(out)
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / iters)
+    return statistics.median(out)
+
+
+@contextlib.contextmanager
+def turn(lock_path: str):
+    """Holds the GPU timing lock once every process has compiled: compiles overlap, timings
+    neither overlap each other nor a compile (CPU contention slows the host side of a call)."""
+    open(f"{lock_path}.ready.{os.getpid()}", "w").close()
+    while not os.path.exists(lock_path + ".go"):
+        time.sleep(0.2)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+    # A process that exits tears down its CUDA context and compile workers: not while another
+    # process is timing.
+    open(f"{lock_path}.done.{os.getpid()}", "w").close()
+    while not os.path.exists(lock_path + ".exit"):
+        time.sleep(0.2)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One model and variant in this process: prints one JSON line per shape."""
+    import torch
+
+    dev = args.device
+    cuda = dev == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model, vocab = build(args.model, dev, args.sizes)
+    weights = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    fn = compiled(model, args.variant)
+    decode_b = args.decode
+    prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
+    shapes = {f"decode[{decode_b},1]": (decode_b, 1), f"prefill[{prefill_b},{prefill_s}]": (prefill_b, prefill_s)}
+    g = torch.Generator(device=dev)
+    results, timed_calls = {}, {}
+    with torch.no_grad():
+        for label, (b, s) in shapes.items():
+            ids = []
+            for seed in range(4):
+                g.manual_seed(seed)
+                ids.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
+            ref = model(input_ids=ids[3], use_cache=False).logits.float()
+            start = time.perf_counter()
+            fn(input_ids=ids[0], use_cache=False)
+            if cuda:
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - start
+            for x in ids[1:3]:
+                fn(input_ids=x, use_cache=False)
+            got = fn(input_ids=ids[3], use_cache=False).logits.float()
+            err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            results[label] = dict(compile_s=compile_s, rel_err=err)
+            timed_calls[label] = (lambda x=ids[1]: fn(input_ids=x, use_cache=False))
+        peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
+        with turn(args.lock):
+            for label, call in timed_calls.items():
+                results[label]["ms"] = timed(call, iters=args.iters, device=dev)
+    graphs = capture_summary() if args.variant.startswith("capturepass") else None
+    for label, r in results.items():
+        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs, **r)),
+              flush=True)
+
+
+def capture_summary() -> list[dict]:
+    """How capturepass ran each graph it compiled in this process (scripts/zoo_table.py's summary)."""
+    import importlib.util
+
+    from capturepass.backends.compile import last_compiled
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "zoo_table.py")
+    spec = importlib.util.spec_from_file_location("zoo_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    return table._capture_summary(last_compiled())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(SIZES), help="comma-separated zoo names (default: all in SIZES)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--sizes", default="real", choices=("real", "zoo"),
+                   help="real: SIZES in bf16; zoo: the catalogue's tiny float32 configs (host overhead)")
+    p.add_argument("--decode", type=int, default=8, help="decode batch (sequences of one token)")
+    p.add_argument("--prefill", default="2,128", help="prefill batch,sequence")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--jobs", type=int, default=4, help="processes at once (they compile together, then time one by one)")
+    p.add_argument("--procs", type=int, default=1, help="processes per model and variant (median of medians)")
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--out", default=None, help="directory for zoo-bench.json and zoo-bench.md")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--lock", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    models = [m for m in args.models.split(",") if m]
+    variants = [v for v in args.variants.split(",") if v]
+    from capturepass.testing import zoo as catalogue
+
+    known = SIZES if args.sizes == "real" else [m for m, f in catalogue.FAMILIES.items() if f == "decoder"]
+    unknown = [m for m in models if m not in known] + [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(known)}; "
+                f"variants: {', '.join(VARIANTS)})")
+    jobs = [(m, v) for _ in range(args.procs) for m in models for v in variants]
+    rows: list[dict] = []
+    failures: list[str] = []
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    for first in range(0, len(jobs), args.jobs):
+        rows_, fails_ = wave(jobs[first:first + args.jobs], args)
+        rows += rows_
+        failures += fails_
+        if args.out:  # what finished survives a run cut short
+            with open(os.path.join(args.out, "zoo-bench.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows_)
+    table = report(rows, models, variants)
+    print(table)
+    for f in failures:
+        print("failed:", f)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "zoo-bench.json"), "w") as f:
+            json.dump({"rows": rows, "failures": failures}, f, indent=1)
+        with open(os.path.join(args.out, "zoo-bench.md"), "w") as f:
+            f.write(table + "\n" + "".join(f"failed: {x}\n" for x in failures))
+
+
+def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[dict], list[str]]:
+    """Runs ``jobs`` at once: they compile together, then time one at a time once all are ready."""
+    lock = tempfile.NamedTemporaryFile(prefix="zoo-bench-lock-", delete=False).name
+    procs = []
+    for m, v in jobs:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
+        cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
+               "--device", args.device, "--sizes", args.sizes,
+               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
+        procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
+    start = time.time()
+    while time.time() - start < args.timeout:
+        ready = sum(os.path.exists(f"{lock}.ready.{p.pid}") or p.poll() is not None for _, p in procs)
+        if ready == len(procs):
+            break
+        time.sleep(0.5)
+    open(lock + ".go", "w").close()
+    while time.time() - start < args.timeout:
+        done = sum(os.path.exists(f"{lock}.done.{p.pid}") or p.poll() is not None for _, p in procs)
+        if done == len(procs):
+            break
+        time.sleep(0.5)
+    open(lock + ".exit", "w").close()
+    rows, failures = [], []
+    for (m, v), proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1, args.timeout - (time.time() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            failures.append(f"{m} {v}: timed out after {args.timeout} s")
+        got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        rows += got
+        if proc.returncode != 0:
+            tail = [line for line in err.strip().splitlines() if "Warning" not in line][-25:]
+            failures.append(f"{m} {v}: exit {proc.returncode}:\n" + "\n".join(tail))
+        print(f"done {m} {v} ({len(got)} shapes)", file=sys.stderr, flush=True)
+    return rows, failures
+
+
+def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
+    """A markdown table: medians over processes, the ratios the never-slower bar reads."""
+    def med(m: str, v: str, s: str, key: str) -> float | None:
+        vals = [r[key] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s]
+        return statistics.median(vals) if vals else None
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    head = ["model", "shape"] + [f"{v} ms" for v in variants] + ["cp / min(ro, off)", "ro / cp"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in models:
+        for s in shapes:
+            ms = {v: med(m, v, s, "ms") for v in variants}
+            if all(x is None for x in ms.values()):
+                continue
+            cells = [m + (" (shared expert)" if m in SHARED_EXPERT else ""), s]
+            cells += ["" if ms[v] is None else f"{ms[v]:.4f}" for v in variants]
+            cp, ro, off = ms.get("capturepass"), ms.get("reduce-overhead"), ms.get("capturepass-off")
+            best = min([x for x in (ro, off) if x is not None], default=None)
+            cells.append(f"{cp / best:.3f}" if cp and best else "")
+            cells.append(f"{ro / cp:.3f}" if cp and ro else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| model | shape | " + " | ".join(f"{v} compile s / peak MiB" for v in variants) + " |",
+              "|" + "---|" * (2 + len(variants))]
+    for m in models:
+        for s in shapes:
+            cells = []
+            for v in variants:
+                c, pk = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib")
+                cells.append("" if c is None else f"{c:.1f} / {pk:.0f}")
+            if any(cells):
+                lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
+    errs = [r for r in rows if r.get("rel_err", 0) > 5e-2]
+    if errs:
+        lines.append("")
+        lines += [f"large difference from eager: {r['model']} {r['variant']} {r['shape']} rel {r['rel_err']:.3g}"
+                  for r in errs]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

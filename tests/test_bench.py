@@ -1,0 +1,53 @@
+"""The GPU benchmarks' CPU-checkable parts: arguments, model configs, the report's arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_zoo_bench_help_and_unknown_model():
+    script = os.path.join(ROOT, "bench", "zoo.py")
+    ok = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "--variants" in ok.stdout
+    bad = subprocess.run([sys.executable, script, "--models", "llama,nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown model or variant: nope" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt2"])
+def test_zoo_bench_models_build_at_their_sizes(name):
+    pytest.importorskip("transformers")
+    bench = _load("zoo")
+    model, vocab = bench.build(name, "meta")
+    config = model.config
+    for key, value in bench.SIZES[name].items():
+        assert getattr(config, key) == value, key
+    assert vocab == 32000
+    width = getattr(config, "hidden_size", None) or config.n_embd
+    assert width >= 1024
+
+
+def test_zoo_bench_report_ratios():
+    bench = _load("zoo")
+    rows = []
+    for variant, times in {"reduce-overhead": [1.0, 1.2, 1.1], "capturepass-off": [1.05], "capturepass": [0.99]}.items():
+        for t in times:
+            rows.append(dict(model="qwen2_moe", variant=variant, shape="decode[8,1]", ms=t, compile_s=2.0,
+                             peak_mib=10.0, rel_err=0.0))
+    table = bench.report(rows, ["qwen2_moe"], ["reduce-overhead", "capturepass-off", "capturepass"])
+    line = next(x for x in table.splitlines() if x.startswith("| qwen2_moe (shared expert)"))
+    # medians: reduce-overhead 1.1, off 1.05, capturepass 0.99 -> 0.99 / 1.05 and 1.1 / 0.99
+    assert line == "| qwen2_moe (shared expert) | decode[8,1] | 1.1000 | 1.0500 | 0.9900 | 0.943 | 1.111 |"
