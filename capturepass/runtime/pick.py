@@ -26,7 +26,11 @@ lane assignment with the options that change its schedule, the shapes), under
 ``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
 torch's cache directory): another process that compiles the same graph captures
 only the chosen candidate. A cache file that cannot be read or written is reported
-once (a warning), and the candidates are measured anyway.
+once (a warning), and the candidates are measured anyway. A candidate that fails to
+compile or to capture is left out (logged); timing that fails keeps the cost model's
+schedule (a warning); the cost model's own capture failing is the executor's to handle,
+as without measuring (the op becomes a break, and the rebuilt graph's candidates are
+derived again).
 
 Each choice is logged (one INFO line per candidate and one for the choice), added
 to the graph record's decisions, and written to the graph's dump folder
@@ -511,6 +515,7 @@ class Picker:
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        failed: Exception | None = None
         try:
             for i, cand in enumerate(self.candidates[1:], start=1):
                 try:
@@ -531,9 +536,12 @@ class Picker:
                 caps.append(c)
                 kept.append(i)
             saved = [(t, t.clone()) for t in protect]
-            samples, replays = time_rounds(
-                len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3
-            )
+            try:
+                samples, replays = time_rounds(
+                    len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3
+                )
+            except Exception as e:  # noqa: BLE001 - the call must not fail for want of a measurement
+                failed = e
         except BaseException:
             for c in caps:
                 c.owner.close()
@@ -541,6 +549,12 @@ class Picker:
         finally:
             for t, copy in saved:
                 t.copy_(copy)
+        if failed is not None:
+            log.warning("capturepass: %s graph, shape %s: timing the schedule candidates failed (%s: %s); keeping "
+                        "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)
+            for c in caps[1:]:
+                c.owner.close()
+            return caps[0], out
         medians: list[float | None] = [None] * len(self.candidates)
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6

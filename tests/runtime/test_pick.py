@@ -414,6 +414,24 @@ def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog)
     assert any("the cached schedule aux1 failed to capture" in r.getMessage() for r in caplog.records)
 
 
+def test_timing_that_fails_keeps_the_cost_models_schedule(tmp_path, caplog):
+    p, _, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+
+    def broken(caps, order):
+        broken.caps = caps
+        raise RuntimeError("no timer today")
+
+    p.measure_round = broken
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        cap, out = p.capture(_Executor(), [torch.randn(2)], real=True)
+    assert cap.program is cands[0].program and not cap.owner.closed and out == ("warm-up of", cands[0].program)
+    assert [c.owner.closed for c in broken.caps] == [False, True, True]
+    assert picked == [] and not (tmp_path / "cache").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "capturepass: inference graph, shape (float32[2]): timing the schedule candidates failed (RuntimeError: no "
+        "timer today); keeping the cost model's schedule (not cached)"]
+
+
 def test_cost_model_candidate_that_fails_to_capture_is_the_executors(tmp_path):
     from capturepass.runtime.replay import CaptureFailure
 
