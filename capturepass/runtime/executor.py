@@ -440,13 +440,14 @@ class Executor:
             # Timed replays write these at the caller's addresses: the picker restores them.
             protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
             device = self._device(args)
-            # Every candidate's owner bears the shape's owner name; the chosen one stays.
+            # Owner names are unique among open owners: each other candidate's bears its schedule's name.
             captures = types.SimpleNamespace(
-                _capture_program=lambda program, a, r: self._capture_program(program, a, r, name, device)
+                _capture_program=lambda program, a, r, candidate: self._capture_program(
+                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device)
             )
             cap, out = self._picker.capture(captures, args, real, protect, device)
             if self._record is not None:
-                self._record.add(name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
+                self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
                                  str(cap.owner.device) if cap.owner.device is not None else "cpu")
             self._captures[key] = cap
             self._watch(key[0], args)

@@ -440,8 +440,9 @@ class Picker:
 
         Args:
             executor: captures a program without keeping it (``_capture_program(program, args,
-                real)`` returns a capture whose ``owner`` it closes to release it, and the warm-up's
-                outputs).
+                real, candidate)`` returns a capture whose ``owner`` it closes to release it, and the
+                warm-up's outputs; ``candidate`` is ``None`` for the cost model's, else the
+                candidate's name, which its owner's name bears).
             args: the call's arguments.
             real: the cost model's warm-up is the call (its outputs are the call's results).
             protect: tensors the timed replays write in place at the caller's addresses; restored.
@@ -477,7 +478,7 @@ class Picker:
                         self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return self._measure(executor, args, real, protect, shape, dev, key)
         try:
-            cap, out = executor._capture_program(program, args, real)
+            cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name)
         except CaptureFailure as first:
             if index == 0:
                 raise  # the cost model's program: the executor makes the op a break
@@ -511,7 +512,7 @@ class Picker:
         kept: list[int] = []
         notes: dict[int, str] = {}
         # The cost model's candidate first: its warm-up is the call, and its failure is the executor's.
-        cap, out = executor._capture_program(self.candidates[0].program, args, real)
+        cap, out = executor._capture_program(self.candidates[0].program, args, real, None)
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -527,7 +528,7 @@ class Picker:
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
                 try:
-                    c, _ = executor._capture_program(program, args, False)
+                    c, _ = executor._capture_program(program, args, False, cand.name)
                 except CaptureFailure as e:
                     notes[i] = f"capture failed: {type(e.error).__name__}"
                     log.info("capturepass: %s graph: schedule candidate %s failed to capture (%s); not measured",

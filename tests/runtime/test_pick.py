@@ -212,9 +212,11 @@ class _Cap:
 class _Executor:
     def __init__(self):
         self.captured = []
+        self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
 
-    def _capture_program(self, program, args, real):
+    def _capture_program(self, program, args, real, candidate):
         self.captured.append((program, real))
+        self.names.append(candidate)
         return _Cap(program), ("warm-up of", program)
 
 
@@ -249,6 +251,7 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
     # The cost model's candidate warms up on the call itself; the others on copies.
     assert [(c.name, real) for c in cands for prog, real in ex.captured if prog is c.program] == [
         ("model", True), ("one_lane", False), ("aux1", False)]
+    assert ex.names == [None, "one_lane", "aux1"]  # owners: g.m.c0, g.m.c0.one_lane, g.m.c0.aux1
     assert cap.program is cands[1].program and not cap.owner.closed
     assert out == ("warm-up of", cands[0].program)  # the call's results: the model's warm-up
     # 240 us a round, 480 us warm-up, 1520 // 240 = 6 timed rounds.
@@ -309,6 +312,7 @@ def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, ca
         cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
     assert timer.replays == 0
     assert ex.captured == [(cands[2].program, True)] and cap.program is cands[2].program
+    assert ex.names == ["aux1"]
     assert out == ("warm-up of", cands[2].program)
     (record,) = picked
     assert (record.cached, record.choice, record.rounds, record.replays) == (True, "aux1", 0, 0)
@@ -388,14 +392,14 @@ class _FailFirst(_Executor):
         super().__init__()
         self.failing = program
 
-    def _capture_program(self, program, args, real):
+    def _capture_program(self, program, args, real, candidate):
         from capturepass.runtime.replay import CaptureFailure
 
         if program is self.failing:
             self.failing = None
             self.captured.append((program, real))
             raise CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
-        return super()._capture_program(program, args, real)
+        return super()._capture_program(program, args, real, candidate)
 
 
 def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog):

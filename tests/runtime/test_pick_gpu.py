@@ -62,6 +62,8 @@ def _check_record(record, ex):
     chosen = next(c for c in ex._picker.candidates if c.name == record.choice)
     assert cap.program is chosen.program and len(cap.program.info.lanes) == chosen.lanes
     assert not cap.owner.closed
+    # The cost model's owner is the shape's (gN.m0.c0); another candidate's bears its name.
+    assert cap.owner.name.endswith(".m0.c0" if record.choice == "model" else f".m0.c0.{record.choice}")
 
 
 @torch.no_grad()
