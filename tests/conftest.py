@@ -30,6 +30,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_schedule_cache(tmp_path_factory):
+    """Measured schedule choices go to a folder of this run: a choice cached by another run (or the
+    user's own cache) never stands in for a measurement, and the tests write nothing outside."""
+    old = os.environ.get("CAPTUREPASS_CACHE_DIR")
+    os.environ["CAPTUREPASS_CACHE_DIR"] = str(tmp_path_factory.mktemp("schedule_cache"))
+    yield
+    if old is None:
+        os.environ.pop("CAPTUREPASS_CACHE_DIR", None)
+    else:
+        os.environ["CAPTUREPASS_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

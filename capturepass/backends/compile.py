@@ -157,13 +157,15 @@ def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
 
 
 def _instruments(
-    dumps: bool, dump_dir: str | None, verify: bool
+    dumps: bool, dump_dir: str | None, verify: bool, log_decisions: bool = True
 ) -> tuple[list[inst.PassInstrument], inst.Timing, inst.Dump | None]:
     timing = inst.Timing()
-    out: list[inst.PassInstrument] = [timing, inst.LogDecisions()]
+    out: list[inst.PassInstrument] = [timing]
+    if log_decisions:
+        out.append(inst.LogDecisions())
     if verify:
         out.append(inst.VerifyEach())
-    trace = inst.structured_trace_on()
+    trace = log_decisions and inst.structured_trace_on()
     dump = inst.Dump(dump_dir, position, trace=trace) if dumps or trace else None
     if dump is not None:
         out.append(dump)
@@ -233,6 +235,7 @@ def compile_graph(
     not_capturable: Mapping[str, str] | None = None,
     regions: bool = True,
     record: bool = True,
+    log_decisions: bool = True,
 ) -> CompiledGraph:
     """Runs capturepass on one ATen graph.
 
@@ -256,6 +259,9 @@ def compile_graph(
             rebuild this asks for compiles each region eagerly where the inner compiler fails.
         regions: compile the plan's regions (off: stop at the plan).
         record: keep the result in :func:`last_compiled`.
+        log_decisions: log the passes' decisions and write the dumps into the structured
+            trace (off for a schedule candidate: the log and the trace tell of the graph
+            that runs; a candidate's choice is logged when it is measured).
 
     Raises:
         PipelineError, PassError, VerificationError, EmitError, CapturePassError: as the passes
@@ -269,7 +275,9 @@ def compile_graph(
     ctx = PassContext(
         options=opts, registry=registry, example_inputs=vals, not_capturable=dict(not_capturable or {})
     )
-    instruments, timing, dumper = _instruments(dump_dir is not None, dump_dir, opts.verify if verify is None else verify)
+    instruments, timing, dumper = _instruments(
+        dump_dir is not None, dump_dir, opts.verify if verify is None else verify, log_decisions
+    )
     run_pipeline(pipeline, gm, ctx, instruments)
     plan: Plan | None = ctx.artifacts.get("plan")
     program = None

@@ -32,16 +32,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch._inductor.decomposition  # noqa: F401  (the table _decompositions reads)
 import torch.fx as fx
 
+from capturepass.backends import candidates
 from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
@@ -50,6 +52,7 @@ from capturepass.ir import meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
 from capturepass.runtime.executor import Executor
+from capturepass.runtime.pick import Picker, PickRecord, ScheduleCache, append_record, default_cache_dir
 
 log = logging.getLogger("capturepass")
 
@@ -151,6 +154,17 @@ def _aten_compiler(
                 not_capturable=not_capturable, record=record,
             )
 
+        # The nodes the last rebuild made breaks: schedule candidates derived later have them too.
+        breaks: dict[str, str] = {}
+
+        def plan_with(overrides: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
+            graph = _pristine_copy(pristine)
+            new = driver.compile_graph(
+                graph, examples, dataclasses.replace(opts, **overrides), name=kind, regions=False, record=False,
+                log_decisions=False, not_capturable=breaks,
+            )
+            return new.graph, new.plan
+
         compiled = run_passes(gm, {}, True)
         gi = meta.graph_info(gm)
         log.info(
@@ -158,10 +172,13 @@ def _aten_compiler(
             gi.title, len(gi.lanes), len(gi.segments), len(compiled.program.regions),
         )
         rebuild: Callable[[dict[str, str]], Any] | None = None
+        picker = None
         if pristine is not None:
             tc = _tracing_context()
 
             def rebuild_program(not_capturable: dict[str, str]) -> Any:
+                breaks.clear()
+                breaks.update(not_capturable)
                 graph = _pristine_copy(pristine)
                 with _tracing(tc):
                     new = run_passes(graph, not_capturable, False)
@@ -171,7 +188,19 @@ def _aten_compiler(
 
             rebuild = rebuild_program
 
-        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir)
+            def make_picker() -> Picker | None:
+                # After a rebuild this runs at a call, outside the compile: re-enter its tracing context.
+                scope = _tracing(tc) if _tracing_context() is not tc else contextlib.nullcontext()
+                with scope:
+                    new = _picker(kind, compiled, pristine, graph_opts, plan_with, tc, dump_dir, on_cuda=gi.on_cuda,
+                                  breaks=breaks)
+                if new is not None:
+                    # A capture failure rebuilds the graph with a break: derive its candidates again.
+                    new.renew = lambda program: make_picker() if program is compiled.program else None
+                return new
+
+            picker = make_picker()
+        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir, picker=picker)
         compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:
@@ -183,6 +212,40 @@ def _aten_compiler(
         return run
 
     return compile_aten
+
+
+def _picker(
+    kind: str, compiled: CompiledGraph, pristine: fx.GraphModule, opts: Options,
+    plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]], tc: Any, dump_dir: str | None,
+    *, on_cuda: bool, breaks: Mapping[str, str] | None = None,
+) -> Picker | None:
+    """The measured lane choice of a captured CUDA graph, or ``None``: not captured on CUDA (nothing
+    to measure), ``pick="model"``, or a cost model's schedule with no cheaper alternative (one lane).
+
+    ``breaks``: the nodes a rebuild made breaks (after a capture failed on them), which the
+    candidates (derived by ``plan_with``) have too; part of the cache key.
+    """
+    if not on_cuda or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
+        return None
+    rebuilt = bool(breaks)
+
+    def compile_plan(plan: Any) -> Any:
+        with _tracing(tc):  # Inductor compiles a candidate at its first capture, in the compile's shape env
+            return driver.compile_regions(plan, eager_fallback=rebuilt)
+
+    cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
+    if len(cands) < 2:
+        return None
+    log.info("capturepass: %s graph: %d schedule candidates to measure at capture: %s", kind, len(cands),
+             ", ".join(f"{c.name} ({c.lanes} lane(s), estimate {c.estimate_us:.1f} us)" for c in cands))
+
+    def on_pick(record: PickRecord) -> None:
+        meta.add_decision(compiled.graph, record.text())
+        append_record(dump_dir, record)
+
+    cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
+    key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
+    return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick)
 
 
 def _decompositions(inner: str) -> dict | None:

@@ -26,6 +26,8 @@ from capturepass.ir.meta import CaptureMode
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
 REGION_MODES = ("auto", "lanes")
+# How the schedule of a captured graph is chosen (option ``pick``).
+PICKS = ("measure", "model")
 CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
 # How a graph relates to an external stream (option ``external_streams``).
 RELATIONS = ("before", "after", "both")
@@ -33,6 +35,7 @@ RELATIONS = ("before", "after", "both")
 DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
 VERIFY_ENV = "CAPTUREPASS_VERIFY"
 OPTIONS_ENV = "CAPTUREPASS_OPTIONS"  # a JSON object of options, under those given in code
+CACHE_DIR_ENV = "CAPTUREPASS_CACHE_DIR"  # where measured schedule choices are kept
 
 
 def env_options() -> dict[str, Any]:
@@ -102,6 +105,19 @@ class Options:
             (to inspect or test the outer program a GPU runs, on the CPU).
         disable: names of passes to leave out, for bisecting a compile; a pass
             that a later one depends on cannot be left out (``PipelineError``).
+        pick: ``"measure"`` (the default): when a CUDA graph is captured for a new
+            shape, the cost model's schedule and the cheaper ones derived from it (one
+            lane, fewer lanes, short lanes merged back) are each captured and replayed,
+            and the fastest is kept (the choice is cached per device, graph and shape).
+            ``"model"``: the cost model's schedule, unmeasured (reproducible schedules).
+            Uncaptured graphs always run the cost model's schedule.
+        pick_budget_ms: the replay time measuring the candidates of one shape may take
+            (milliseconds of timed replays; at least one round is timed).
+        pick_cache_dir: where measured choices are kept; ``None``: ``CAPTUREPASS_CACHE_DIR``,
+            else ``capturepass/schedules`` under torch's cache directory.
+        merge_lanes_below_us: lanes whose estimated busy time is below this many
+            microseconds are put back on the main lane (0: none; the schedule
+            candidate "short lanes merged" sets it).
 
     :meth:`for_graph` resolves the options of one graph (its capture mode; the
     backward graph's single lane, uncaptured) into the one record its passes and
@@ -121,6 +137,10 @@ class Options:
     external_streams: tuple[tuple[str, str], ...] = ()
     regions: str = "auto"
     disable: tuple[str, ...] = ()
+    pick: str = "measure"
+    pick_budget_ms: float = 200.0
+    pick_cache_dir: str | None = None
+    merge_lanes_below_us: float = 0.0
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> "Options":
@@ -179,6 +199,15 @@ class Options:
         _choice("policy", self.policy, POLICIES, name("policy"))
         _choice("inner", self.inner, INNER_COMPILERS, name("inner"))
         _choice("regions", self.regions, REGION_MODES, name("regions"))
+        _choice("pick", self.pick, PICKS, name("pick"))
+        for key in ("pick_budget_ms", "merge_lanes_below_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+                raise OptionError(f"{name(key)} must be a finite non-negative number, got {value!r}")
+        if self.pick_cache_dir is not None and (
+            not isinstance(self.pick_cache_dir, (str, os.PathLike)) or os.fspath(self.pick_cache_dir) in ("", b"")
+        ):
+            raise OptionError(f"{name('pick_cache_dir')} must be a directory path or None, got {self.pick_cache_dir!r}")
         if self.cudagraphs is not None:
             _choice("cudagraphs", self.cudagraphs, CUDAGRAPH_MODES, name("cudagraphs"))
         if isinstance(self.max_aux_lanes, bool) or not isinstance(self.max_aux_lanes, int) or self.max_aux_lanes < 0:
@@ -205,9 +234,12 @@ class Options:
 
     def for_graph(self, kind: str, on_cuda: bool) -> "Options":
         """The options of one graph: the capture mode resolved for its device; the backward
-        graph (``kind="backward"``) on one lane, uncaptured, with no capture sizes."""
+        graph (``kind="backward"``) on one lane, uncaptured, with no capture sizes (and so
+        nothing to measure)."""
         if kind == "backward":
-            return dataclasses.replace(self, policy="off", cudagraphs=CaptureMode.NONE, capture_sizes=())
+            return dataclasses.replace(
+                self, policy="off", cudagraphs=CaptureMode.NONE, capture_sizes=(), pick="model"
+            )
         return dataclasses.replace(self, cudagraphs=self.resolved_cudagraphs(on_cuda))
 
     def key(self) -> str:
@@ -216,6 +248,8 @@ class Options:
         fields.pop("dump_dir")
         fields.pop("verify")
         fields.pop("check_replay")  # a runtime check: the generated code is the same
+        for key in ("pick", "pick_budget_ms", "pick_cache_dir"):  # which schedule runs, not how one compiles
+            fields.pop(key)
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 

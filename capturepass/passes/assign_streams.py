@@ -152,6 +152,8 @@ class AssignStreams(Pass):
                 auto_lanes.append(LaneId(len(lane_names)))
                 lane_names.append(f"aux{i}")
             self._schedule(nodes, lanes, [MAIN_LANE] + auto_lanes)
+        if opts.merge_lanes_below_us > 0:
+            self._merge_short_lanes(gm, nodes, lanes, lane_names, opts.merge_lanes_below_us)
         self._place_free_nodes(nodes, lanes)
 
         used = {lanes.get(n, MAIN_LANE) for n in nodes} | {MAIN_LANE}
@@ -349,6 +351,28 @@ class AssignStreams(Pass):
             finish[node], where[node] = end, lane
             if fixed is None and lane != MAIN_LANE:
                 lanes[node] = lane
+
+    def _merge_short_lanes(
+        self, gm: fx.GraphModule, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId], lane_names: list[str],
+        below_us: float,
+    ) -> None:
+        """Puts the kernels of every lane whose estimated busy time is below ``below_us`` back on
+        the main lane: a short branch saves less than its fork and join cost (an event record and
+        wait each, and the fusion lost across the cut), which the cost model prices only roughly."""
+        busy: dict[LaneId, float] = {}
+        for node in nodes:
+            lane = lanes.get(node)
+            if lane is not None and lane != MAIN_LANE and not _is_free(node):
+                busy[lane] = busy.get(lane, 0.0) + cost.node_time(meta.info(node).cost) * 1e6
+        short = sorted((lane for lane, us in busy.items() if us < below_us), key=lambda lane: lane.index)
+        for node in nodes:
+            if lanes.get(node) in short:
+                del lanes[node]
+        for lane in short:
+            meta.add_decision(
+                gm, f"lane {lane_names[lane.index]}: estimated busy {busy[lane]:.1f} us < merge_lanes_below_us="
+                f"{below_us:g}: merged back onto the main lane",
+            )
 
     def _place_free_nodes(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId]) -> None:
         """Views follow their consumers; tuple selections follow their producer."""

@@ -87,6 +87,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -221,6 +222,9 @@ class Executor:
             without it a capture that fails on one op turns capture off for this graph.
         record_dir: the graph's dump folder: the executor lists the owners it creates in
             ``owners.json`` there (``runtime.naming``).
+        picker: chooses among schedule candidates by measuring them when a shape is first
+            captured (:class:`~capturepass.runtime.pick.Picker`; ``None``: the program's
+            schedule, as the cost model chose it).
 
     Attributes:
         graph_owner: the graph owner's name, as the dump prints it (``"g3"``); every owner
@@ -235,6 +239,7 @@ class Executor:
         options: Options | None = None,
         rebuild: Callable[[dict[str, str]], Program] | None = None,
         record_dir: str | None = None,
+        picker: Any = None,
     ) -> None:
         options = options if options is not None else Options()
         self.options = options
@@ -252,6 +257,7 @@ class Executor:
         self._plans: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._uncaptured_depth = 0
         self._rebuild = rebuild
+        self._picker = picker
         self._rebuilds = 0
         self.not_capturable: dict[str, str] = {}
         self.uncaptured_reason: str | None = None
@@ -511,6 +517,10 @@ class Executor:
         return None
 
     def _capture_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        if self._picker is not None and profiling.active() is None:
+            self._picker = self._picker.for_program(self.program)  # another picker after a rebuild
+            if self._picker is not None:
+                return self._pick_new(args, key, real)
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
             owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True)
@@ -528,6 +538,39 @@ class Executor:
                 cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
             if prof is not None:
                 prof.adopt(owner, lambda: self._forget(key, cap))
+        return cap, out
+
+    def _pick_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
+        with self._lock, lifetime.capturing():
+            model, name = self._capture_owner_name(key)
+            static = set(self.program.static_inputs)
+            # Timed replays write these at the caller's addresses: the picker restores them.
+            protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
+            device = self._device(args)
+            # Owner names are unique among open owners: each other candidate's bears its schedule's name.
+            captures = types.SimpleNamespace(
+                _capture_program=lambda program, a, r, candidate: self._capture_program(
+                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device)
+            )
+            cap, out = self._picker.capture(captures, args, real, protect, device)
+            if self._record is not None:
+                self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
+                                 str(cap.owner.device) if cap.owner.device is not None else "cpu")
+            self._captures[key] = cap
+            self._watch(key[0], args)
+        return cap, out
+
+    def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
+                         device: torch.device | None) -> tuple[Capture, Any]:
+        """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps one)."""
+        owner = GraphOwner(name, len(program.info.lanes), device, captured=True)
+        cap = Capture(program, owner, self.static_outputs, mutated_inputs(program))
+        try:
+            out = cap.run(args, real)
+        except BaseException:
+            owner.close()
+            raise
         return cap, out
 
     def _forget(self, key: tuple, cap: Capture) -> None:

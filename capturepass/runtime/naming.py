@@ -15,6 +15,11 @@ owners (``GraphOwner``), each named after the graph owner:
 ``gN.mI.cJ``
     the owner of instance ``I``'s ``J``-th capture shape (from 0, in the order its shapes
     were first captured; a shape captured again after a release keeps its number).
+``gN.mI.cJ.<schedule>``
+    the owner of another schedule candidate of that capture shape than the cost model's
+    (``one_lane``, ``auxK``, ``merged``: ``runtime.pick``), captured to be measured; the
+    chosen one stays open (and is listed in ``owners.json``), the others are closed once
+    measured. The cost model's candidate is ``gN.mI.cJ`` itself.
 ``gN.mI.eager``
     the owner of instance ``I``'s uncaptured runs (host graphs, ``cudagraphs="none"``,
     shapes beyond ``max_captures``) and of its runs inside an engine's capture.
@@ -70,6 +75,12 @@ def next_model(graph_owner: str) -> str:
 def capture_owner(model: str, shape: int) -> str:
     """The name of the owner of ``model``'s capture shape number ``shape``: ``g3.m0.c1``."""
     return f"{model}.c{shape}"
+
+
+def candidate_owner(capture: str, schedule: str) -> str:
+    """The name of the owner of schedule candidate ``schedule`` of capture owner ``capture``:
+    ``g3.m0.c1.one_lane``."""
+    return f"{capture}.{schedule}"
 
 
 def eager_owner(model: str) -> str:

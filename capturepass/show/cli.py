@@ -6,8 +6,9 @@ run time, per model instance (``owners.json``); then its decisions: the schedule
 time on one lane and on its lanes (measured where the folder holds a measured run,
 estimated otherwise), every lane with its kernels and why they are on it (hinted,
 placed by the scheduler, kept from their hint), every capability other than the
-default with its reason and source, and the decisions the passes recorded; the
-retained objects with their owner and segment; the external streams; every wait
+default with its reason and source, the decisions the passes recorded, and each
+schedule measured at capture (``schedules.json``: every candidate's estimate against
+its measured time, and the choice); the retained objects with their owner and segment; the external streams; every wait
 with the dependency that made it necessary; every break with its reason.
 ``--json`` prints the same as one JSON object whose keys are ``lanes``,
 ``records``, ``waits``, ``leases``, ``retained``, ``segments``, ``breaks``

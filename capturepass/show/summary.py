@@ -17,17 +17,23 @@ graph: the counts, ``runtime_owners`` (each with its ``name``, ``model``,
 ``role``, ``inputs`` and ``device``; ``runtime_owners_recorded`` says whether the
 folder has an ``owners.json``, ``runtime_owners_not_shown`` why one was not
 used), ``retained_objects``, ``wait_reasons``, ``timing`` and ``decisions``, each
-decision with its ``kind`` and the ``text`` the plain output prints). The command
-itself is :mod:`capturepass.show.cli`.
+decision with its ``kind`` and the ``text`` the plain output prints). A graph whose
+schedule was measured at capture (its folder holds ``schedules.json``,
+:mod:`capturepass.runtime.pick`) has one decision of kind ``pick`` per capture
+shape: every candidate's estimate against its measured time, and the choice. The
+command itself is :mod:`capturepass.show.cli`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
+from capturepass.errors import DumpError
 from capturepass.ir.graph_json import GraphDoc
 from capturepass.runtime import naming
+from capturepass.runtime.pick import PICKS_FILE, PickRecord, load_records
 from capturepass.show.dumps import load_graph_dirs
 from capturepass.show.schedule import duration_us, graph_timing, short_op, timing_line
 
@@ -113,6 +119,47 @@ def capability_decisions(graph: GraphDoc) -> list[dict[str, Any]]:
             for (op, what), names in groups.items()]
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
+    """The measured schedule choices of a graph's folder (``schedules.json``), one per shape:
+    ``kind`` ``pick``, the record's fields (``shape``, ``device``, ``choice``, ``cached``,
+    ``rounds``, ``replays``, ``candidates`` with ``estimate_us`` and ``measured_us``, ``scale``)
+    and its ``text``.
+
+    Raises:
+        DumpError: the file is malformed (naming the entry and field at fault).
+    """
+    path = os.path.join(folder, PICKS_FILE) if folder is not None else PICKS_FILE
+    try:
+        entries = load_records(folder)
+    except (OSError, ValueError) as e:
+        raise DumpError(path, "", f"cannot be read: {e}") from None
+    out = []
+    for k, e in enumerate(entries):
+        for key, kind in (("graph", str), ("shape", str), ("device", str), ("choice", str), ("cached", bool),
+                          ("rounds", int), ("replays", int), ("candidates", list)):
+            if not isinstance(e.get(key), kind):
+                raise DumpError(path, f"picks[{k}].{key}", f"expected {kind.__name__}, got {e.get(key)!r}")
+        for j, c in enumerate(e["candidates"]):
+            where = f"picks[{k}].candidates[{j}]"
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("lanes"), int):
+                raise DumpError(path, where, "expected an object with a name and a lane count")
+            for key in ("estimate_us", "measured_us"):
+                if c.get(key) is not None and not _number(c[key]):
+                    raise DumpError(path, f"{where}.{key}", f"expected a finite number or null, got {c[key]!r}")
+        if e["choice"] not in [c["name"] for c in e["candidates"]]:
+            raise DumpError(path, f"picks[{k}].choice", f"{e['choice']!r} is not one of the candidates")
+        scale = e.get("scale")
+        record = PickRecord(e["graph"], e["shape"], e["device"], e["choice"], e["cached"],
+                            e.get("budget_ms") if _number(e.get("budget_ms")) else 0.0, e["rounds"], e["replays"],
+                            e["candidates"], scale if _number(scale) else None)
+        out.append(dict(record.to_json(), kind="pick", text=f"pick: {record.text()}"))
+    return out
+
+
 def retained_objects(graph: GraphDoc) -> list[dict[str, Any]]:
     """Every object a capture segment keeps alive: its name, kind and type, the owner and segment."""
     by_name = {n["name"]: n for n in graph["nodes"]}
@@ -180,6 +227,7 @@ def summarize_graph(graph: GraphDoc, name: str, folder: str | None = None) -> di
     decisions += lane_decisions(graph)
     decisions += capability_decisions(graph)
     decisions += [{"kind": "pass", "text": f"decision: {d}"} for d in graph.get("decisions", [])]
+    decisions += pick_decisions(folder)
     owners, owners_not_shown = runtime_owners(graph, folder)
     recorded = folder is not None and os.path.isfile(os.path.join(folder, naming.OWNERS_FILE))
     return {

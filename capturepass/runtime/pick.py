@@ -1,0 +1,590 @@
+"""Measured lane choice: the schedule candidates of a shape, timed as captured graphs.
+
+The cost model that assigns lanes prices kernels by a roofline and every cross-lane
+edge by a constant; on a real GPU a schedule it prefers can be slower than one lane
+(a branch too short to pay for its fork and join, kernels that contend for the same
+multiprocessors). So when a CUDA graph is captured for a new shape (option
+``pick="measure"``, the default), :class:`Picker` captures every schedule candidate
+the backend derived (``capturepass.backends.candidates``: the cost model's, one lane,
+fewer lanes, short lanes merged back) into its own owner, replays each a few times
+interleaved (CUDA events around each candidate's segment replays; warm-up rounds
+first, then as many timed rounds as ``pick_budget_ms`` allows, at least one), keeps
+the one with the lowest median (a candidate within :data:`TIE` of the fastest with
+fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes the
+others' owners.
+
+Only the captured segments are timed: breaks run eagerly around them, identical in
+every candidate, and may have effects that must not repeat. Replays write the
+static inputs the graph updates in place (a KV cache, a counter buffer) at their
+own addresses; those are saved before the timed replays and restored after, so
+measuring leaves no visible effect. Candidates other than the cost model's warm up
+on copies of the inputs the graph writes; the cost model's warm-up is the call itself
+(or, for ``capture_sizes``, on copies too), as without measuring.
+
+The choice is kept in a JSON file per key (device name, a hash of the graph before
+lane assignment with the options that change its schedule, the shapes), under
+``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
+torch's cache directory): another process that compiles the same graph captures
+only the chosen candidate. A cache file that cannot be read or written is reported
+once (a warning), and the candidates are measured anyway. A candidate that fails to
+compile or to capture is left out (logged); timing that fails keeps the cost model's
+schedule (a warning); the cost model's own capture failing is the executor's to handle,
+as without measuring (the op becomes a break, and the rebuilt graph's candidates are
+derived again).
+
+Each choice is logged (one INFO line per candidate and one for the choice), added
+to the graph record's decisions, and written to the graph's dump folder
+(:data:`PICKS_FILE`), which ``capturepass show`` reads: every candidate's estimate
+(the cost model's makespan) against its measured median.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from capturepass.ir.options import CACHE_DIR_ENV
+
+log = logging.getLogger("capturepass")
+
+PICKS_FILE = "schedules.json"
+# The first rounds let each candidate reach a steady state (instruction and L2 caches, clocks);
+# the last of them prices a round for the budget.
+WARMUP_ROUNDS = 2
+# Timed rounds at most: medians of more samples than this do not change the choice.
+MAX_ROUNDS = 25
+# A candidate with fewer lanes within this fraction of the fastest median wins.
+TIE = 0.01
+# Bumped when what a cached choice means changes (candidate names, what is timed).
+CACHE_FORMAT = 1
+
+MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
+
+
+class CandidateLike(Protocol):
+    """What the picker needs of a schedule candidate (``backends.candidates.Candidate``)."""
+
+    name: str
+    lanes: int
+    estimate_us: float
+
+    @property
+    def program(self) -> Any:
+        """The candidate's program, compiled on first use."""
+
+
+# -- timing and choice -------------------------------------------------------------------------------
+
+
+def time_rounds(
+    n: int, measure_round: Callable[[Sequence[int]], list[float]], budget_s: float,
+    warmup: int = WARMUP_ROUNDS, max_rounds: int = MAX_ROUNDS,
+) -> tuple[list[list[float]], int]:
+    """Times ``n`` candidates in interleaved rounds within a budget; returns the timed samples
+    per candidate (seconds) and the number of replays run (warm-up included).
+
+    Each round replays every candidate once, in an order rotated from round to round so that
+    no candidate always follows the same one. ``warmup`` rounds run first (not counted in the
+    samples); the last of them prices a round, and as many timed rounds follow as fit in what
+    remains of ``budget_s`` (at least one, at most ``max_rounds``).
+
+    Args:
+        n: how many candidates.
+        measure_round: replays the candidates at the given indices once each, in that order;
+            returns their times in seconds, in that order.
+        budget_s: the replay time the warm-up and timed rounds may take together.
+        warmup: untimed rounds first.
+        max_rounds: timed rounds at most.
+    """
+    spent, last = 0.0, [0.0] * n
+    replays = 0
+    for _ in range(warmup):
+        last = list(measure_round(list(range(n))))
+        spent += sum(last)
+        replays += n
+    round_s = sum(last)
+    rounds = max_rounds if round_s <= 0 else int(max(0.0, budget_s - spent) // round_s)
+    rounds = max(1, min(max_rounds, rounds))
+    samples: list[list[float]] = [[] for _ in range(n)]
+    for r in range(rounds):
+        order = [(i + r) % n for i in range(n)]
+        for i, t in zip(order, measure_round(order)):
+            samples[i].append(t)
+        replays += n
+    return samples, replays
+
+
+def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = TIE) -> int:
+    """The index of the chosen candidate: the fastest median, except that a candidate with fewer
+    lanes within ``tie`` (a fraction) of it wins (fewer lanes, then the faster, then the first).
+
+    Raises:
+        ValueError: no candidate has a median.
+    """
+    valid = [i for i, m in enumerate(medians) if m is not None]
+    if not valid:
+        raise ValueError("no candidate was measured")
+    best = min(medians[i] for i in valid)  # type: ignore[type-var]
+    close = [i for i in valid if medians[i] <= best * (1.0 + tie)]  # type: ignore[operator]
+    return min(close, key=lambda i: (lanes[i], medians[i], i))
+
+
+def replay_round(caps: Sequence[Any], order: Sequence[int]) -> list[float]:
+    """Replays the captured segments of each capture in ``order`` once on the current stream,
+    timed by CUDA events around each; returns seconds (one synchronize per round)."""
+    stream = torch.cuda.current_stream()
+    marks = []
+    for i in order:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        replay_segments(caps[i])
+        end.record(stream)
+        marks.append((start, end))
+    marks[-1][1].synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in marks]
+
+
+def replay_segments(cap: Any) -> None:
+    """Replays the captured segments of one capture (not its breaks, nor its input copies)."""
+    graphs = cap.owner.graphs
+    for p, piece in enumerate(cap.program.pieces):
+        if p in cap.seg_out and p not in cap.uncaptured:
+            graphs[piece.segment].replay()
+
+
+# -- the record of one choice ------------------------------------------------------------------------
+
+
+def _us(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+@dataclasses.dataclass
+class PickRecord:
+    """One shape's choice: every candidate's estimate and measured median, and the choice.
+
+    Attributes:
+        graph: the graph's kind (``"inference"``, ``"forward"``).
+        shape: the shapes of the call (:func:`shape_text`).
+        device: the CUDA device's name.
+        choice: the chosen candidate's name.
+        cached: the choice was read from the cache (nothing was measured).
+        budget_ms: the measuring budget.
+        rounds: timed rounds per candidate.
+        replays: replays run in all (warm-up rounds included).
+        candidates: per candidate, ``name``, ``lanes``, ``estimate_us`` (the cost model's
+            makespan) and ``measured_us`` (the median; ``None`` when it was not measured),
+            and ``note`` (why not, if it was not).
+        scale: the one-lane candidate's measured time over its estimate (how far the cost
+            model's absolute times are off on this device), or ``None``.
+    """
+
+    graph: str
+    shape: str
+    device: str
+    choice: str
+    cached: bool
+    budget_ms: float
+    rounds: int
+    replays: int
+    candidates: list[dict[str, Any]]
+    scale: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the entry of :data:`PICKS_FILE` and the cache)."""
+        return dataclasses.asdict(self)
+
+    def text(self) -> str:
+        """The one-line decision the graph record and ``show`` print."""
+        chosen = next(c for c in self.candidates if c["name"] == self.choice)
+        head = f"schedule for {self.shape} on {self.device}: {self.choice} ({chosen['lanes']} lane(s))"
+        if self.cached:
+            head += f", cached choice (measured {chosen['measured_us']} us in an earlier process)"
+        else:
+            head += f", measured fastest ({self.rounds} round(s), {self.replays} replays)"
+        parts = []
+        for c in self.candidates:
+            if c["measured_us"] is None:
+                parts.append(f"{c['name']} {c['lanes']} lane(s): estimate {c['estimate_us']} us, "
+                             f"not measured ({c.get('note') or 'cached choice'})")
+            else:
+                parts.append(f"{c['name']} {c['lanes']} lane(s): estimate {c['estimate_us']} us, "
+                             f"measured {c['measured_us']} us")
+        line = head + "; " + "; ".join(parts)
+        if self.scale is not None:
+            line += f"; cost model scale (one lane, measured/estimate) {self.scale:.2f}"
+        return line
+
+
+def append_record(dump_dir: str | None, record: PickRecord) -> None:
+    """Adds ``record`` to the graph's :data:`PICKS_FILE` in ``dump_dir`` (one entry per shape)."""
+    if dump_dir is None:
+        return
+    path = os.path.join(dump_dir, PICKS_FILE)
+    try:
+        entries = load_records(dump_dir)
+    except (OSError, ValueError):
+        entries = []
+    entries.append(record.to_json())
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"picks": entries}, f, indent=1)
+    except OSError as e:
+        _warn_once(f"dump:{path}", "capturepass: could not write %s: %s", path, e)
+
+
+def load_records(folder: str | None) -> list[dict[str, Any]]:
+    """The entries of ``folder``'s :data:`PICKS_FILE` (``[]`` when there is none).
+
+    Raises:
+        ValueError: the file is not a ``{"picks": [...]}`` document.
+    """
+    if folder is None:
+        return []
+    path = os.path.join(folder, PICKS_FILE)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("picks"), list):
+        raise ValueError(f"{path}: expected an object with a list 'picks'")
+    return [e for e in doc["picks"] if isinstance(e, dict)]
+
+
+# -- the cache ---------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> str:
+    """``CAPTUREPASS_CACHE_DIR``, else ``capturepass/schedules`` under torch's cache directory
+    (Inductor's, where its compiled kernels live), else under ``~/.cache``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return env
+    base = None
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        base = cache_dir()
+    except Exception:  # noqa: BLE001 - a torch without it, or a cache dir it cannot make
+        base = None
+    if not base:
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "capturepass", "schedules")
+
+
+class ScheduleCache:
+    """Measured choices on disk, one JSON file per key, written atomically.
+
+    Args:
+        directory: the folder (made when the first choice is written).
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+
+    @staticmethod
+    def key(device: str, graph: str, shape: str) -> str:
+        """The key of one choice: a digest of the device name, the graph's hash and the shapes."""
+        text = json.dumps([CACHE_FORMAT, device, graph, shape])
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def path(self, key: str) -> str:
+        """The file of ``key``."""
+        return os.path.join(self.directory, f"{key}.json")
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The cached entry of ``key``, or ``None`` (none, or unreadable: warned once)."""
+        path = self.path(key)
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # no entry (a folder that cannot be made is reported when a choice is written)
+        except (OSError, ValueError) as e:
+            _warn_once(f"read:{path}", "capturepass: the schedule cache file %s cannot be read (%s: %s); "
+                       "measuring the candidates again", path, type(e).__name__, e)
+            return None
+        if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT or entry.get("key") != key \
+                or not isinstance(entry.get("choice"), str) or not isinstance(entry.get("record"), dict):
+            _warn_once(f"read:{path}", "capturepass: the schedule cache file %s is not a cached choice; "
+                       "measuring the candidates again", path)
+            return None
+        return entry
+
+    def put(self, key: str, record: PickRecord) -> None:
+        """Writes the choice of ``key`` (a failure is warned once; the choice still holds here)."""
+        path = self.path(key)
+        entry = {"format": CACHE_FORMAT, "key": key, "choice": record.choice, "record": record.to_json()}
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(entry, f, indent=1)
+            os.replace(tmp, path)  # another process reads the old file or the new, never half of one
+        except OSError as e:
+            _warn_once(f"write:{self.directory}", "capturepass: cannot write the schedule cache in %s (%s); "
+                       "the choice is not kept for other processes", self.directory, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# -- the picker --------------------------------------------------------------------------------------
+
+
+def shape_text(args: Sequence[Any]) -> str:
+    """The shapes, strides and dtypes of a call's arguments (scalars by value), as one string."""
+    parts = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dtype = str(a.dtype).replace("torch.", "")
+            parts.append(f"{dtype}{list(a.shape)}{'' if a.is_contiguous() else tuple(a.stride())}")
+        elif isinstance(a, (int, float, bool)):
+            parts.append(repr(a))
+        else:
+            parts.append(type(a).__name__)
+    return "(" + ", ".join(parts) + ")"
+
+
+def device_name(device: torch.device | None) -> str:
+    """The name of a CUDA device and its compute capability (the cache's device key)."""
+    if device is None or device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
+
+
+class Picker:
+    """Chooses among the schedule candidates of one graph, per capture shape.
+
+    Args:
+        graph: the graph's kind (for messages).
+        candidates: the candidates, the cost model's first (its program compiled).
+        graph_key: a stable hash of the graph before lane assignment and of the options
+            that change its schedule (the cache key's graph part).
+        budget_ms: the replay time measuring one shape may take.
+        cache: where choices are kept (``None``: nowhere).
+        on_pick: called with each shape's :class:`PickRecord` (the backend adds it to the
+            graph record and the dump folder).
+        measure_round: replays captures and times them (:func:`replay_round`; tests pass a
+            fake with the same signature).
+        device_name: names the device for the cache key (:func:`device_name`; tests pass a fake).
+
+    Attributes:
+        renew: given the program a rebuild made (a capture failed on an op, now a break), the
+            picker of that program's candidates, or ``None`` (set by the backend).
+        records: the choices made so far, one per shape.
+    """
+
+    def __init__(
+        self, graph: str, candidates: Sequence[CandidateLike], graph_key: str, budget_ms: float,
+        cache: ScheduleCache | None = None, on_pick: Callable[[PickRecord], None] | None = None,
+        measure_round: MeasureRound = replay_round,
+        device_name: Callable[[torch.device | None], str] = device_name,
+    ) -> None:
+        self.graph = graph
+        self.candidates = list(candidates)
+        self.graph_key = graph_key
+        self.budget_ms = float(budget_ms)
+        self.cache = cache
+        self.on_pick = on_pick
+        self.measure_round = measure_round
+        self.device_name = device_name
+        self.records: list[PickRecord] = []
+        self.renew: Callable[[Any], Picker | None] | None = None
+
+    def for_program(self, program: Any) -> "Picker | None":
+        """The picker of ``program``: this one while it is the cost model's program of these
+        candidates; after a rebuild (a capture failed on an op, now a break) one of the rebuilt
+        graph's candidates, or ``None`` when there is none (logged)."""
+        if program is self.candidates[0].program:
+            return self
+        renewed = self.renew(program) if self.renew is not None else None
+        if renewed is None:
+            log.info("capturepass: %s graph was rebuilt with a break and has no schedule candidates to measure; "
+                     "new shapes run the cost model's schedule", self.graph)
+        else:
+            log.info("capturepass: %s graph was rebuilt with a break; its schedule candidates were derived again",
+                     self.graph)
+        return renewed
+
+    def capture(
+        self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor] = (),
+        device: torch.device | None = None,
+    ) -> tuple[Any, Any]:
+        """Captures the chosen candidate for the shapes of ``args``; returns ``(capture, outputs)``.
+
+        The choice comes from the cache, or from capturing and timing every candidate.
+
+        Args:
+            executor: captures a program without keeping it (``_capture_program(program, args,
+                real, candidate)`` returns a capture whose ``owner`` it closes to release it, and the
+                warm-up's outputs; ``candidate`` is ``None`` for the cost model's, else the
+                candidate's name, which its owner's name bears).
+            args: the call's arguments.
+            real: the cost model's warm-up is the call (its outputs are the call's results).
+            protect: tensors the timed replays write in place at the caller's addresses; restored.
+            device: the CUDA device (the cache key's device part).
+
+        Raises:
+            CaptureFailure: the cost model's candidate failed to capture (the executor makes the
+                op a break, as without measuring).
+        """
+        shape = shape_text(args)
+        dev = self.device_name(device)
+        key = ScheduleCache.key(dev, self.graph_key, shape)
+        names = [c.name for c in self.candidates]
+        entry = self.cache.get(key) if self.cache is not None else None
+        if entry is not None and entry["choice"] not in names:
+            log.info("capturepass: %s graph: the cached schedule %r is not a candidate here; measuring again",
+                     self.graph, entry["choice"])
+            entry = None
+        if entry is not None:
+            return self._cached(executor, args, real, protect, entry, shape, dev, key)
+        return self._measure(executor, args, real, protect, shape, dev, key)
+
+    def _cached(self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor],
+                entry: dict[str, Any], shape: str, dev: str, key: str) -> tuple[Any, Any]:
+        from capturepass.runtime.replay import CaptureFailure
+
+        index = [c.name for c in self.candidates].index(entry["choice"])
+        cand = self.candidates[index]
+        try:
+            program = cand.program
+        except Exception as e:  # noqa: BLE001 - the inner compiler failed on it here: measure the others
+            log.warning("capturepass: %s graph: the cached schedule %s failed to compile (%s: %s); measuring again",
+                        self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return self._measure(executor, args, real, protect, shape, dev, key)
+        try:
+            cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name)
+        except CaptureFailure as first:
+            if index == 0:
+                raise  # the cost model's program: the executor makes the op a break
+            log.info("capturepass: %s graph: the cached schedule %s failed to capture (%s); measuring again",
+                     self.graph, cand.name, first)
+            # Its warm-up was the call (when real): the others warm up on copies, and the call's
+            # results are that warm-up's.
+            try:
+                cap, _ = self._measure(executor, args, False, protect, shape, dev, key)
+            except CaptureFailure as failure:
+                failure.outputs = first.outputs
+                raise
+            return cap, first.outputs
+        measured = {c.get("name"): c.get("measured_us") for c in entry["record"].get("candidates", [])
+                    if isinstance(c, dict)}
+        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us),
+                  "measured_us": measured.get(c.name) if isinstance(measured.get(c.name), (int, float)) else None,
+                  "note": None} for c in self.candidates]
+        record = PickRecord(self.graph, shape, dev, cand.name, True, self.budget_ms, 0, 0, cands,
+                            entry["record"].get("scale") if isinstance(entry["record"].get("scale"), float) else None)
+        log.info("capturepass: %s graph, shape %s: schedule %s (%d lane(s)) from the schedule cache; nothing measured",
+                 self.graph, shape, cand.name, cand.lanes)
+        self._done(record)
+        return cap, out
+
+    def _measure(self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor],
+                 shape: str, dev: str, key: str) -> tuple[Any, Any]:
+        from capturepass.runtime.replay import CaptureFailure
+
+        caps: list[Any] = []
+        kept: list[int] = []
+        notes: dict[int, str] = {}
+        # The cost model's candidate first: its warm-up is the call, and its failure is the executor's.
+        cap, out = executor._capture_program(self.candidates[0].program, args, real, None)
+        caps.append(cap)
+        kept.append(0)
+        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        failed: Exception | None = None
+        try:
+            for i, cand in enumerate(self.candidates[1:], start=1):
+                try:
+                    program = cand.program
+                except Exception as e:  # noqa: BLE001 - a candidate the inner compiler fails on is left out
+                    notes[i] = f"compile failed: {type(e).__name__}"
+                    log.warning("capturepass: %s graph: schedule candidate %s failed to compile (%s: %s); "
+                                "not measured", self.graph, cand.name, type(e).__name__,
+                                str(e).splitlines()[0] if str(e) else "")
+                    continue
+                try:
+                    c, _ = executor._capture_program(program, args, False, cand.name)
+                except CaptureFailure as e:
+                    notes[i] = f"capture failed: {type(e.error).__name__}"
+                    log.info("capturepass: %s graph: schedule candidate %s failed to capture (%s); not measured",
+                             self.graph, cand.name, e)
+                    continue
+                caps.append(c)
+                kept.append(i)
+            saved = [(t, t.clone()) for t in protect]
+            try:
+                samples, replays = time_rounds(
+                    len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3
+                )
+            except Exception as e:  # noqa: BLE001 - the call must not fail for want of a measurement
+                failed = e
+        except BaseException:
+            for c in caps:
+                c.owner.close()
+            raise
+        finally:
+            for t, copy in saved:
+                t.copy_(copy)
+        if failed is not None:
+            log.warning("capturepass: %s graph, shape %s: timing the schedule candidates failed (%s: %s); keeping "
+                        "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)
+            for c in caps[1:]:
+                c.owner.close()
+            return caps[0], out
+        medians: list[float | None] = [None] * len(self.candidates)
+        for j, i in enumerate(kept):
+            medians[i] = statistics.median(samples[j]) * 1e6
+        lanes = [c.lanes for c in self.candidates]
+        chosen = choose(medians, lanes)
+        for j, i in enumerate(kept):
+            if i != chosen:
+                caps[j].owner.close()
+        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us), "measured_us": _us(medians[i]),
+                  "note": notes.get(i)} for i, c in enumerate(self.candidates)]
+        one = next((i for i, c in enumerate(self.candidates) if c.lanes == 1 and medians[i] is not None), None)
+        scale = None
+        if one is not None and self.candidates[one].estimate_us > 0:
+            scale = round(medians[one] / self.candidates[one].estimate_us, 4)  # type: ignore[operator]
+        rounds = len(samples[0])
+        record = PickRecord(self.graph, shape, dev, self.candidates[chosen].name, False, self.budget_ms, rounds,
+                            replays, cands, scale)
+        for c in cands:
+            log.info("capturepass: %s graph, shape %s: schedule candidate %s (%d lane(s)): estimate %s us, %s",
+                     self.graph, shape, c["name"], c["lanes"], c["estimate_us"],
+                     f"measured {c['measured_us']} us" if c["measured_us"] is not None else f"not measured ({c['note']})")
+        log.info("capturepass: %s graph, shape %s: chose schedule %s (%d lane(s)), measured %s us over %d round(s)",
+                 self.graph, shape, record.choice, self.candidates[chosen].lanes, _us(medians[chosen]), rounds)
+        if self.cache is not None:
+            self.cache.put(key, record)
+        self._done(record)
+        return caps[kept.index(chosen)], out
+
+    def _done(self, record: PickRecord) -> None:
+        self.records.append(record)
+        if self.on_pick is not None:
+            self.on_pick(record)

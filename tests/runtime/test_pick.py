@@ -1,0 +1,546 @@
+"""Measured lane choice on the CPU: candidates, the choice, the budget, the cache, the dump and ``show``.
+
+Nothing is captured on the CPU, so the picker runs here with a fake executor (its
+captures are records of which program was captured) and an injected timer (each
+candidate's replay takes a fixed time): every count below is exact. The GPU path
+is ``tests/runtime/test_pick_gpu.py``.
+
+Candidate counts, derived by hand from the cost model (a nominal H200; every kernel
+at least the 2 us launch floor):
+
+- the showcase MoE block at its CPU size: the scheduler uses 3 lanes (busy 8, 18 and
+  8 us); no lane is below 20% of the busiest (3.6 us), so there is no merged variant:
+  ``model`` (3 lanes), ``one_lane``, ``aux1`` (2 lanes);
+- a chain of four 2048-wide matmuls with a one-matmul branch and a 2-kernel branch:
+  3 lanes busy 141.5, 51.9 and 4.0 us; the 4 us lane is below 20% of 141.5 us, so
+  ``merged`` exists and differs from ``aux1`` (which reschedules both branches on
+  one lane): 4 candidates;
+- the chain with only the tiny branch: 2 lanes; merging its short lane is one lane,
+  the same assignment as ``one_lane``: 2 candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from capturepass.backends import candidates
+from capturepass.backends import dynamo
+from capturepass.backends.compile import compile_graph, compile_regions
+from capturepass.errors import DumpError, OptionError
+from capturepass.ir import meta
+from capturepass.ir.options import Options
+from capturepass.runtime import pick
+from capturepass.runtime.pick import PickRecord, Picker, ScheduleCache
+from capturepass.show import cli
+from capturepass.show import summary as show_summary
+from capturepass.testing.models import MoEBlock
+from tests.helpers import aten_graph
+
+N = 2048
+
+
+def _chain(x, w, v):
+    a = torch.relu(x @ w)
+    a = torch.relu(a @ w)
+    a = torch.relu(a @ w)
+    a = torch.relu(a @ w)
+    b = torch.tanh((x @ v) @ v.t())  # a branch of two matmuls
+    c = torch.sigmoid(x[:, :4]).sum()  # a tiny branch
+    return a + b + c
+
+
+def _chain_tiny(x, w):
+    a = torch.relu(x @ w)
+    a = torch.relu(a @ w)
+    a = torch.relu(a @ w)
+    c = torch.sigmoid(x[:, :4]).sum()
+    return a + c
+
+
+def _moe():
+    torch.manual_seed(0)
+    model = MoEBlock()
+    params = dict(model.named_parameters())
+
+    def f(x, *ps):
+        return torch.func.functional_call(model, dict(zip(params, ps)), (x,))
+
+    return f, (torch.randn(16, 64), *params.values())
+
+
+def _compile(fn, inputs, **options):
+    """What the backend does for a captured CUDA graph, on the CPU: the cost model's graph compiled,
+    the candidates derived from a pristine copy (eager regions, the per-lane regions a GPU runs)."""
+    gm = aten_graph(fn, *inputs)
+    pristine = dynamo._pristine_copy(gm)
+    opts = Options.from_mapping({"inner": "eager", "regions": "lanes", "verify": True, **options})
+    examples = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = compile_graph(gm, examples, opts, record=False)
+
+    def plan_with(overrides):
+        new = compile_graph(dynamo._pristine_copy(pristine), examples, dataclasses.replace(opts, **overrides),
+                            regions=False, record=False, log_decisions=False)
+        return new.graph, new.plan
+
+    return compiled, pristine, opts, plan_with
+
+
+def _derive(fn, inputs, **options):
+    compiled, _, opts, plan_with = _compile(fn, inputs, **options)
+    return candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_regions)
+
+
+def _summary(cands):
+    return [(c.name, c.lanes, c.compiled) for c in cands]
+
+
+# -- candidates -------------------------------------------------------------------------------------
+
+
+def test_moe_block_has_three_candidates_compiled_lazily():
+    cands = _derive(*_moe())
+    assert _summary(cands) == [("model", 3, True), ("one_lane", 1, False), ("aux1", 2, False)]
+    assert [c.overrides for c in cands] == [{}, {"policy": "off", "max_aux_lanes": 0}, {"max_aux_lanes": 1}]
+    assert [round(c.estimate_us, 2) for c in cands] == [20.09, 34.0, 22.03]
+    program = cands[1].program  # compiled on first use, once
+    assert cands[1].compiled and cands[1].program is program
+    assert len(program.info.lanes) == 1
+
+
+def test_chain_with_short_branch_gets_a_merged_candidate():
+    w = torch.randn(N, N)
+    cands = _derive(_chain, (torch.randn(N, N), w, torch.randn(N, N)))
+    assert _summary(cands) == [("model", 3, True), ("one_lane", 1, False), ("aux1", 2, False), ("merged", 2, False)]
+    merged = cands[3]
+    assert merged.overrides == {"merge_lanes_below_us": 28.302526}
+    decisions = meta.graph_info(merged.graph).decisions
+    assert any(d.startswith("lane aux1: estimated busy 4.0 us < merge_lanes_below_us=28.3025: merged back") for d in
+               decisions), decisions
+    assert {n.name for n in merged.graph.graph.nodes if meta.effect_of(n) is meta.Effect.COMPUTE
+            and n.name in ("sigmoid", "sum_1")} == {"sigmoid", "sum_1"}
+    assert all(meta.lane_of(n).index == 0 for n in merged.graph.graph.nodes if n.name in ("sigmoid", "sum_1"))
+
+
+def test_identical_assignments_are_one_candidate():
+    """Merging the only (short) aux lane gives one lane: the same schedule as ``one_lane``."""
+    compiled, _, opts, _ = _compile(_chain_tiny, (torch.randn(N, N), torch.randn(N, N)))
+    assert [name for name, _ in candidates.variants(compiled.graph, opts)] == ["one_lane", "merged"]
+    cands = _derive(_chain_tiny, (torch.randn(N, N), torch.randn(N, N)))
+    assert _summary(cands) == [("model", 2, True), ("one_lane", 1, False)]
+
+
+def test_one_lane_graph_has_no_alternative():
+    cands = _derive(*_moe(), policy="off")
+    assert _summary(cands) == [("model", 1, True)]
+
+
+def test_graph_key_is_stable_and_changes_with_graph_and_options():
+    f, inputs = _moe()
+    a, pa, oa, _ = _compile(f, inputs)
+    b, pb, ob, _ = _compile(f, inputs)
+    names = [candidates.Candidate(n, {}, 1, 0.0, None, None) for n in ("model", "one_lane")]
+    assert candidates.graph_key(pa, oa, names) == candidates.graph_key(pb, ob, names)
+    assert candidates.graph_key(pa, oa, names, breaks=["mm"]) != candidates.graph_key(pa, oa, names)
+    _, pc, oc, _ = _compile(f, inputs, max_aux_lanes=1)
+    assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pc, oc, names)
+    _, pd, od, _ = _compile(_chain_tiny, (torch.randn(8, 8), torch.randn(8, 8)))
+    assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pd, od, names)
+
+
+# -- the choice and the budget ----------------------------------------------------------------------
+
+
+def test_fastest_median_wins_and_ties_go_to_fewer_lanes():
+    assert pick.choose([100.0, 80.0, 90.0], [3, 1, 2]) == 1
+    assert pick.choose([80.0, 100.0, 90.0], [3, 1, 2]) == 0
+    assert pick.choose([100.0, 100.0], [3, 1]) == 1  # a tie: fewer lanes
+    assert pick.choose([99.5, 100.0], [3, 1]) == 1  # within 1%: fewer lanes
+    assert pick.choose([98.0, 100.0], [3, 1]) == 0  # 2% faster: the lanes pay
+    assert pick.choose([None, 120.0, 110.0], [3, 1, 2]) == 2  # not measured: left out
+    with pytest.raises(ValueError):
+        pick.choose([None], [1])
+
+
+@pytest.mark.parametrize("budget_ms, rounds", [(2.0, 6), (0.0, 1), (1000.0, pick.MAX_ROUNDS)])
+def test_budget_bounds_the_timed_replays(budget_ms, rounds):
+    times = [100e-6, 50e-6, 80e-6]  # a round: 230 us; two warm-up rounds: 460 us
+    calls = []
+
+    def measure(order):
+        calls.append(list(order))
+        return [times[i] for i in order]
+
+    samples, replays = pick.time_rounds(3, measure, budget_ms / 1e3)
+    assert [len(s) for s in samples] == [rounds] * 3
+    assert replays == 3 * (pick.WARMUP_ROUNDS + rounds) == sum(len(c) for c in calls)
+    assert calls[:2] == [[0, 1, 2], [0, 1, 2]]
+    assert calls[2:5] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]][: len(calls) - 2]  # rotated: interleaved fairly
+    if budget_ms:
+        assert sum(sum(times[i] for i in c) for c in calls) <= budget_ms / 1e3
+
+
+# -- the picker with a fake executor and timer ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Cand:
+    name: str
+    lanes: int
+    estimate_us: float
+    program: object = dataclasses.field(default_factory=object)
+
+
+class _Owner:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _Cap:
+    def __init__(self, program):
+        self.program, self.owner = program, _Owner()
+
+
+class _Executor:
+    def __init__(self):
+        self.captured = []
+        self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
+
+    def _capture_program(self, program, args, real, candidate):
+        self.captured.append((program, real))
+        self.names.append(candidate)
+        return _Cap(program), ("warm-up of", program)
+
+
+class _Timer:
+    """Each candidate's replay takes a fixed time (microseconds, by candidate name)."""
+
+    def __init__(self, us, names, written=None):
+        self.us, self.names, self.written, self.replays = us, names, written, 0
+
+    def __call__(self, caps, order):
+        self.replays += len(order)
+        if self.written is not None:
+            self.written.add_(1.0)  # a replay writes a static input in place
+        return [self.us[self.names[id(caps[i].program)]] / 1e6 for i in order]
+
+
+def _picker(tmp_path, us, budget_ms=2.0, device="FakeGPU sm90", graph="g0", cands=None, written=None, **kw):
+    cands = cands or [_Cand("model", 3, 20.0), _Cand("one_lane", 1, 34.0), _Cand("aux1", 2, 22.0)]
+    timer = _Timer(us, {id(c.program): c.name for c in cands if c.name in us}, written)
+    picked = []
+    p = Picker("inference", cands, graph, budget_ms, ScheduleCache(tmp_path / "cache"), picked.append,
+               measure_round=timer, device_name=lambda d: device, **kw)
+    return p, timer, picked, cands
+
+
+def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, caplog):
+    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    ex = _Executor()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, out = p.capture(ex, [x], real=True)
+    # The cost model's candidate warms up on the call itself; the others on copies.
+    assert [(c.name, real) for c in cands for prog, real in ex.captured if prog is c.program] == [
+        ("model", True), ("one_lane", False), ("aux1", False)]
+    assert ex.names == [None, "one_lane", "aux1"]  # owners: g.m.c0, g.m.c0.one_lane, g.m.c0.aux1
+    assert cap.program is cands[1].program and not cap.owner.closed
+    assert out == ("warm-up of", cands[0].program)  # the call's results: the model's warm-up
+    # 240 us a round, 480 us warm-up, 1520 // 240 = 6 timed rounds.
+    assert timer.replays == 3 * (2 + 6)
+    (record,) = picked
+    assert record.to_json() == {
+        "graph": "inference", "shape": "(float32[4, 8])", "device": "FakeGPU sm90", "choice": "one_lane",
+        "cached": False, "budget_ms": 2.0, "rounds": 6, "replays": 24, "scale": 1.7647,
+        "candidates": [
+            {"name": "model", "lanes": 3, "estimate_us": 20.0, "measured_us": 100.0, "note": None},
+            {"name": "one_lane", "lanes": 1, "estimate_us": 34.0, "measured_us": 60.0, "note": None},
+            {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": 80.0, "note": None},
+        ]}
+    assert record.text() == (
+        "schedule for (float32[4, 8]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest (6 round(s), 24 "
+        "replays); model 3 lane(s): estimate 20.0 us, measured 100.0 us; one_lane 1 lane(s): estimate 34.0 us, "
+        "measured 60.0 us; aux1 2 lane(s): estimate 22.0 us, measured 80.0 us; cost model scale (one lane, "
+        "measured/estimate) 1.76")
+    lines = [r.getMessage() for r in caplog.records if "schedule" in r.getMessage()]
+    assert lines == [
+        "capturepass: inference graph, shape (float32[4, 8]): schedule candidate model (3 lane(s)): estimate 20.0 us, "
+        "measured 100.0 us",
+        "capturepass: inference graph, shape (float32[4, 8]): schedule candidate one_lane (1 lane(s)): estimate "
+        "34.0 us, measured 60.0 us",
+        "capturepass: inference graph, shape (float32[4, 8]): schedule candidate aux1 (2 lane(s)): estimate 22.0 us, "
+        "measured 80.0 us",
+        "capturepass: inference graph, shape (float32[4, 8]): chose schedule one_lane (1 lane(s)), measured 60.0 us "
+        "over 6 round(s)",
+    ]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "schedule" in r.getMessage())
+
+
+def test_tie_keeps_fewer_lanes(tmp_path):
+    p, _, picked, _ = _picker(tmp_path, {"model": 60.0, "one_lane": 60.0, "aux1": 60.0})
+    p.capture(_Executor(), [torch.randn(2)], real=True)
+    assert picked[0].choice == "one_lane"
+
+
+def test_timed_replays_leave_written_static_inputs_as_they_were(tmp_path):
+    cache = torch.arange(4.0)
+    p, timer, _, _ = _picker(tmp_path, {"model": 10.0, "one_lane": 20.0, "aux1": 30.0}, written=cache)
+    p.capture(_Executor(), [torch.randn(2), cache], real=True, protect=[cache])
+    assert timer.replays == 3 * (2 + 25)  # 120 us of 2 ms: the round cap
+    assert torch.equal(cache, torch.arange(4.0))
+
+
+def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, caplog):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, _, _ = _picker(tmp_path, us)
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    (path,) = (tmp_path / "cache").iterdir()
+    entry = json.loads(path.read_text())
+    assert (entry["format"], entry["choice"]) == (pick.CACHE_FORMAT, "aux1")
+    # A fresh picker (another process): nothing measured, only the chosen candidate captured.
+    fresh, timer, picked, cands = _picker(tmp_path, us)
+    ex = _Executor()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
+    assert timer.replays == 0
+    assert ex.captured == [(cands[2].program, True)] and cap.program is cands[2].program
+    assert ex.names == ["aux1"]
+    assert out == ("warm-up of", cands[2].program)
+    (record,) = picked
+    assert (record.cached, record.choice, record.rounds, record.replays) == (True, "aux1", 0, 0)
+    assert [c["measured_us"] for c in record.candidates] == [100.0, 120.0, 70.0]
+    assert record.text().startswith("schedule for (float32[4, 8]) on FakeGPU sm90: aux1 (2 lane(s)), cached choice "
+                                    "(measured 70.0 us in an earlier process); ")
+    assert ("capturepass: inference graph, shape (float32[4, 8]): schedule aux1 (2 lane(s)) from the schedule cache; "
+            "nothing measured") in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("change", ["device", "shape", "graph"])
+def test_cache_key_includes_device_shape_and_graph(tmp_path, change):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, _, _ = _picker(tmp_path, us)
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    kw = {"device": "OtherGPU sm80"} if change == "device" else {"graph": "g1"} if change == "graph" else {}
+    fresh, timer, picked, _ = _picker(tmp_path, us, **kw)
+    fresh.capture(_Executor(), [torch.randn(4, 9) if change == "shape" else torch.randn(4, 8)], real=True)
+    assert timer.replays == 18 and not picked[0].cached
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 999, "choice": "aux1"}), "[]"])
+def test_corrupt_cache_warns_once_and_measures(tmp_path, caplog, content):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, _, _ = _picker(tmp_path, us)
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    (path,) = (tmp_path / "cache").iterdir()
+    path.write_text(content)
+    pick._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        for _ in range(2):
+            path.write_text(content)
+            fresh, timer, picked, _ = _picker(tmp_path, us)
+            fresh.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            assert timer.replays == 18 and picked[0].choice == "aux1" and not picked[0].cached
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"capturepass: the schedule cache file {path}")
+    assert warnings[0].endswith("measuring the candidates again")
+
+
+def test_unwritable_cache_warns_once_and_still_chooses(tmp_path, caplog):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache folder would be")
+    pick._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        for _ in range(2):
+            p, timer, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 120.0, "aux1": 70.0})
+            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            assert picked[0].choice == "aux1" and timer.replays == 18
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cannot write the schedule cache in" in warnings[0]
+
+
+def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
+    class Broken:
+        name, lanes, estimate_us = "aux1", 2, 22.0
+
+        @property
+        def program(self):
+            raise RuntimeError("inductor said no")
+
+    cands = [_Cand("model", 3, 20.0), _Cand("one_lane", 1, 34.0)]
+    p, timer, picked, _ = _picker(tmp_path, {"model": 50.0, "one_lane": 60.0}, cands=[*cands, Broken()])
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        p.capture(_Executor(), [torch.randn(2)], real=True)
+    assert picked[0].choice == "model"
+    assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
+                                       "note": "compile failed: RuntimeError"}
+    assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
+
+
+class _FailFirst(_Executor):
+    """Its first capture of ``program`` fails, as a capture of an op that calls ``.tolist()`` does."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.failing = program
+
+    def _capture_program(self, program, args, real, candidate):
+        from capturepass.runtime.replay import CaptureFailure
+
+        if program is self.failing:
+            self.failing = None
+            self.captured.append((program, real))
+            raise CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
+        return super()._capture_program(program, args, real, candidate)
+
+
+def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, _, _ = _picker(tmp_path, us)
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    fresh, timer, picked, cands = _picker(tmp_path, us)
+    ex = _FailFirst(cands[2].program)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
+    # The failed warm-up was the call; everything after it warms up on copies.
+    assert [(c.name, real) for prog, real in ex.captured for c in cands if c.program is prog] == [
+        ("aux1", True), ("model", False), ("one_lane", False), ("aux1", False)]
+    assert out == ("failed warm-up of", cands[2].program)
+    assert timer.replays == 18 and picked[0].choice == "aux1" and not picked[0].cached
+    assert any("the cached schedule aux1 failed to capture" in r.getMessage() for r in caplog.records)
+
+
+def test_timing_that_fails_keeps_the_cost_models_schedule(tmp_path, caplog):
+    p, _, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+
+    def broken(caps, order):
+        broken.caps = caps
+        raise RuntimeError("no timer today")
+
+    p.measure_round = broken
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        cap, out = p.capture(_Executor(), [torch.randn(2)], real=True)
+    assert cap.program is cands[0].program and not cap.owner.closed and out == ("warm-up of", cands[0].program)
+    assert [c.owner.closed for c in broken.caps] == [False, True, True]
+    assert picked == [] and not (tmp_path / "cache").exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        "capturepass: inference graph, shape (float32[2]): timing the schedule candidates failed (RuntimeError: no "
+        "timer today); keeping the cost model's schedule (not cached)"]
+
+
+def test_cost_model_candidate_that_fails_to_capture_is_the_executors(tmp_path):
+    from capturepass.runtime.replay import CaptureFailure
+
+    p, timer, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    with pytest.raises(CaptureFailure):
+        p.capture(_FailFirst(cands[0].program), [torch.randn(2)], real=True)
+    assert timer.replays == 0 and picked == []
+
+
+def test_a_rebuilt_program_gets_the_renewed_picker(tmp_path, caplog):
+    p, _, _, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    assert p.for_program(cands[0].program) is p
+    other, _, _, rebuilt = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    p.renew = lambda program: other if program is rebuilt[0].program else None
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert p.for_program(rebuilt[0].program) is other
+        assert p.for_program(object()) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "capturepass: inference graph was rebuilt with a break; its schedule candidates were derived again",
+        "capturepass: inference graph was rebuilt with a break and has no schedule candidates to measure; new "
+        "shapes run the cost model's schedule",
+    ]
+
+
+# -- the option, the backend's wiring, the dump and show ---------------------------------------------
+
+
+def test_pick_option_is_validated():
+    assert Options().pick == "measure" and Options().pick_budget_ms == 200.0
+    assert Options.from_mapping({"pick": "model"}).pick == "model"
+    with pytest.raises(OptionError, match=r"option 'pick' must be one of 'measure', 'model'; got 'modle' "
+                                          r"\(did you mean 'model'\?\)"):
+        Options.from_mapping({"pick": "modle"})
+    with pytest.raises(OptionError, match="option 'pick_budget_ms' must be a finite non-negative number, got -1"):
+        Options.from_mapping({"pick_budget_ms": -1})
+    with pytest.raises(OptionError, match="option 'pick_cache_dir' must be a directory path or None, got ''"):
+        Options.from_mapping({"pick_cache_dir": ""})
+    # Which schedule runs is no part of what a pass compiles; the backward graph measures nothing.
+    assert Options(pick="model").key() == Options().key() == Options(pick_budget_ms=5).key()
+    assert Options().for_graph("backward", True).pick == "model"
+
+
+def test_the_backend_measures_only_captured_cuda_graphs_with_pick_measure(tmp_path):
+    compiled, pristine, opts, plan_with = _compile(*_moe())
+    graph_opts = opts.for_graph("inference", True)
+    assert dynamo._picker("inference", compiled, pristine, dataclasses.replace(graph_opts, pick="model"),
+                          plan_with, None, None, on_cuda=True) is None
+    assert dynamo._picker("inference", compiled, pristine, graph_opts, plan_with, None, None, on_cuda=False) is None
+    assert dynamo._picker("inference", compiled, pristine, dataclasses.replace(graph_opts, cudagraphs="none"),
+                          plan_with, None, None, on_cuda=True) is None
+    p = dynamo._picker("inference", compiled, pristine, graph_opts, plan_with, None, None, on_cuda=True)
+    assert [c.name for c in p.candidates] == ["model", "one_lane", "aux1"]
+
+
+def test_cpu_compile_measures_nothing(caplog):
+    torch._dynamo.reset()
+    f, inputs = _moe()
+    with caplog.at_level(logging.DEBUG, logger="capturepass"), torch.no_grad():
+        out = torch.compile(f, backend="capturepass", options={"inner": "eager"})(*inputs)
+    torch.testing.assert_close(out, f(*inputs))
+    assert not [r for r in caplog.records if "schedule" in r.getMessage()]
+    torch._dynamo.reset()
+
+
+def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
+    compiled, pristine, opts, plan_with = _compile(*_moe())
+    folder = tmp_path / "dump" / "000_inference"
+    folder.mkdir(parents=True)
+    (folder / "graph.json").write_text(__import__("capturepass.ir.printer", fromlist=["x"]).dumps_json(compiled.graph))
+    p = dynamo._picker("inference", compiled, pristine, opts.for_graph("inference", True), plan_with, None,
+                       str(folder), on_cuda=True)
+    p.cache = ScheduleCache(tmp_path / "cache")
+    us = {"model": 30.0, "one_lane": 25.0, "aux1": 40.0}
+    p.measure_round = lambda caps, order: [
+        us[next(c.name for c in p.candidates if c._program is caps[i].program)] / 1e6 for i in order]
+    p.device_name = lambda d: "FakeGPU sm90"
+    p.capture(_Executor(), [torch.randn(16, 64)], real=True)
+    text = meta.graph_info(compiled.graph).decisions[-1]
+    assert text.startswith("schedule for (float32[16, 64]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest")
+    assert "model 3 lane(s): estimate 20.09 us, measured 30.0 us; one_lane 1 lane(s): estimate 34.0 us, measured " \
+           "25.0 us; aux1 2 lane(s): estimate 22.03 us, measured 40.0 us; cost model scale (one lane, " \
+           "measured/estimate) 0.74" in text
+    doc = json.loads((folder / pick.PICKS_FILE).read_text())
+    assert [e["choice"] for e in doc["picks"]] == ["one_lane"]
+    # show: the plain line and the JSON decision with each candidate's estimate against its measurement.
+    assert cli.main(["show", str(tmp_path / "dump")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  pick: {text}" in lines
+    assert cli.main(["show", str(tmp_path / "dump"), "--json"]) == 0
+    (graph,) = json.loads(capsys.readouterr().out)["graphs"]
+    (d,) = [d for d in graph["decisions"] if d["kind"] == "pick"]
+    assert {k: d[k] for k in ("shape", "device", "choice", "cached", "rounds", "replays", "scale")} == {
+        "shape": "(float32[16, 64])", "device": "FakeGPU sm90", "choice": "one_lane", "cached": False,
+        "rounds": 25, "replays": 81, "scale": 0.7353}
+    assert [(c["name"], c["lanes"], c["estimate_us"], c["measured_us"]) for c in d["candidates"]] == [
+        ("model", 3, 20.09, 30.0), ("one_lane", 1, 34.0, 25.0), ("aux1", 2, 22.03, 40.0)]
+    assert d["text"] == f"pick: {text}"
+
+
+def test_malformed_schedules_file_names_the_field(tmp_path):
+    (tmp_path / pick.PICKS_FILE).write_text(json.dumps({"picks": [{"graph": "inference", "shape": "()",
+                                                                   "device": "x", "choice": "a", "cached": False,
+                                                                   "rounds": "many"}]}))
+    with pytest.raises(DumpError, match=r"picks\[0\]\.rounds: expected int, got 'many'"):
+        show_summary.pick_decisions(str(tmp_path))
+    (tmp_path / pick.PICKS_FILE).write_text("[1]")
+    with pytest.raises(DumpError, match="cannot be read"):
+        show_summary.pick_decisions(str(tmp_path))

@@ -1,0 +1,192 @@
+"""Measured lane choice on a real GPU: candidates captured, timed, the fastest kept, the choice cached.
+
+Every test here is marked ``gpu`` and skipped without CUDA. Each compiles with its
+own schedule cache folder (``pick_cache_dir``), so that a choice cached by an
+earlier run never stands in for a measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import capturepass
+from capturepass.backends.compile import last_compiled
+from capturepass.ir import meta
+from capturepass.runtime import pick
+from capturepass.testing.models import MoEBlock
+
+pytestmark = pytest.mark.gpu
+
+BF16 = dict(atol=3e-2, rtol=3e-2)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _executor(kind: str = "inference"):
+    return [g for g in last_compiled() if g.name == kind][-1].executor
+
+
+class TinyBranches(torch.nn.Module):
+    """A chain of matmuls with two tiny elementwise branches hinted onto their own lanes: the
+    branches save less than their forks and joins cost, so one lane is as fast or faster."""
+
+    def __init__(self, d: int = 256) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d, device="cuda") * d**-0.5, requires_grad=False)
+
+    def forward(self, x):
+        with capturepass.lane("a"):
+            b = torch.sigmoid(x[:, :8]).sum()
+        with capturepass.lane("b"):
+            c = torch.tanh(x[:, 8:16]).mean()
+        h = x
+        for _ in range(4):
+            h = torch.relu(h @ self.w)
+        return h + b + c
+
+
+def _check_record(record, ex):
+    """The record's candidates all measured, the choice the rule's, and the capture of the choice kept."""
+    medians = [c["measured_us"] for c in record.candidates]
+    assert all(m is not None and m > 0 for m in medians), record.candidates
+    lanes = [c["lanes"] for c in record.candidates]
+    assert record.candidates[pick.choose(medians, lanes)]["name"] == record.choice
+    (cap,) = ex._captures.values()
+    chosen = next(c for c in ex._picker.candidates if c.name == record.choice)
+    assert cap.program is chosen.program and len(cap.program.info.lanes) == chosen.lanes
+    assert not cap.owner.closed
+    # The cost model's owner is the shape's (gN.m0.c0); another candidate's bears its name.
+    assert cap.owner.name.endswith(".m0.c0" if record.choice == "model" else f".m0.c0.{record.choice}")
+
+
+@torch.no_grad()
+def test_moe_block_picks_a_measured_candidate_and_equals_eager(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    options = {"verify": True, "pick_cache_dir": str(tmp_path / "cache"), "dump_dir": str(tmp_path / "dump")}
+    compiled = torch.compile(model, backend="capturepass", options=options)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    assert [c.name for c in ex._picker.candidates][:2] == ["model", "one_lane"]
+    (record,) = ex._picker.records
+    assert not record.cached and record.rounds >= 1
+    _check_record(record, ex)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(": schedule candidate " in m for m in messages) == len(record.candidates)
+    assert sum("schedule candidates to measure at capture" in m for m in messages) == 1
+    assert sum("chose schedule" in m for m in messages) == 1
+    graph = [g for g in last_compiled() if g.name == "inference"][-1].graph
+    assert meta.graph_info(graph).decisions[-1] == record.text()
+    (folder,) = [d for d in (tmp_path / "dump").iterdir() if d.name.endswith("_inference")]
+    assert [e["choice"] for e in pick.load_records(str(folder))] == [record.choice]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+@torch.no_grad()
+def test_tiny_branches_choice_follows_the_rule_and_equals_eager(tmp_path):
+    torch.manual_seed(0)
+    model = TinyBranches()
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"policy": "hints", "verify": True, "pick_cache_dir": str(tmp_path)})
+    for _ in range(3):
+        x = torch.randn(64, 256, device="cuda")
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    ex = _executor()
+    assert [(c.name, c.lanes) for c in ex._picker.candidates][:2] == [("model", 3), ("one_lane", 1)]
+    (record,) = ex._picker.records
+    _check_record(record, ex)
+
+
+@torch.no_grad()
+def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatch):
+    """With a timer that makes one lane fastest, the executor replays the one-lane capture."""
+    monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {"one_lane": 1e-6}))
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path)})
+    for _ in range(3):
+        x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    (record,) = ex._picker.records
+    assert record.choice == "one_lane"
+    (cap,) = ex._captures.values()
+    assert len(cap.program.info.lanes) == 1
+
+
+def _with_timer(init, fixed):
+    """``Picker.__init__`` with a timer that gives the named candidates a fixed time (seconds)
+    and every other candidate the real replay's time."""
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+
+        def measure(caps, order):
+            real = pick.replay_round(caps, order)
+            names = [next(c.name for c in self.candidates if c.compiled and c.program is caps[i].program)
+                     for i in order]
+            return [fixed.get(n, t) for n, t in zip(names, real)]
+
+        self.measure_round = measure
+
+    return patched
+
+
+@torch.no_grad()
+def test_pick_model_measures_nothing(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass", options={"pick": "model", "pick_cache_dir": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    assert ex._picker is None and ex.num_captures == 1
+    assert not [r for r in caplog.records if "schedule" in r.getMessage()]
+    assert not list(tmp_path.iterdir())
+
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from capturepass.backends.compile import last_compiled
+    from capturepass.testing.models import MoEBlock
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), atol=3e-2, rtol=3e-2)
+    ex = [g for g in last_compiled() if g.name == "inference"][-1].executor
+    (record,) = ex._picker.records
+    (cap,) = ex._captures.values()
+    print(json.dumps({"cached": record.cached, "choice": record.choice, "lanes": len(cap.program.info.lanes)}))
+""")
+
+
+def test_second_process_reads_the_cache(tmp_path):
+    # TORCH_LOGS shows the capturepass logger's INFO lines on stderr.
+    env = dict(os.environ, CAPTUREPASS_CACHE_DIR=str(tmp_path), PYTHONPATH=ROOT, TORCH_LOGS="capturepass")
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs.append((json.loads(done.stdout.strip().splitlines()[-1]), done.stderr))
+    (first, _), (second, log2) = runs
+    assert first["cached"] is False and second["cached"] is True
+    assert second["choice"] == first["choice"] and second["lanes"] == first["lanes"]
+    assert "from the schedule cache; nothing measured" in log2
+    assert "chose schedule" not in log2
