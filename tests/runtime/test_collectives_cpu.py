@@ -117,7 +117,7 @@ def test_without_a_process_group_the_collective_says_so():
                              {"inner": "eager"}, record=False)
     executor = Executor(compiled.program)
     try:
-        with pytest.raises(ResourceError, match=r"^%all_reduce \(_c10d_functional.all_reduce.default\): owner g\d+:inference/s1: the graph's "
+        with pytest.raises(ResourceError, match=r"^%all_reduce \(_c10d_functional.all_reduce.default\): owner g\d+\.m\d+\.eager/s1: the graph's "
                            r"collectives use process group '0', but torch.distributed is not initialized"):
             executor([torch.randn(4)])
     finally:
