@@ -171,7 +171,7 @@ def communicators(owner: str | None = None) -> dict[str, dict[str, str]]:
     """The live communicators, ``"<owner>/s<lane>"`` -> {traced group name: owner's group name}.
 
     Args:
-        owner: only this owner's (its name, ``"g3:forward"``).
+        owner: only this owner's (its name, ``"g3.m0.c0"``).
     """
     if _pool is None:
         return {}
