@@ -47,7 +47,7 @@ from capturepass.backends import candidates
 from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
-from capturepass.errors import OptionError
+from capturepass.errors import EmitError, OptionError
 from capturepass.ir import meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
@@ -234,6 +234,21 @@ def _picker(
             return driver.compile_regions(plan, eager_fallback=rebuilt)
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
+    if len(cands) > 1 and not rebuilt:
+        # NOTE: compiled now, inside the compile: torch 2.11's Inductor failed on every region
+        # compiled at the first capture instead ("Attempting to use FunctionalTensor on its own",
+        # although the compile's tracing context is re-entered), so a candidate left for later
+        # was never measured.
+        kept = [cands[0]]
+        for cand in cands[1:]:
+            try:
+                cand.program  # noqa: B018 - compiles its regions
+            except EmitError as e:
+                log.warning("capturepass: %s graph: schedule candidate %s failed to compile (%s); not measured",
+                            kind, cand.name, str(e).splitlines()[0][:300])
+                continue
+            kept.append(cand)
+        cands = kept
     if len(cands) < 2:
         return None
     log.info("capturepass: %s graph: %d schedule candidates to measure at capture: %s", kind, len(cands),
