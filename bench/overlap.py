@@ -43,24 +43,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from capturepass.testing.models import AttnIndexer, MoEBlock  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import timed as _timed  # noqa: E402
+
 DT = torch.bfloat16
 
 
 def timed(fn, iters: int, reps: int = 7, warmup: int = 10) -> float:
-    """Median over ``reps`` of the mean milliseconds per call of ``fn``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
+    """Median over ``reps`` of the mean milliseconds per call of ``fn`` (CUDA events)."""
+    return _timed(fn, iters, reps=reps, warmup=warmup)
 
 
 def copy_bandwidth() -> float:

@@ -54,6 +54,9 @@ import torch.nn.functional as F  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import timed as _timed  # noqa: E402
 
 from capturepass.testing.models import MoEBlock  # noqa: E402
 
@@ -108,20 +111,7 @@ def timed(fn, iters: int, reps: int = 7, warmup: int = 5) -> float:
     """Median over ``reps`` of the mean milliseconds per call of ``fn``, both ranks in step."""
     import torch.distributed as dist
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
+    return _timed(fn, iters, reps=reps, warmup=warmup, before_rep=dist.barrier)
 
 
 def capture(fn, warm: int = 3) -> torch.cuda.CUDAGraph:

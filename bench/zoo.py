@@ -38,6 +38,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 
@@ -103,34 +106,6 @@ def compiled(model, variant: str):
 
     opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}}.get(variant, {})
     return torch.compile(model, backend="capturepass", options=opts)
-
-
-def timed(fn, iters: int, reps: int = 7, warmup: int = 5, device: str = "cuda") -> float:
-    """Median over ``reps`` of the mean milliseconds per call of ``fn`` (CUDA events; on the
-    CPU the wall clock)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    if device == "cpu":
-        out = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            out.append((time.perf_counter() - start) * 1e3 / iters)
-        return statistics.median(out)
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,48 @@
+"""The one timing loop of the benchmarks: the median over repetitions of the mean time per call."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def timed(fn: Callable[[], object], iters: int, reps: int = 7, warmup: int = 5, device: str = "cuda",
+          before_rep: Callable[[], object] | None = None) -> float:
+    """Median over ``reps`` of the mean milliseconds per call of ``fn``.
+
+    Args:
+        fn: the call to time.
+        iters: calls per repetition.
+        reps: repetitions.
+        warmup: untimed calls first.
+        device: ``"cuda"``: CUDA events around each repetition (the GPU's time, the host
+            running ahead); ``"cpu"``: the wall clock.
+        before_rep: called before each repetition (a barrier that keeps ranks in step).
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device == "cpu":
+        for _ in range(reps):
+            if before_rep is not None:
+                before_rep()
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - start) * 1e3 / iters)
+        return statistics.median(out)
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        if before_rep is not None:
+            before_rep()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / iters)
+    return statistics.median(out)
