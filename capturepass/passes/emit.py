@@ -180,6 +180,9 @@ def _plan(gm: fx.GraphModule, merge_lanes: bool = False) -> list[Step]:
     return steps
 
 
+_SYNC = (Effect.RECORD, Effect.WAIT, Effect.RELEASE)
+
+
 def _sym_exprs(val: object) -> list:
     """The sympy expressions of a value's symbolic sizes and strides (of a SymInt: itself)."""
     if isinstance(val, torch.SymInt):
@@ -300,8 +303,14 @@ class Emit(Pass):
         regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         owner_of = {n: r for r in regions for n in r.nodes}
         needed: dict[int, set[fx.Node]] = {id(r): set() for r in regions}
+        kept = {id(s.payload) for s in steps if s.kind != StepKind.REGION}
         for node in gm.graph.nodes:
             mine = owner_of.get(node)
+            if mine is None and meta.effect_of(node) in _SYNC and id(node) not in kept:
+                # A sync op the plan left out (merged lanes order nothing): reading a value
+                # there must not make its region return it, or every value a release or an
+                # event names would leave the region as an output, never reused in it.
+                continue
             for a in node.all_input_nodes:
                 src = owner_of.get(a)
                 if src is not None and src is not mine:

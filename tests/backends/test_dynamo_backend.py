@@ -457,3 +457,19 @@ def test_regions_get_the_size_symbols_their_inputs_do_not_bind():
         n.name for r in graphs[0].program.regions for n in r.inputs if isinstance(n.meta.get("val"), torch.SymInt)
     }
     assert sym_inputs, "no region took a size input"
+
+
+def test_a_host_segment_returns_only_what_leaves_it():
+    """On the host the lanes of a segment are one region: the events and releases between them
+    are left out, and the values they name stay inside it (Inductor reuses their buffers)."""
+    torch.manual_seed(0)
+    model = MoEBlock()
+    compiled = torch.compile(model, backend="capturepass", options={"inner": "eager"})
+    x = torch.randn(8, 64)
+    with torch.no_grad(), new_compiles() as graphs:
+        torch.testing.assert_close(compiled(x), model(x))
+    (g,) = graphs
+    assert len(lanes_used(g.graph)) >= 2 and sync_nodes(g.graph, Effect.WAIT)  # lanes and waits in the IR
+    (region,) = g.program.regions
+    outputs = [n for n in g.graph.graph.nodes if n.op == "output"][0].all_input_nodes
+    assert set(region.outputs) == set(outputs)
