@@ -272,13 +272,14 @@ class Executor:
         instance = tuple(
             args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
         )
-        ptrs: list[int | None] = [None] * len(args)
-        indices = []
-        for i in self._static_positions:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                ptrs[i] = args[i].data_ptr()
-                indices.append(i)
-        self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, indices
+        if _ptrs_equal is not None:
+            ptrs: list[int | None] = [None] * len(args)
+            indices = []
+            for i in self._static_positions:
+                if i < len(args) and isinstance(args[i], torch.Tensor):
+                    ptrs[i] = args[i].data_ptr()
+                    indices.append(i)
+            self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, indices
         return instance
 
     def _watch(self, instance: tuple, args: Sequence[Any]) -> None:
