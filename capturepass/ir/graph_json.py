@@ -76,6 +76,27 @@ class GraphDoc(TypedDict, total=False):
     nodes: list[NodeDoc]
 
 
+def load_side_file(path: str, fmt: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A JSON document a dump folder keeps beside ``graph.json`` (``owners.json``,
+    ``measured.json``), if it is there and of format ``fmt``.
+
+    Returns:
+        ``(document, None)``, or ``(None, reason)``: ``reason`` is ``None`` when there is no such
+        file, and says why it is not used otherwise (unreadable, or not a ``fmt`` document).
+    """
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        return None, f"{name} unreadable ({exc})"
+    if not isinstance(doc, dict) or doc.get("format") != fmt:
+        return None, f"{name} is not a {fmt} document"
+    return doc, None
+
+
 def load(path: str) -> GraphDoc:
     """Reads and validates the ``graph.json`` at ``path``.
 

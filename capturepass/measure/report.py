@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from capturepass.ir import graph_json
 from capturepass.measure.records import FORMAT
 
 MEASURED_FILE = "measured.json"
@@ -153,16 +154,9 @@ def load_measurement(graph_dir: str) -> tuple[dict[str, Any] | None, str | None]
         ``(measurement, None)``, or ``(None, reason)`` where ``reason`` is ``None`` when there is
         no ``measured.json`` and says why it is not used otherwise.
     """
-    path = os.path.join(graph_dir, MEASURED_FILE)
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
-    except (OSError, ValueError) as exc:
-        return None, f"{MEASURED_FILE} unreadable ({exc})"
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        return None, f"{MEASURED_FILE} is not a {FORMAT} document"
+    m, reason = graph_json.load_side_file(os.path.join(graph_dir, MEASURED_FILE), FORMAT)
+    if m is None:
+        return None, reason
     problem = _malformed(m)
     if problem is not None:
         return None, f"{MEASURED_FILE} is malformed: {problem}"

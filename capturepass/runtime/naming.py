@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from capturepass.ir import graph_json
 from capturepass.ir.printer import format_type
 
 log = logging.getLogger("capturepass")
@@ -155,16 +156,9 @@ def load_owners(folder: str, graph_owner: str) -> tuple[dict[str, Any] | None, s
         ``owners.json`` and says why it is not used otherwise (unreadable, malformed, or
         written by another compile: its ``owner`` is not the ``graph.json``'s).
     """
-    path = os.path.join(folder, OWNERS_FILE)
-    if not os.path.isfile(path):
-        return None, None
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        return None, f"{OWNERS_FILE} unreadable ({exc})"
-    if not isinstance(doc, dict) or doc.get("format") != OWNERS_FORMAT:
-        return None, f"{OWNERS_FILE} is not a {OWNERS_FORMAT} document"
+    doc, reason = graph_json.load_side_file(os.path.join(folder, OWNERS_FILE), OWNERS_FORMAT)
+    if doc is None:
+        return None, reason
     owners = doc.get("owners")
     if not isinstance(doc.get("owner"), str) or not isinstance(owners, list):
         return None, f"{OWNERS_FILE} is malformed: owner must be a string and owners a list"
