@@ -238,7 +238,7 @@ def _picker(
     rebuilt = bool(breaks)
 
     def compile_plan(plan: Any) -> Any:
-        with _tracing(tc):  # Inductor compiles a candidate at its first capture, in the compile's shape env
+        with _tracing(tc):  # a candidate compiled after the compile (a rebuild) needs its shape env
             return driver.compile_regions(plan, eager_fallback=rebuilt)
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)

@@ -145,25 +145,15 @@ def fake_value(node: fx.Node) -> object:
 
     NOTE: AOT autograd may leave a value that functionalization produced (the output of an
     opaque custom op, on torch 2.11) as a ``FunctionalTensor``; used outside a functionalization
-    mode (Inductor's trace of a region that reads it, or its lowering reading a node's value
-    when a region is compiled at a call, after the compile) it raises "Attempting to use
-    FunctionalTensor on its own". Such a value, alone or inside a tuple or list, is unwrapped
-    to the fake tensor inside it.
+    mode (Inductor's trace of a region that reads it) it raises "Attempting to use
+    FunctionalTensor on its own". Such a value is unwrapped to the fake tensor inside it.
     """
-    return unwrap_functional(node.meta.get("val"))
-
-
-def unwrap_functional(val: object) -> object:
-    """``val`` with every ``FunctionalTensor`` in it (alone, in a tuple or list) replaced by the
-    fake tensor it wraps; anything else as it is."""
+    val = node.meta.get("val")
     functional = getattr(getattr(torch._subclasses, "functional_tensor", None), "FunctionalTensor", None)
-    if functional is None:
-        return val
-    if isinstance(val, functional):
+    if functional is not None and isinstance(val, functional):
         unwrap = getattr(torch, "_from_functional_tensor", None)
-        return unwrap(val.elem) if unwrap is not None else val
-    if isinstance(val, (tuple, list)) and any(isinstance(v, (functional, tuple, list)) for v in val):
-        return type(val)([unwrap_functional(v) for v in val])
+        if unwrap is not None:
+            return unwrap(val.elem)
     return val
 
 

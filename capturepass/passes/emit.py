@@ -275,8 +275,6 @@ def _region_graph(
             arg(a)
         new = graph.node_copy(node, arg)
         new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack", "seq_nr")}
-        if "val" in new.meta:
-            new.meta["val"] = analysis.fake_value(node)
         env[node] = new
     outputs = [n for n in region.nodes if n in needed_outside]
     graph.output(tuple(env[n] for n in outputs))
