@@ -112,9 +112,7 @@ def compiled(model, variant: str):
 def turn(lock_path: str):
     """Holds the GPU timing lock once every process has compiled: compiles overlap, timings
     neither overlap each other nor a compile (CPU contention slows the host side of a call)."""
-    open(f"{lock_path}.ready.{os.getpid()}", "w").close()
-    while not os.path.exists(lock_path + ".go"):
-        time.sleep(0.2)
+    _arrive(lock_path, "ready", "go")
     with open(lock_path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -123,8 +121,13 @@ def turn(lock_path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
     # A process that exits tears down its CUDA context and compile workers: not while another
     # process is timing.
-    open(f"{lock_path}.done.{os.getpid()}", "w").close()
-    while not os.path.exists(lock_path + ".exit"):
+    _arrive(lock_path, "done", "exit")
+
+
+def _arrive(lock_path: str, reached: str, release: str) -> None:
+    """Says this process reached a barrier of :func:`wave`, and waits for its release."""
+    open(f"{lock_path}.{reached}.{os.getpid()}", "w").close()
+    while not os.path.exists(f"{lock_path}.{release}"):
         time.sleep(0.2)
 
 
@@ -252,18 +255,13 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
                "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
         procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
     start = time.time()
-    while time.time() - start < args.timeout:
-        ready = sum(os.path.exists(f"{lock}.ready.{p.pid}") or p.poll() is not None for _, p in procs)
-        if ready == len(procs):
-            break
-        time.sleep(0.5)
-    open(lock + ".go", "w").close()
-    while time.time() - start < args.timeout:
-        done = sum(os.path.exists(f"{lock}.done.{p.pid}") or p.poll() is not None for _, p in procs)
-        if done == len(procs):
-            break
-        time.sleep(0.5)
-    open(lock + ".exit", "w").close()
+    # Two barriers: all compiled (then they time, one by one), all timed (then they exit).
+    for reached, release in (("ready", "go"), ("done", "exit")):
+        while time.time() - start < args.timeout:
+            if all(os.path.exists(f"{lock}.{reached}.{p.pid}") or p.poll() is not None for _, p in procs):
+                break
+            time.sleep(0.5)
+        open(f"{lock}.{release}", "w").close()
     rows, failures = [], []
     for (m, v), proc in procs:
         try:
