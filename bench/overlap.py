@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from capturepass.testing.models import AttnIndexer, MoEBlock  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import capture  # noqa: E402
 from timing import timed as _timed  # noqa: E402
 
 DT = torch.bfloat16
@@ -62,20 +63,6 @@ def copy_bandwidth() -> float:
     ms = timed(lambda: b.copy_(a), 20, reps=5)
     return 2 * n / (ms * 1e-3)
 
-
-def capture(fn, warm: int = 3) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def two_stream(main_branch, aux_branch, combine):

@@ -56,6 +56,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from timing import capture as _capture  # noqa: E402
 from timing import timed as _timed  # noqa: E402
 
 from capturepass.testing.models import MoEBlock  # noqa: E402
@@ -115,22 +116,11 @@ def timed(fn, iters: int, reps: int = 7, warmup: int = 5) -> float:
 
 
 def capture(fn, warm: int = 3) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn`` (warmed up uncaptured first: NCCL makes its communicator then)."""
+    """A CUDA graph of ``fn``, both ranks captured in step (NCCL makes its communicator in the warm-up)."""
     import torch.distributed as dist
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warm):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.synchronize()
-    return g
+    return _capture(fn, warm, before=dist.barrier)
+
 
 
 def hand_written(name: str, model: nn.Module):

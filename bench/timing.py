@@ -1,4 +1,5 @@
-"""The one timing loop of the benchmarks: the median over repetitions of the mean time per call."""
+"""What the benchmarks share: the timing loop (median over repetitions of the mean time per call)
+and the capture of a callable into a CUDA graph."""
 
 from __future__ import annotations
 
@@ -46,3 +47,25 @@ def timed(fn: Callable[[], object], iters: int, reps: int = 7, warmup: int = 5, 
         end.synchronize()
         out.append(start.elapsed_time(end) / iters)
     return statistics.median(out)
+
+
+def capture(fn: Callable[[], object], warm: int = 3, before: Callable[[], object] | None = None):
+    """A CUDA graph of ``fn``, warmed up uncaptured first on the capture stream (lazy
+    initialisations, such as an NCCL communicator, happen then); ``before`` runs just before
+    the capture (a barrier that keeps ranks in step)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warm):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    torch.cuda.synchronize()
+    return g

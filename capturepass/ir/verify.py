@@ -607,6 +607,16 @@ class _Checker:
         alloc: dict[fx.Node, int] = {}  # root -> the number of its lane
         last_holder: dict[fx.Node, fx.Node] = {}
         released: set[fx.Node] = set()
+
+        def read(root: fx.Node, node: fx.Node, i: int, lane: int) -> None:
+            """A compute read of ``root`` by ``node`` (position ``i``) on ``lane``."""
+            last_read[root] = i
+            a = alloc.get(root)
+            if a is None:
+                a = alloc[root] = meta.lane_of(root).index
+            if lane != a:
+                cross_reads.setdefault(root, []).append(node)
+
         for i, (node, rec) in enumerate(zip(self.nodes, self.recs)):
             src = analysis.alias_source(node)
             if src is None:
@@ -624,12 +634,7 @@ class _Checker:
                     root = analysis.storage_root(p)
                 last_holder[root] = node  # program order: the last one written is the last holder
                 if compute:
-                    last_read[root] = i
-                    a = alloc.get(root)
-                    if a is None:
-                        a = alloc[root] = meta.lane_of(root).index
-                    if lane != a:
-                        cross_reads.setdefault(root, []).append(node)
+                    read(root, node, i, lane)
                 elif eff is Effect.RELEASE:
                     released.add(root)
             if compute:
@@ -637,14 +642,7 @@ class _Checker:
                 # without holding them: a read for the races below, not a later free point.
                 for p in analysis.pending_reads(node):
                     root = root_of.get(p)
-                    if root is None:
-                        root = analysis.storage_root(p)
-                    last_read[root] = i
-                    a = alloc.get(root)
-                    if a is None:
-                        a = alloc[root] = meta.lane_of(root).index
-                    if lane != a:
-                        cross_reads.setdefault(root, []).append(node)
+                    read(analysis.storage_root(p) if root is None else root, node, i, lane)
         outputs = analysis.output_roots(self.gm.graph)
         points: dict[fx.Node, fx.Node] = {}
         for node, rec in zip(self.nodes, self.recs):
