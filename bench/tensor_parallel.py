@@ -236,7 +236,23 @@ def measure(name: str, t: int, iters: int, rank: int, world: int) -> dict:
                 res.update(_capturepass_details(res["ms"], iters))
         except Exception as exc:  # report and go on: the other variants still count
             res["notes"].append(f"{variant}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    _release_graphs(model)
     return res
+
+
+def _release_graphs(model: nn.Module) -> None:
+    """Drops every CUDA graph that captured collectives of ``model`` (capturepass's owners, the
+    cudagraph trees of reduce-overhead): NCCL destroys a communicator only once they are gone."""
+    import gc
+
+    import torch._dynamo
+
+    import capturepass
+
+    capturepass.release(model)
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.synchronize()
 
 
 def _capturepass_details(ms: dict, iters: int) -> dict:
@@ -343,6 +359,10 @@ def main() -> None:
                os.path.abspath(__file__), "--child", "--iters", str(args.iters), "--workloads", *args.workloads]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"launch{i}.log"), "w") as f:
+                f.write(proc.stdout + proc.stderr)
         if proc.returncode != 0 or line is None:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
             raise SystemExit(f"benchmark launch {i} failed")

@@ -119,12 +119,14 @@ def main() -> None:
         print(summarize_dir(os.path.join(dump, "rank0")))
         for line in lines:
             print(line)
-        print(f"communicators of rank 0, one process group per owner and lane ({len(owners)} owners):")
+        print(f"communicators of rank 0, one process group per model instance and lane ({len(owners)} of them):")
         for key, groups in owners.items():
             print(f"  {key}: " + ", ".join(f"traced group {g!r} -> {name!r}" for g, name in groups.items()))
         print(f"results equal the single-process reference on {args.device} ({world} ranks, tensor and expert "
               f"parallel, {len(tokens)} token counts, two calls each): OK")
         print(f"annotated IR per pass: {dump}/rank<r>/<block>")
+    # Every rank releases its compiled blocks, in one order, before the process group goes:
+    # NCCL destroys a communicator only once the CUDA graphs that captured its collectives are gone.
     for block in blocks.values():
         capturepass.release(block)
     dist.destroy_process_group()

@@ -48,7 +48,7 @@ from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
 from capturepass.errors import EmitError, OptionError
-from capturepass.ir import meta
+from capturepass.ir import collectives, meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
 from capturepass.runtime.executor import Executor
@@ -234,6 +234,14 @@ def _picker(
         # schedule is the cost model's, as with pick="model".
         log.info("capturepass: %s: captured breakable (%d segments); its schedule is the cost model's, not "
                  "measured", gi.title, len(gi.segments))
+        return None
+    posted = sum(1 for n in compiled.graph.graph.nodes if collectives.is_collective(n))
+    if posted:
+        # Every rank would time the candidates for as many rounds as its own clock allows and
+        # replay their collectives that many times: ranks out of step wait on each other forever
+        # (and could keep different schedules).
+        log.info("capturepass: %s: posts %d collective(s); its schedule is the cost model's, not measured "
+                 "(ranks measuring on their own would replay collectives out of step)", gi.title, posted)
         return None
     rebuilt = bool(breaks)
 

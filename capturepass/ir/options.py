@@ -105,7 +105,8 @@ class Options:
             lane, fewer lanes, short lanes merged back) are each captured and replayed,
             and the fastest is kept (the choice is cached per device, graph and shape).
             ``"model"``: the cost model's schedule, unmeasured (reproducible schedules).
-            Uncaptured graphs, and graphs captured breakable, run the cost model's schedule.
+            Uncaptured graphs, graphs captured breakable and graphs that post collectives
+            (each rank would measure on its own clock) run the cost model's schedule.
         pick_budget_ms: the replay time measuring the candidates of one shape may take
             (milliseconds of timed replays; at least one round is timed).
         pick_cache_dir: where measured choices are kept; ``None``: ``CAPTUREPASS_CACHE_DIR``,

@@ -1,15 +1,25 @@
-"""Communicators as owner-bound resources: a process group per owner, lane and traced group.
+"""Communicators as owner-bound resources: a process group per model instance, lane and traced group.
 
 A compiled graph's collectives name the process group they were traced with
 (``_c10d_functional.all_reduce(x, "sum", "0")``). Two owners that post on one
 communicator (a target model and its draft, replayed back to back or on two
 streams) would interleave their collectives on one NCCL channel, and a CUDA graph
 bakes that channel in. capturepass therefore binds communicators like any other
-channel (docs/resources.md): the resource pool :data:`POOL_NAME` gives every owner
-and lane its own :class:`Communicators`, which makes one process group per traced
-group on first use, with ``torch.distributed.new_group`` over the traced group's
-ranks and backend, and destroys them when the owner closes (or a profiling capture
-rolls the pool back).
+channel (docs/resources.md): the resource pool :data:`POOL_NAME` gives every model
+instance (``g3.m0``: the owners of its capture shapes, its uncaptured runs and its
+schedule candidates, which never run at once, share them) and lane its own
+:class:`Communicators`, which makes one process group per traced group on first use,
+with ``torch.distributed.new_group`` over the traced group's ranks and backend.
+
+When they are destroyed: tearing an NCCL communicator down is collective (the finalize
+waits for the other ranks; torch destroys its own groups in name order for this
+reason), so a rank may only destroy one where every rank does, at the same point of
+its program. :func:`release_model` destroys a model instance's groups when
+``capturepass.release(model)`` releases it (every rank runs the same program, so every
+rank calls it there) and when a profiling capture rolls the pool back. A model that is
+garbage collected dies at a moment of each rank's own: its NCCL groups are kept (and
+logged) until ``torch.distributed`` destroys its process groups; gloo groups, torn down
+locally, are destroyed at once.
 
 How the graph reaches the owner's group: ``emit`` puts every collective in a region
 of its own, run by the eager compiler. When the runtime binds a program to an owner
@@ -18,7 +28,8 @@ call it asks the pool for the running owner's communicators on the region's lane
 and calls a copy of the region graph whose collectives name the owner's groups
 instead of the traced ones (``ir.collectives.rebind``). The first call of every
 owner is uncaptured (a warm-up, or an eager run), so the group, and with NCCL its
-communicator, exists before any capture records onto it; a capture then bakes the
+communicator, exists before any capture records onto it (made by the model's first
+owner, it is there for the rest); a capture then bakes the
 owner's communicator into its graph, and replays use it without calling the region.
 
 What cannot be redirected: a group made while a CUDA graph is being captured (NCCL
@@ -57,6 +68,7 @@ POOL_NAME = "capturepass.communicators"
 
 _lock = threading.Lock()
 _pool: ResourcePool | None = None
+_retired: list[Any] = []  # groups kept alive until torch.distributed destroys its process groups
 
 
 class Communicators:
@@ -97,11 +109,21 @@ class Communicators:
             return {traced: g.group_name for traced, g in self.groups.items()}
 
     def release(self) -> None:
-        """Destroys this owner's groups."""
+        """Destroys this model instance's groups (in name order, as every rank does)."""
         with self._lock:
             groups, self.groups = self.groups, {}
-        for traced, group in groups.items():
+        for traced, group in sorted(groups.items(), key=lambda item: item[1].group_name):
             _destroy(group, f"{self.key} ({traced!r})")
+
+    def retire(self) -> list[str]:
+        """Drops the groups whose teardown is collective without destroying them: they are
+        kept until ``torch.distributed`` destroys its process groups. Returns their names."""
+        with self._lock:
+            kept = {t: g for t, g in self.groups.items() if not _local_teardown(g)}
+            for traced in kept:
+                del self.groups[traced]
+        _retired.extend(kept.values())
+        return sorted(g.group_name for g in kept.values())
 
     def __repr__(self) -> str:
         return f"<Communicators {self.key}: {self.names()}>"
@@ -153,8 +175,43 @@ def _destroy(group: Any, what: str) -> None:
         log.debug("capturepass: destroying the communicator of %s failed: %s", what, exc)
 
 
+def _local_teardown(group: Any) -> bool:
+    # gloo closes its pairs locally; NCCL's finalize waits for the other ranks (and any backend
+    # not known here is assumed to as well).
+    import torch.distributed as dist
+
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:  # the group is gone already
+        return True
+
+
 def _release(channel: Communicators) -> None:
     channel.release()
+
+
+def release_model(model: str, in_step: bool) -> int:
+    """Releases the communicators of model instance ``model`` (``"g3.m0"``); returns how many
+    lanes' worth.
+
+    Args:
+        in_step: every rank releases the model at this point of its program
+            (``capturepass.release``): every group is destroyed, in name order. Otherwise
+            (the model was garbage collected) groups whose teardown is collective are kept
+            until ``torch.distributed`` destroys its process groups, and the log says so.
+    """
+    if _pool is None:
+        return 0
+    if not in_step:
+        for key, channel in sorted(_pool.channels().items()):
+            if key.owner == model:
+                kept = channel.retire()
+                if kept:
+                    log.info("capturepass: model %s was collected; its communicators %s (lane s%d) are kept until "
+                             "torch.distributed destroys its process groups: destroying them is collective, and "
+                             "the other ranks collect it at moments of their own (capturepass.release(model) on "
+                             "every rank destroys them at once)", model, ", ".join(kept), key.lane)
+    return _pool.release_owner(model)
 
 
 def pool() -> ResourcePool:
@@ -168,10 +225,10 @@ def pool() -> ResourcePool:
 
 
 def communicators(owner: str | None = None) -> dict[str, dict[str, str]]:
-    """The live communicators, ``"<owner>/s<lane>"`` -> {traced group name: owner's group name}.
+    """The live communicators, ``"<model>/s<lane>"`` -> {traced group name: model's group name}.
 
     Args:
-        owner: only this owner's (its name, ``"g3.m0.c0"``).
+        owner: only this model instance's (its name, ``"g3.m0"``).
     """
     if _pool is None:
         return {}
@@ -180,7 +237,8 @@ def communicators(owner: str | None = None) -> dict[str, dict[str, str]]:
 
 
 def redirected(graph: fx.GraphModule, groups: Sequence[str], owner: str, lane: int) -> Callable[..., Any]:
-    """The region ``graph`` calling ``owner``'s communicators (on ``lane``) for the traced ``groups``.
+    """The region ``graph`` calling the communicators of ``owner`` (a model instance, ``"g3.m0"``)
+    on ``lane`` for the traced ``groups``.
 
     The copy is made on the first call (the owner's groups are made then) and again if the
     pool released the communicators meanwhile (a rollback).

@@ -74,7 +74,7 @@ import torch
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
-from capturepass.runtime import capture, context, lifetime, naming, pools, profiling
+from capturepass.runtime import capture, comms, context, lifetime, naming, pools, profiling
 from capturepass.runtime.owner import GraphOwner
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
@@ -621,13 +621,15 @@ class Executor:
         self._log_released(closed, why)
         return True
 
-    def release_addresses(self, addresses: set[int]) -> int:
+    def release_addresses(self, addresses: set[int]) -> list[tuple[str, str]]:
         """Closes every owner of the model instances whose static inputs live at any of
-        ``addresses``; returns how many."""
+        ``addresses``; returns them, as ``(model, owner)`` names. The models' communicators
+        are the caller's to release (:func:`capturepass.runtime.comms.release_model`), in
+        one order on every rank."""
         with self._lock:
             closed = self._release(lambda inst: not addresses.isdisjoint(inst))
         self._log_released(closed, "capturepass.release")
-        return len(closed)
+        return closed
 
     def _log_released(self, closed: list[tuple[str, str]], why: str) -> None:
         models: dict[str, list[str]] = {}
@@ -656,6 +658,10 @@ class Executor:
             for instance in [i for i in table if match(i)]:
                 close(instance, table.pop(instance).owner)
         if forget:
+            # The model died (or the callable did) at a moment of this rank's own: its
+            # communicators, which its owners share, are dropped without a collective teardown.
+            for model in dict.fromkeys(m for m, _ in closed if m != "?"):
+                comms.release_model(model, in_step=False)
             for instance in [i for i in self._watchers if match(i)]:
                 for finalizer in self._watchers.pop(instance):
                     finalizer.detach()

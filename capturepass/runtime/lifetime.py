@@ -133,8 +133,16 @@ def release(obj: Any) -> int:
             f"capturepass.release takes a model (torch.nn.Module) or the module torch.compile returned, "
             f"got {type(obj).__name__}"
         )
+    from capturepass.runtime import comms, naming
+
     addresses = {t.data_ptr() for t in _static_tensors(module)} - {0}
-    released = 0
+    closed: list[tuple[str, str]] = []
     for executor in live_executors():
-        released += executor.release_addresses(addresses)
-    return released
+        closed += executor.release_addresses(addresses)
+    # Every rank calls this at the same point of its program, but holds its executors in an
+    # order of its own; tearing an NCCL communicator down is collective, so the models'
+    # communicators go after every owner (and so every CUDA graph that captured on them),
+    # in the order of their names: the same on every rank.
+    for model in sorted({m for m, _ in closed if m != "?"}, key=naming.model_order):
+        comms.release_model(model, in_step=True)
+    return len(closed)

@@ -73,6 +73,17 @@ def next_model(graph_owner: str) -> str:
     return f"{graph_owner}.m{index}"
 
 
+def model_of(owner: str) -> str:
+    """The model instance an owner belongs to: ``"g3.m0.c1.one_lane"`` -> ``"g3.m0"``."""
+    return ".".join(owner.split(".")[:2])
+
+
+def model_order(model: str) -> tuple[int, int]:
+    """A sort key of model instance names in the order they were made: ``"g3.m1"`` -> ``(3, 1)``."""
+    graph, index = model.split(".")[:2]
+    return int(graph[1:]), int(index[1:])
+
+
 def capture_owner(model: str, shape: int) -> str:
     """The name of the owner of ``model``'s capture shape number ``shape``: ``g3.m0.c1``."""
     return f"{model}.c{shape}"

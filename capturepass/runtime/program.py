@@ -40,7 +40,7 @@ import torch.fx as fx
 from capturepass.ir import meta
 from capturepass.ir.meta import EventRole, GraphInfo
 from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
-from capturepass.runtime import comms, context
+from capturepass.runtime import comms, context, naming
 from capturepass.runtime.owner import GraphOwner
 
 if TYPE_CHECKING:
@@ -277,7 +277,7 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
         if step.kind == StepKind.REGION:
             spec: RegionSpec = step.payload
             if spec.groups:
-                spec = dataclasses.replace(spec, fn=comms.redirected(spec.graph, spec.groups, owner.name, spec.lane))
+                spec = dataclasses.replace(spec, fn=comms.redirected(spec.graph, spec.groups, naming.model_of(owner.name), spec.lane))
             runner = lanes.region_runner(spec.lane)
             if spec.eager and owner.captured:
                 runner = _weak_args(runner, lanes)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -260,14 +261,34 @@ def one_rank_world() -> Iterator[Any]:
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:
     """Joins the gloo process group of ``world`` CPU processes through ``init_file``."""
+    init_ranks(rank, world, init_file, "cpu")
+
+
+def init_ranks(rank: int, world: int, init_file: str, device: str) -> None:
+    """Joins the process group of ``world`` processes through ``init_file``: gloo on the CPU,
+    NCCL on CUDA (rank ``r`` on GPU ``r``)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world)
+
+
+def nccl_unavailable(world: int = 2) -> str | None:
+    """Why ``world`` NCCL ranks (one GPU each) cannot run here, or ``None`` when they can."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "torch.distributed has no NCCL backend in this build of torch"
+    if torch.cuda.device_count() < world:
+        return f"needs {world} CUDA devices, found {torch.cuda.device_count()}"
+    return None
 
 
 def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> None:
-    """Runs ``fn(rank, world, init_file, *args)`` on ``world`` processes (``torch.multiprocessing``),
-    ``init_file`` in a new temporary directory.
+    """Runs ``fn(rank, world, init_file, *args)`` on ``world`` processes (``torch.multiprocessing``,
+    started with ``spawn``: CUDA may be used in them), ``init_file`` in a new temporary directory.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a process failed (its traceback included).
@@ -287,7 +308,7 @@ def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 
                 for p in context.processes:
                     if p.is_alive():
                         p.terminate()
-                raise TimeoutError(f"{world} gloo processes running {fn.__qualname__} did not finish in {timeout:.0f} s")
+                raise TimeoutError(f"{world} processes running {fn.__qualname__} did not finish in {timeout:.0f} s")
 
 
 SIZES = {"d": 32, "shared": 64, "experts": 8, "expert_width": 16, "topk": 2}
@@ -325,8 +346,8 @@ def _sequence_number(group: Any) -> int | None:
 
 def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: dict[str, Any],
                  per_model: dict[str, dict[str, Any]] | None = None, tokens: tuple[int, ...] = (8, 8, 5),
-                 exact: bool = True) -> None:
-    """The worker of the CPU tests: compiles the parallel blocks and checks every call.
+                 exact: bool = True, device: str = "cpu") -> None:
+    """The worker of the parallel tests: compiles the parallel blocks and checks every call.
 
     Three models, compiled with ``torch.compile(backend="capturepass")`` one after the other:
     ``"tp"`` (:class:`TensorParallelMoE` of a :data:`SIZES` block), ``"ep"``
@@ -344,22 +365,26 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
     difference from each reference; the communicators each model's owners used
     (``capturepass.communicators``); the ranks of each of those groups and how many
     collectives it posted, and how many the world group (the one the graphs were traced
-    with) posted meanwhile (``None`` where torch does not count them). The
-    dumps go to ``out_dir/rank<r>/<model>``.
+    with) posted meanwhile (``None`` where torch does not count them); per model, how many
+    CUDA graphs its compiled graphs hold. The dumps go to ``out_dir/rank<r>/<model>``.
+
+    ``device="cuda"``: NCCL, rank ``r`` on GPU ``r``, the weights and tokens there (float32).
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    import capturepass
+    from capturepass.backends.compile import last_compiled
     from capturepass.runtime import comms
 
-    init_gloo(rank, world, init_file)
+    init_ranks(rank, world, init_file, device)
     torch.set_num_threads(1)  # the same kernels, one thread, in the workers and their references
-    report: dict[str, Any] = {"errors": {}, "communicators": {}, "posted": {}}
+    report: dict[str, Any] = {"errors": {}, "communicators": {}, "posted": {}, "captures": {}}
     try:
         torch.manual_seed(0)
-        full = MoEBlock(**SIZES)
+        full = MoEBlock(**SIZES, device=device)
         torch.manual_seed(1)
-        draft_full = MoEBlock(**DRAFT_SIZES)
+        draft_full = MoEBlock(**DRAFT_SIZES, device=device)
         models = {
             "tp": (TensorParallelMoE(full, rank, world), full),
             "ep": (ExpertParallelMoE(full, rank, world), full),
@@ -370,9 +395,10 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
         for name, (model, block) in models.items():
             opts = dict(options, **(per_model or {}).get(name, {}), dump_dir=os.path.join(out_dir, f"rank{rank}", name))
             compiled = torch.compile(model, backend="capturepass", options=opts, dynamic=False)
+            graphs_before = {id(g) for g in last_compiled()}
             errors = []
             for call, t in enumerate(tokens):
-                xs = tokens_of(name, call, t, world, block.wg.shape[1])
+                xs = [x.to(device) for x in tokens_of(name, call, t, world, block.wg.shape[1])]
                 with torch.no_grad():
                     out = compiled(xs[rank])
                     if name == "ep":
@@ -387,6 +413,8 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
                 torch.testing.assert_close(out, ref, **FLOAT32_TOLERANCE, msg=lambda m: f"{name} call {call}: {m}")
                 errors.append({"same_order": float((out - same).abs().max()), "full": float((out - ref).abs().max())})
             report["errors"][name] = errors
+            report["captures"][name] = sum(g.executor.num_captures for g in last_compiled()
+                                           if id(g) not in graphs_before and getattr(g, "executor", None) is not None)
             now = comms.communicators()
             report["communicators"][name] = {k: v for k, v in now.items() if k not in before}
             before = set(now)
@@ -399,7 +427,25 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
         after = _sequence_number(dist.group.WORLD)
         report["world_posted"] = None if world_before is None or after is None else after - world_before
         dist.barrier()
+        # Every rank releases the models in one order before the world goes: NCCL destroys a
+        # communicator only once the CUDA graphs that captured its collectives are gone.
+        for model, _ in models.values():
+            capturepass.release(model)
+        report["released"] = sorted(comms.communicators())
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)
         dist.destroy_process_group()
+
+
+def canonical_dump(text: str) -> str:
+    """A dump with the graph's owner id as ``g0``: the id is process-wide, so it depends on what
+    compiled before the graph."""
+    return re.sub(r"(?<=owner[ =])g\d+|(?<=@)g\d+", "g0", text)
+
+
+def schedule_lines(text: str) -> list[str]:
+    """Each line of a dump without the arguments of its op (binders, ops, lanes, events,
+    reasons): what every rank schedules alike, its own slice bounds aside."""
+    return [re.sub(r"^(\s*%\w+ : .*? = [\w.]+)\(.*\)(  \{.*)$", r"\1\2", line)
+            for line in canonical_dump(text).splitlines()]

@@ -1,9 +1,11 @@
-"""Communicators per owner, in one process: a gloo group of one rank stands in for the world.
+"""Communicators per model instance, in one process: a gloo group of one rank stands in for the world.
 
-A compiled graph's collectives post on the process group of the owner that runs it, made
-on its first call from the traced group's ranks and backend, and destroyed with the owner
-(``capturepass.release``, the end of a profiling capture). Two model instances (a target and
-a draft) never share one. The two-process runs are in ``test_collectives_gloo.py``.
+A compiled graph's collectives post on the process group of the model instance that runs
+them (its owners share it), made on its first call from the traced group's ranks and
+backend, and destroyed with the model (``capturepass.release``, the end of a profiling
+capture; a collected model's groups whose teardown is collective are kept until the world
+goes). Two model instances (a target and a draft) never share one. The two-process runs are
+in ``test_collectives_gloo.py`` (gloo) and ``test_collectives_gpu.py`` (NCCL).
 """
 
 from __future__ import annotations
@@ -81,6 +83,31 @@ def test_each_owner_posts_on_its_own_communicator(world):
     assert comms.communicators() == {}
 
 
+def test_a_collected_model_keeps_collectively_destroyed_groups_until_the_world_goes(world, monkeypatch, caplog):
+    import gc
+    import logging
+
+    # NOTE: gloo tears a group down locally; NCCL's teardown is collective. The backend query
+    # is replaced so that this one-rank gloo group stands for an NCCL one.
+    monkeypatch.setattr(comms, "_local_teardown", lambda group: False)
+    model = Block(0)
+    compiled = _compiled(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    ((key, made),) = comms.communicators().items()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        del model, compiled
+        gc.collect()
+        capturepass.runtime.lifetime.drain()
+    # Released from the pool (nothing posts on it again), not destroyed: the other ranks collect
+    # their copies of the model at moments of their own.
+    assert comms.communicators() == {}
+    assert dist.get_process_group_ranks(c10d._resolve_process_group(made["0"])) == [0]
+    (line,) = [r.getMessage() for r in caplog.records if "communicators" in r.getMessage()]
+    assert f"model {key.split('/')[0]} was collected; its communicators {made['0']} (lane s1) are kept" in line
+
+
 def test_a_profiling_capture_gives_its_communicators_back(world):
     model = Block(0)
     compiled = _compiled(model, cudagraphs="breakable")  # on the host a first run stands for a capture
@@ -117,7 +144,7 @@ def test_without_a_process_group_the_collective_says_so():
                              {"inner": "eager"}, record=False)
     executor = Executor(compiled.program)
     try:
-        with pytest.raises(ResourceError, match=r"^%all_reduce \(_c10d_functional.all_reduce.default\): owner g\d+\.m\d+\.eager/s1: the graph's "
+        with pytest.raises(ResourceError, match=r"^%all_reduce \(_c10d_functional.all_reduce.default\): owner g\d+\.m\d+/s1: the graph's "
                            r"collectives use process group '0', but torch.distributed is not initialized"):
             executor([torch.randn(4)])
     finally:
