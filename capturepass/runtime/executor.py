@@ -595,6 +595,11 @@ class Executor:
         finally:
             owner.capturing = None
 
+    @property
+    def static_positions(self) -> tuple[int, ...]:
+        """The input positions whose storage the caller keeps fixed (parameters, buffers)."""
+        return self._static_positions
+
     # -- release ---------------------------------------------------------------------------------
     @property
     def num_captures(self) -> int:

@@ -185,7 +185,7 @@ class PickRecord:
 
     Attributes:
         graph: the graph's kind (``"inference"``, ``"forward"``).
-        shape: the shapes of the call (:func:`shape_text`).
+        shape: the shapes of the call's arguments other than its parameters (:func:`shape_text`).
         device: the CUDA device's name.
         choice: the chosen candidate's name.
         cached: the choice was read from the cache (nothing was measured).
@@ -354,10 +354,14 @@ class ScheduleCache:
 # -- the picker --------------------------------------------------------------------------------------
 
 
-def shape_text(args: Sequence[Any]) -> str:
-    """The shapes, strides and dtypes of a call's arguments (scalars by value), as one string."""
+def shape_text(args: Sequence[Any], skip: Sequence[int] = ()) -> str:
+    """The shapes, strides and dtypes of a call's arguments (scalars by value), as one string;
+    the positions in ``skip`` (the parameters, when shown to a reader) left out."""
     parts = []
-    for a in args:
+    left_out = set(skip)
+    for i, a in enumerate(args):
+        if i in left_out:
+            continue
         if isinstance(a, torch.Tensor):
             dtype = str(a.dtype).replace("torch.", "")
             parts.append(f"{dtype}{list(a.shape)}{'' if a.is_contiguous() else tuple(a.stride())}")
@@ -452,9 +456,11 @@ class Picker:
             CaptureFailure: the cost model's candidate failed to capture (the executor makes the
                 op a break, as without measuring).
         """
-        shape = shape_text(args)
         dev = self.device_name(device)
-        key = ScheduleCache.key(dev, self.graph_key, shape)
+        # The key holds every argument (the parameters' shapes too); the record, the dump and
+        # the log show the call's own (a decoder has hundreds of parameters).
+        key = ScheduleCache.key(dev, self.graph_key, shape_text(args))
+        shape = shape_text(args, getattr(executor, "static_positions", ()))
         names = [c.name for c in self.candidates]
         entry = self.cache.get(key) if self.cache is not None else None
         if entry is not None and entry["choice"] not in names:

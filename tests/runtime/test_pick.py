@@ -335,6 +335,20 @@ def test_cache_key_includes_device_shape_and_graph(tmp_path, change):
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
+def test_records_show_the_call_without_its_parameters_and_the_key_keeps_them(tmp_path):
+    us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
+    p, _, picked, _ = _picker(tmp_path, us)
+    ex = _Executor()
+    ex.static_positions = (1,)  # a parameter, at a fixed address
+    p.capture(ex, [torch.randn(4, 8), torch.randn(8, 8)], real=True)
+    assert picked[0].shape == "(float32[4, 8])" and picked[0].text().startswith("schedule for (float32[4, 8]) on ")
+    # A parameter of another shape is another key (measured again), shown the same.
+    fresh, timer, again, _ = _picker(tmp_path, us)
+    fresh.capture(ex, [torch.randn(4, 8), torch.randn(8, 9)], real=True)
+    assert timer.replays == 18 and not again[0].cached and again[0].shape == "(float32[4, 8])"
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 999, "choice": "aux1"}), "[]"])
 def test_corrupt_cache_warns_once_and_measures(tmp_path, caplog, content):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
