@@ -20,6 +20,8 @@ many calls, CUDA events), compile time (the first call, cold caches: every run u
 ``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the timed
 calls. The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
+Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
+schedule chosen for it (what the whole call adds to the replay is the host's share).
 
 Run: ``python bench/zoo.py --out DIR`` (``--models``, ``--variants``, ``--jobs``, ``--procs``).
 """
@@ -170,10 +172,30 @@ def worker(args: argparse.Namespace) -> None:
         with turn(args.lock):
             for label, call in timed_calls.items():
                 results[label]["ms"] = timed(call, iters=args.iters, device=dev)
+            replays = replay_times(args.iters) if cuda and args.variant.startswith("capturepass") else None
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
-        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs, **r)),
-              flush=True)
+        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs,
+                              replays=replays, **r)), flush=True)
+
+
+def replay_times(iters: int) -> list[dict]:
+    """Each capture capturepass holds in this process, its graphs replayed alone (milliseconds per
+    replay), with the schedule chosen for it: the whole call's time less this is the host's share."""
+    from capturepass.backends.compile import last_compiled
+
+    out = []
+    for rec in last_compiled():
+        ex = rec.executor
+        if ex is None:
+            continue
+        choices = [c.text() for c in ex.schedule_choices]
+        for owner in ex.owners:
+            graphs = list(owner.graphs.values())
+            if graphs:
+                ms = timed(lambda gs=graphs: [g.replay() for g in gs], iters=iters, device="cuda")
+                out.append({"owner": owner.name, "replay_ms": ms, "choices": choices})
+    return out
 
 
 def capture_summary() -> list[dict]:
@@ -316,6 +338,17 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
                 cells.append("" if c is None else f"{c:.1f} / {pk:.0f}")
             if any(cells):
                 lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
+    seen = set()
+    for r in rows:
+        for rep in r.get("replays") or []:
+            key = (r["model"], r["variant"], rep["owner"])
+            if key in seen:
+                continue
+            seen.add(key)
+            if not lines[-1].startswith("replay alone"):
+                lines.append("")
+            choice = next((c for c in rep["choices"]), "schedule: the cost model's (not measured)")
+            lines.append(f"replay alone: {r['model']} {r['variant']} {rep['owner']}: {rep['replay_ms']:.4f} ms; {choice}")
     errs = [r for r in rows if r.get("rel_err", 0) > 5e-2]
     if errs:
         lines.append("")

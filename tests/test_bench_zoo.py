@@ -51,3 +51,19 @@ def test_zoo_bench_report_ratios():
     line = next(x for x in table.splitlines() if x.startswith("| qwen2_moe (shared expert)"))
     # medians: reduce-overhead 1.1, off 1.05, capturepass 0.99 -> 0.99 / 1.05 and 1.1 / 0.99
     assert line == "| qwen2_moe (shared expert) | decode[8,1] | 1.1000 | 1.0500 | 0.9900 | 0.943 | 1.111 |"
+
+
+def test_zoo_bench_report_lists_each_capture_replayed_alone_once():
+    bench = _load("zoo")
+    replays = [{"owner": "g0.m0.c0.one_lane", "replay_ms": 0.25,
+                "choices": ["schedule for (int64[8, 1]) on H200 sm90: one_lane (1 lane(s)), measured fastest"]}]
+    rows = [dict(model="gpt2", variant="capturepass", shape=s, ms=0.3, compile_s=2.0, peak_mib=1.0, rel_err=0.0,
+                 replays=replays) for s in ("decode[8,1]", "prefill[2,128]")]
+    rows.append(dict(model="gpt2", variant="capturepass-off", shape="decode[8,1]", ms=0.27, compile_s=1.0,
+                     peak_mib=1.0, rel_err=0.0, replays=[{"owner": "g0.m0.c0", "replay_ms": 0.26, "choices": []}]))
+    table = bench.report(rows, ["gpt2"], ["capturepass-off", "capturepass"])
+    assert [x for x in table.splitlines() if x.startswith("replay alone")] == [
+        "replay alone: gpt2 capturepass g0.m0.c0.one_lane: 0.2500 ms; schedule for (int64[8, 1]) on H200 sm90: "
+        "one_lane (1 lane(s)), measured fastest",
+        "replay alone: gpt2 capturepass-off g0.m0.c0: 0.2600 ms; schedule: the cost model's (not measured)",
+    ]

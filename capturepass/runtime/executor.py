@@ -596,6 +596,12 @@ class Executor:
             owner.capturing = None
 
     @property
+    def schedule_choices(self) -> list[Any]:
+        """The measured (or cached) schedule choices of this callable's shapes, oldest first
+        (:class:`~capturepass.runtime.pick.PickRecord`); empty without a measured choice."""
+        return list(self._picker.records) if self._picker is not None else []
+
+    @property
     def static_positions(self) -> tuple[int, ...]:
         """The input positions whose storage the caller keeps fixed (parameters, buffers)."""
         return self._static_positions
