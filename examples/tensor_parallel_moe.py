@@ -26,6 +26,7 @@ both differences, the lanes and waits of each graph, and each owner's communicat
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import tempfile
 
@@ -67,8 +68,13 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        local = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local)
+        # Bound to its GPU where torch can (NCCL guesses it from the rank otherwise).
+        bound = {"device_id": local} if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+        dist.init_process_group("nccl", **bound)
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if not cuda:

@@ -269,10 +269,16 @@ def init_ranks(rank: int, world: int, init_file: str, device: str) -> None:
     NCCL on CUDA (rank ``r`` on GPU ``r``)."""
     import torch.distributed as dist
 
+    import inspect
+
+    kwargs: dict[str, Any] = {}
     if device == "cuda":
         torch.cuda.set_device(rank)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            # Bound to its GPU: NCCL guesses it from the rank otherwise (and says it may hang).
+            kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world)
+                            rank=rank, world_size=world, **kwargs)
 
 
 def nccl_unavailable(world: int = 2) -> str | None:
