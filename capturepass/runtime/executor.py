@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -102,6 +103,7 @@ def mutated_inputs(program: Program) -> frozenset[int]:
 # Compares a call's tensors' addresses at given positions with recorded ones, in C++ (what
 # PyTorch's cudagraph trees use for their static inputs); absent from some builds.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> tuple:
@@ -236,6 +238,7 @@ class Executor:
         self.captured = info.captured and info.on_cuda and self.uncaptured_reason is None
         self._on_cuda = info.on_cuda
         self._static_positions = tuple(sorted(program.static_inputs))
+        self._static_getter = operator.itemgetter(*self._static_positions) if len(self._static_positions) > 1 else None
         # NOTE: the static inputs (parameters, buffers) are left out of the shape key: Dynamo
         # guards their shapes (another shape is another graph), and their addresses are the
         # instance key. A model has hundreds; keying each call on them cost more than a replay.
@@ -269,9 +272,19 @@ class Executor:
             and _ptrs_equal(args, self._last_ptrs, self._static_indices)
         ):
             return last
-        instance = tuple(
-            args[i].data_ptr() for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)
-        )
+        instance = None
+        if self._static_getter is not None:
+            try:
+                # One C-level pass (a model has hundreds of parameters; without the C++ check
+                # above this runs at every call).
+                instance = tuple(map(_data_ptr, self._static_getter(args)))
+            except (TypeError, IndexError):  # a static position missing, or not a tensor
+                instance = None
+        if instance is None:
+            instance = tuple(
+                args[i].data_ptr() for i in self._static_positions
+                if i < len(args) and isinstance(args[i], torch.Tensor)
+            )
         if _ptrs_equal is not None:
             ptrs: list[int | None] = [None] * len(args)
             indices = []

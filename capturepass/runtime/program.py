@@ -227,11 +227,20 @@ class Program:
 
 
 class BoundProgram:
-    """A program bound to one owner's lanes: callable pieces and the value threading."""
+    """A program bound to one owner's lanes: callable pieces and the value threading.
+
+    A whole call runs generated code: one function that calls the pieces in order and passes
+    their values on as locals (no environment to fill and read per call, which cost more than
+    the rest of the outer program on a small host graph). Captures and replays, which run the
+    pieces one at a time around their graphs, thread an environment instead.
+    """
 
     def __init__(self, program: Program, modules: list[fx.GraphModule]) -> None:
         self.program = program
         self.modules = modules
+        self._whole = _whole_call(program, modules)
+        self._constants = tuple(program.constants.values())
+        self._arity = len(program.inputs)
 
     def run_piece(self, index: int, env: dict[fx.Node, Any]) -> None:
         """Runs piece ``index`` reading and extending ``env``."""
@@ -251,6 +260,8 @@ class BoundProgram:
         return fx.node.map_arg(self.program.output, lambda n: env[n])
 
     def __call__(self, *args: Any) -> Any:
+        if len(args) == self._arity:
+            return self._whole(*args, *self._constants)
         env = self.initial_env(args)
         for i in range(len(self.modules)):
             self.run_piece(i, env)
@@ -301,6 +312,32 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             graph.call_function(owner.retain, (seg, handles) + tuple(env[a] for a in node.all_input_nodes))
     graph.output(tuple(env[n] for n in piece.live_out))
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassPiece")
+
+
+def _piece_call(module: fx.GraphModule, index: int) -> Callable[..., Any]:
+    forward = module.forward  # the generated code itself: no nn.Module call machinery per call
+
+    def call(*args: Any) -> Any:
+        return forward(*args)
+
+    call.__name__ = call.__qualname__ = f"piece_{index}"
+    return call
+
+
+def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[..., Any]:
+    """The generated function of a whole call: ``f(*inputs, *constants)`` -> the outputs."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in program.inputs:
+        env[n] = graph.placeholder(n.name)
+    for n in program.constants:
+        env[n] = graph.placeholder(f"const_{n.name}")
+    for i, (piece, module) in enumerate(zip(program.pieces, modules)):
+        outs = graph.call_function(_piece_call(module, i), tuple(env[n] for n in piece.live_in))
+        for k, node in enumerate(piece.live_out):
+            env[node] = graph.call_function(operator.getitem, (outs, k))
+    graph.output(fx.node.map_arg(program.output, lambda n: env[n]))
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassCall").forward
 
 
 def _weak_args(run: "Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]", lanes: "Lanes") -> Any:
