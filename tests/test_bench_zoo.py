@@ -67,3 +67,11 @@ def test_zoo_bench_report_lists_each_capture_replayed_alone_once():
         "one_lane (1 lane(s)), measured fastest",
         "replay alone: gpt2 capturepass-off g0.m0.c0: 0.2600 ms; schedule: the cost model's (not measured)",
     ]
+
+
+def test_host_overhead_bench_times_every_layer():
+    pytest.importorskip("transformers")
+    bench = _load("host_overhead")
+    times = bench.layers("gpt2", 2, 1, iters=2, rounds=1)
+    assert list(times) == ["region", "program", "executor", "capturepass", "inductor"]
+    assert all(t > 0 for t in times.values())

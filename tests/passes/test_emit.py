@@ -344,3 +344,33 @@ def test_a_rebuild_runs_a_region_eagerly_where_the_inner_compiler_fails(monkeypa
     assert "the region runs its graph eagerly instead" in caplog.text
     inputs = case.inputs(seed=2)
     torch.testing.assert_close(Executor(compiled.program)(list(inputs)), case.fn(*inputs))
+
+
+def test_a_whole_call_runs_one_generated_function_equal_to_threading_the_pieces():
+    """The outer program's whole call (host lanes) is one generated function over the pieces;
+    captures and replays thread an environment through the same pieces instead. Both give the
+    same values; a call with another number of arguments takes the environment path."""
+    from capturepass.runtime.owner import GraphOwner
+
+    _, _, _, ctx = case_before_after("cross_segment_release", "emit")
+    program = ctx.artifacts["program"]
+    assert [p.kind for p in program.pieces] == ["segment", "break", "segment"]
+    owner = GraphOwner("test.whole", len(program.info.lanes), None, captured=False)
+    try:
+        bound = program.bind(owner, owner.lanes("eager"))
+        args = CASES["cross_segment_release"].inputs(seed=2)
+        env = bound.initial_env(args)
+        for p in range(len(program.pieces)):
+            bound.run_piece(p, env)
+        threaded = bound.result(env)
+        whole = bound(*args)
+        assert isinstance(whole, tuple) and len(whole) == len(threaded) == 2
+        assert torch.equal(whole[0], threaded[0]) and whole[1] == threaded[1]  # a tensor, and the .item()
+        extra = bound(*args, torch.zeros(1))  # not the program's arity: the environment path
+        assert torch.equal(extra[0], threaded[0]) and extra[1] == threaded[1]
+        for got, want in zip(whole, CASES["cross_segment_release"].fn(*args)):
+            torch.testing.assert_close(got, want)
+        code = bound._whole.__self__.code  # the generated function itself
+        assert [line.split(" = ")[0].strip() for line in code.splitlines() if "_piece_" in line] == ["piece_0", "piece_1", "piece_2"]
+    finally:
+        owner.close()
