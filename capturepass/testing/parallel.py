@@ -352,7 +352,7 @@ def _sequence_number(group: Any) -> int | None:
 
 def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: dict[str, Any],
                  per_model: dict[str, dict[str, Any]] | None = None, tokens: tuple[int, ...] = (8, 8, 5),
-                 exact: bool = True, device: str = "cpu") -> None:
+                 exact: bool = True, device: str = "cpu", watchdog_s: float | None = None) -> None:
     """The worker of the parallel tests: compiles the parallel blocks and checks every call.
 
     Three models, compiled with ``torch.compile(backend="capturepass")`` one after the other:
@@ -375,6 +375,8 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
     CUDA graphs its compiled graphs hold. The dumps go to ``out_dir/rank<r>/<model>``.
 
     ``device="cuda"``: NCCL, rank ``r`` on GPU ``r``, the weights and tokens there (float32).
+    ``watchdog_s``: a rank still running after this many seconds prints every thread's stack
+    and exits (a collective one rank never reaches waits forever; the stacks say where).
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -383,6 +385,10 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
     from capturepass.backends.compile import last_compiled
     from capturepass.runtime import comms
 
+    if watchdog_s is not None:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(watchdog_s, exit=True)
     init_ranks(rank, world, init_file, device)
     torch.set_num_threads(1)  # the same kernels, one thread, in the workers and their references
     report: dict[str, Any] = {"errors": {}, "communicators": {}, "posted": {}, "captures": {}}
@@ -442,6 +448,10 @@ def check_blocks(rank: int, world: int, init_file: str, out_dir: str, options: d
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(report, f, indent=1, sort_keys=True)
         dist.destroy_process_group()
+        if watchdog_s is not None:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
 
 
 def canonical_dump(text: str) -> str:
