@@ -115,7 +115,13 @@ def _static_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def release(obj: Any) -> int:
     """Releases every owner capturepass holds for a model: its graphs, pools, leases, workspaces,
-    channels and retained objects, in every compiled graph of the process.
+    channels and retained objects, in every compiled graph of the process; then the model's
+    communicators (process groups), after every graph that captured on them.
+
+    With collectives, every rank calls this for the model at the same point of its program:
+    destroying an NCCL communicator is collective. Call it before
+    ``torch.distributed.destroy_process_group()``, which NCCL makes wait for every CUDA graph
+    that captured on a communicator.
 
     Args:
         obj: the model (an ``nn.Module``), or what ``torch.compile`` returned for it.
