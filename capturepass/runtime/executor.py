@@ -457,7 +457,8 @@ class Executor:
             # Owner names are unique among open owners: each other candidate's bears its schedule's name.
             captures = types.SimpleNamespace(
                 _capture_program=lambda program, a, r, candidate: self._capture_program(
-                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device)
+                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device),
+                static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             cap, out = self._picker.capture(captures, args, real, protect, device)
             if self._record is not None:

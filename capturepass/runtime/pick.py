@@ -446,7 +446,8 @@ class Picker:
             executor: captures a program without keeping it (``_capture_program(program, args,
                 real, candidate)`` returns a capture whose ``owner`` it closes to release it, and the
                 warm-up's outputs; ``candidate`` is ``None`` for the cost model's, else the
-                candidate's name, which its owner's name bears).
+                candidate's name, which its owner's name bears); its ``static_positions`` are
+                the parameters, which the record's shape leaves out.
             args: the call's arguments.
             real: the cost model's warm-up is the call (its outputs are the call's results).
             protect: tensors the timed replays write in place at the caller's addresses; restored.
@@ -460,7 +461,7 @@ class Picker:
         # The key holds every argument (the parameters' shapes too); the record, the dump and
         # the log show the call's own (a decoder has hundreds of parameters).
         key = ScheduleCache.key(dev, self.graph_key, shape_text(args))
-        shape = shape_text(args, getattr(executor, "static_positions", ()))
+        shape = shape_text(args, executor.static_positions)
         names = [c.name for c in self.candidates]
         entry = self.cache.get(key) if self.cache is not None else None
         if entry is not None and entry["choice"] not in names:

@@ -211,6 +211,7 @@ class _Cap:
 
 class _Executor:
     def __init__(self):
+        self.static_positions = ()
         self.captured = []
         self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
 
@@ -558,3 +559,35 @@ def test_malformed_schedules_file_names_the_field(tmp_path):
     (tmp_path / pick.PICKS_FILE).write_text("[1]")
     with pytest.raises(DumpError, match="cannot be read"):
         show_summary.pick_decisions(str(tmp_path))
+
+
+def test_the_executor_hands_the_picker_its_parameters_positions():
+    """What the executor passes the picker knows the parameters (the record leaves them out)."""
+    import types
+
+    from capturepass.runtime.executor import Executor
+
+    def fn(x, w):
+        return (torch.relu(x @ w),)
+
+    gm = aten_graph(fn, torch.randn(4, 8), torch.randn(8, 8), static_inputs=(1,))
+    program = compile_graph(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
+                            {"inner": "eager"}, record=False).program
+    seen = []
+
+    class Picker:
+        def for_program(self, program):
+            return self
+
+        def capture(self, executor, args, real, protect, device):
+            seen.append((executor.static_positions, pick.shape_text(args, executor.static_positions)))
+            return types.SimpleNamespace(owner=None), ("out",)
+
+    ex = Executor(program, picker=Picker())
+    try:
+        args = [torch.randn(4, 8), torch.randn(8, 8)]
+        assert ex._pick_new(args, (ex._instance(args), ()), real=True)[1] == ("out",)
+    finally:
+        ex._captures.clear()
+        ex.close()
+    assert seen == [((1,), "(float32[4, 8])")]
