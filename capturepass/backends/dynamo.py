@@ -235,13 +235,12 @@ def _picker(
         log.info("capturepass: %s: captured breakable (%d segments); its schedule is the cost model's, not "
                  "measured", gi.title, len(gi.segments))
         return None
-    posted = sum(1 for n in compiled.graph.graph.nodes if collectives.is_collective(n))
-    if posted:
+    if collectives.has_collectives(compiled.graph.graph):
         # Every rank would time the candidates for as many rounds as its own clock allows and
         # replay their collectives that many times: ranks out of step wait on each other forever
         # (and could keep different schedules).
-        log.info("capturepass: %s: posts %d collective(s); its schedule is the cost model's, not measured "
-                 "(ranks measuring on their own would replay collectives out of step)", gi.title, posted)
+        log.info("capturepass: %s: posts collectives; its schedule is the cost model's, not measured "
+                 "(ranks measuring on their own would replay collectives out of step)", gi.title)
         return None
     rebuilt = bool(breaks)
 

@@ -207,10 +207,11 @@ def release_model(model: str, in_step: bool) -> int:
             if key.owner == model:
                 kept = channel.retire()
                 if kept:
-                    log.info("capturepass: model %s was collected; its communicators %s (lane s%d) are kept until "
-                             "torch.distributed destroys its process groups: destroying them is collective, and "
-                             "the other ranks collect it at moments of their own (capturepass.release(model) on "
-                             "every rank destroys them at once)", model, ", ".join(kept), key.lane)
+                    log.info("capturepass: model %s was collected (or its compiled callable was); its communicators "
+                             "%s (lane s%d) are kept until torch.distributed destroys its process groups: "
+                             "destroying them is collective, and the other ranks collect theirs at moments of "
+                             "their own (capturepass.release(model) on every rank destroys them at once)",
+                             model, ", ".join(kept), key.lane)
     return _pool.release_owner(model)
 
 

@@ -272,27 +272,23 @@ class Executor:
             and _ptrs_equal(args, self._last_ptrs, self._static_indices)
         ):
             return last
-        instance = None
+        indices: Sequence[int] | None = None
         if self._static_getter is not None:
             try:
                 # One C-level pass (a model has hundreds of parameters; without the C++ check
                 # above this runs at every call).
                 instance = tuple(map(_data_ptr, self._static_getter(args)))
+                indices = self._static_positions
             except (TypeError, IndexError):  # a static position missing, or not a tensor
-                instance = None
-        if instance is None:
-            instance = tuple(
-                args[i].data_ptr() for i in self._static_positions
-                if i < len(args) and isinstance(args[i], torch.Tensor)
-            )
+                pass
+        if indices is None:
+            indices = [i for i in self._static_positions if i < len(args) and isinstance(args[i], torch.Tensor)]
+            instance = tuple(args[i].data_ptr() for i in indices)
         if _ptrs_equal is not None:
             ptrs: list[int | None] = [None] * len(args)
-            indices = []
-            for i in self._static_positions:
-                if i < len(args) and isinstance(args[i], torch.Tensor):
-                    ptrs[i] = args[i].data_ptr()
-                    indices.append(i)
-            self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, indices
+            for i, ptr in zip(indices, instance):
+                ptrs[i] = ptr
+            self._last_instance, self._last_ptrs, self._static_indices = instance, ptrs, list(indices)
         return instance
 
     def _watch(self, instance: tuple, args: Sequence[Any]) -> None:

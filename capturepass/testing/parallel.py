@@ -20,9 +20,10 @@ Collectives go through ``torch.distributed._functional_collectives`` (``api="fun
 what DTensor uses) or the in-place ``torch.distributed`` calls (``api="c10d"``,
 ``dist.all_reduce(t)``), which Dynamo traces to the same functional ops.
 
-:func:`spawn_gloo` runs a function on ``world`` CPU processes joined by gloo through a
-file in a temporary directory (no network); :func:`check_blocks` is the worker of the
-CPU tests; :func:`one_rank_world` makes a world of one process.
+:func:`spawn_ranks` runs a function on ``world`` processes that join through a file in a
+temporary directory (no network; gloo on the CPU, NCCL on GPUs, :func:`init_ranks`);
+:func:`check_blocks` is the worker of the parallel tests; :func:`one_rank_world` makes a
+world of one process.
 """
 
 from __future__ import annotations
@@ -292,7 +293,7 @@ def nccl_unavailable(world: int = 2) -> str | None:
     return None
 
 
-def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> None:
+def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> None:
     """Runs ``fn(rank, world, init_file, *args)`` on ``world`` processes (``torch.multiprocessing``,
     started with ``spawn``: CUDA may be used in them), ``init_file`` in a new temporary directory.
 

@@ -45,7 +45,7 @@ COLLECTIVES_PER_CALL = 2  # two all-reduces (tp, draft), two all-to-alls (ep)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("gloo")
-    parallel.spawn_gloo(parallel.check_blocks, 2, str(out), {"inner": "eager"}, {"tp": {"max_aux_lanes": 0}},
+    parallel.spawn_ranks(parallel.check_blocks, 2, str(out), {"inner": "eager"}, {"tp": {"max_aux_lanes": 0}},
                         TOKENS, True, timeout=240)
     return out
 

@@ -36,7 +36,7 @@ COLLECTIVES_PER_CALL = 2  # two all-reduces (tp, draft), two all-to-alls (ep)
 @pytest.fixture(scope="module", params=["monolithic", "breakable"])
 def run(request, tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp(f"nccl-{request.param}")
-    parallel.spawn_gloo(parallel.check_blocks, 2, str(out), {"cudagraphs": request.param},
+    parallel.spawn_ranks(parallel.check_blocks, 2, str(out), {"cudagraphs": request.param},
                         {"tp": {"max_aux_lanes": 0}}, TOKENS, False, "cuda", 300, timeout=420)
     return out
 

@@ -591,3 +591,31 @@ def test_the_executor_hands_the_picker_its_parameters_positions():
         ex._captures.clear()
         ex.close()
     assert seen == [((1,), "(float32[4, 8])")]
+
+
+@pytest.mark.parametrize("cpp_check", [False, True])
+def test_a_model_instance_is_its_parameters_addresses(monkeypatch, cpp_check):
+    """The instance key, with and without torch's C++ address check (a Python stand-in for it
+    where this build lacks it): the same parameters give the same key, a moved one another."""
+    from capturepass.runtime import executor as executor_mod
+    from capturepass.runtime.executor import Executor
+
+    def equal(tensors, ptrs, indices):  # what torch._C._tensors_data_ptrs_at_indices_equal checks
+        return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+    monkeypatch.setattr(executor_mod, "_ptrs_equal", equal if cpp_check else None)
+    gm = aten_graph(lambda x, w, b: (torch.relu(x @ w) + b,), torch.randn(4, 8), torch.randn(8, 8), torch.randn(8),
+                    static_inputs=(1, 2))
+    program = compile_graph(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
+                            {"inner": "eager"}, record=False).program
+    ex = Executor(program)
+    try:
+        w, b = torch.randn(8, 8), torch.randn(8)
+        first = ex._instance([torch.randn(4, 8), w, b])
+        assert first == (w.data_ptr(), b.data_ptr())
+        assert ex._instance([torch.randn(4, 8), w, b]) == first
+        w2 = w.clone()
+        assert ex._instance([torch.randn(4, 8), w2, b]) == (w2.data_ptr(), b.data_ptr())
+        assert ex._instance([torch.randn(4, 8), w, 3]) == (w.data_ptr(),)  # not a tensor: left out
+    finally:
+        ex.close()
