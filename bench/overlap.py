@@ -16,7 +16,8 @@ time per call, CUDA events around many calls):
   side stream, join);
 - ``reduce-overhead``: ``torch.compile(mode="reduce-overhead")``;
 - ``capturepass``: ``torch.compile(backend="capturepass")``, the whole call
-  (input copy, replay, output copy); ``capturepass-static``: the same with
+  (input copy, replay, outputs returned over aliases of the pool, copied out only
+  when still held at the next call); ``capturepass-static``: the same with
   ``static_outputs=True``; ``capturepass-replay``: its graphs' replay alone.
 
 Also the byte floor (weights, inputs and outputs read or written once, at the

@@ -84,8 +84,13 @@ class Options:
             dynamic input), as engines pre-capture.
         max_captures: capture shapes kept per graph; beyond it new shapes run
             uncaptured (logged once).
-        static_outputs: return replayed outputs without copying them out of the
-            graph's pool (they are overwritten by the next call).
+        static_outputs: return replayed outputs as they are, in the graph's pool:
+            each is overwritten by the next call, and nothing is ever copied (for
+            callers that consume outputs before the next call). By default outputs
+            are returned over aliases of the pool too, and the next replay (or the
+            graph's release) first copies out those the caller still holds: an
+            output is never overwritten under the caller, and only held ones cost
+            a copy.
         external_streams: streams capturepass does not own, by name, with their
             relation to the graph: ``"before"`` (the graph reads what the stream
             produced), ``"after"`` (the stream reads what the graph produced) or

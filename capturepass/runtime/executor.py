@@ -14,6 +14,8 @@ Modes, per graph:
   values into the static input buffers, replay, and copy the inputs the graph
   writes back to the caller's tensors. A new shape gets a new owner, up to
   ``max_captures``; beyond it the program runs uncaptured, and says so once.
+  Some inputs are captured *in place* instead, on the caller's own tensor,
+  with no buffer and no copy (see `In-place inputs` below).
 - called while a capture that capturepass did not start is in progress (an
   engine capturing around the model), in any mode: the program runs without
   starting its own capture, forking from and joining to the capturing stream,
@@ -44,9 +46,29 @@ graph, say). A difference raises :class:`~capturepass.errors.ResourceError`
 naming the buffer or the retained object (instead of replaying into freed
 memory). Static inputs need no check: their addresses are part of the key.
 
-Outputs of a replay live in the owner's pool and would be overwritten by the
-next replay, so they are copied out unless ``static_outputs=True`` (for callers
-that consume them before the next call, as engines do).
+Outputs of a replay live in the owner's pool and are overwritten by the next
+replay. They are returned over aliases of that memory, and the next replay (or
+the owner's release) first copies out those the caller still holds
+(``runtime.outputs``): a call whose earlier outputs were dropped copies
+nothing. ``static_outputs=True`` returns them as they are, overwritten by the
+next call (for callers that consume them before it, as engines do).
+
+In-place inputs. Parameters and buffers (static inputs) are read in place and
+key the owner. Of the other inputs, the capture of a shape reads and writes in
+place, with no copy in or back, those the graph *writes* (a KV cache) and those
+that are a slice of a larger buffer (an engine's input buffers): the addresses
+they had at capture join the capture's key, so a replay only ever touches the
+tensor of the call at hand. The rule, per model instance and shapes: the first
+capture is made in place; when a later call brings one of those inputs at
+another address (a caller that allocates a new tensor per call), that input is
+copied into a static buffer from then on, the in-place capture is released and
+a copy capture replaces it (logged). So a caller whose tensors stay put pays no
+copy, one whose tensors move pays one extra capture per shape (at most one per
+input that moves, as they are found), and captures never multiply per address
+within ``max_captures``. A capture made on a caller's tensor is released when
+that tensor's storage dies (``lifetime.watch_capture``). The capture key is
+(model instance, shapes, in-place addresses); the in-place capture and the copy
+capture that replaces it are one capture shape of the model (``g3.m0.c0``).
 
 Owners die with their model: the executor watches each instance's static input
 tensors and releases that instance's owners when the model is collected
@@ -153,6 +175,22 @@ def _args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any
     return out
 
 
+def _key(base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]] | None, args: Sequence[Any]) -> tuple:
+    """A capture's key: model instance, shapes, and the addresses of the inputs captured in place."""
+    if not plan or not plan[0]:
+        return (*base, ())
+    return (*base, tuple(args[i].data_ptr() for i in plan[0]))
+
+
+def _is_slice(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers less than its storage: a slice of a buffer kept across calls (an
+    engine's input buffers), unlike a tensor made for the call."""
+    if t.numel() == 0:
+        return False
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return t.untyped_storage().nbytes() > extent * t.element_size()
+
+
 @dataclasses.dataclass
 class _Model:
     """One model instance the callable ran: its name (``g3.m1``) and its capture shapes' numbers."""
@@ -177,9 +215,10 @@ class Executor:
         program: the emitted program.
         options: the graph's resolved options (:meth:`Options.for_graph`); the executor reads
             ``max_captures`` (capture shapes kept before falling back to uncaptured runs),
-            ``static_outputs`` (return replay outputs without copying them), ``capture_sizes``
-            (batch sizes to capture on the first call) and ``check_replay`` (check at every
-            replay that baked-in addresses are unchanged). Defaults: :class:`Options`' own.
+            ``static_outputs`` (return replay outputs as they are, overwritten by the next
+            call), ``capture_sizes`` (batch sizes to capture on the first call) and
+            ``check_replay`` (check at every replay that baked-in addresses are unchanged).
+            Defaults: :class:`Options`' own.
         rebuild: re-runs the passes on the graph as it was before them, with the named
             nodes made breaks (``{node name: reason}``), and returns the new program;
             without it a capture that fails on one op turns capture off for this graph.
@@ -216,6 +255,8 @@ class Executor:
         self._profile_owners: dict[tuple, _EagerOwner] = {}
         self._watchers: dict[tuple, list] = {}  # instance -> finalizers of its static inputs
         self._models: dict[tuple, _Model] = {}  # instance -> its name and capture shapes, while it lives
+        # (instance, shapes) -> (positions captured in place, their addresses at the first capture)
+        self._plans: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._uncaptured_depth = 0
         self._rebuild = rebuild
         self._picker = picker
@@ -248,6 +289,7 @@ class Executor:
         self._static_indices: list[int] = []
         self._written = mutated_inputs(program)
         self._warned_bound = False
+        self._plans = {}
 
     # -- owners --------------------------------------------------------------------------------
     def _device(self, args: Sequence[Any]) -> torch.device | None:
@@ -384,10 +426,20 @@ class Executor:
             self._precapture(args)
             if not self.captured:
                 return self._run_eager(args)
-        key = (self._instance(args), _shape_key(args, self._dynamic_positions))
+        base = (self._instance(args), _shape_key(args, self._dynamic_positions))
+        plan = self._plans.get(base)
+        if plan is None:
+            self._plan(base, args)
+            plan = self._plans[base]
+        key = _key(base, plan, args)
         cap = self._captures.get(key)
         if cap is not None:
             return cap.replay(args, self.check_replay)
+        if plan[0]:
+            key = self._replan(base, plan, args)
+            cap = self._captures.get(key)
+            if cap is not None:
+                return cap.replay(args, self.check_replay)
         if len(self._captures) >= self.max_captures:
             if not self._warned_bound:
                 self._warned_bound = True
@@ -403,6 +455,56 @@ class Executor:
             self._capture_failed(failure)
             return failure.outputs  # the warm-up was this call
 
+    def _in_place(self, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
+        """Input positions to capture on the caller's tensor: written, or a slice of a larger buffer.
+
+        With ``given`` (the caller's arguments, of which ``args`` are resized copies) only the
+        positions that are the caller's own tensors qualify.
+        """
+        places = []
+        for i, a in enumerate(args):
+            if i in self.program.static_inputs or not isinstance(a, torch.Tensor) or a.layout != torch.strided:
+                continue
+            if given is not None and (i >= len(given) or a is not given[i]):
+                continue
+            if i in self._written or _is_slice(a):
+                places.append(i)
+        return tuple(places)
+
+    def _plan(self, base: tuple, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
+        """The in-place positions of ``base``, decided at its first capture."""
+        plan = self._plans.get(base)
+        if plan is None:
+            places = self._in_place(args, given)
+            plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
+        return plan[0]
+
+    def _replan(self, base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]], args: Sequence[Any]) -> tuple:
+        """A call with the shapes of ``base`` but an in-place input elsewhere; returns its key.
+
+        An input back at its first address (its capture was released when the tensor died)
+        is captured in place again; one at another address is copied from now on, and the
+        captures made on it, now unreachable, are released.
+        """
+        places, ptrs = plan
+        moved = [i for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr]
+        if moved:
+            names = [self.program.inputs[i].name for i in moved]
+            released = []
+            for key in [k for k in self._captures if k[:2] == base]:
+                cap = self._captures.pop(key)
+                released.append(cap.owner.name)
+                cap.release()
+            log.info(
+                "capturepass: %s: input(s) %s came at another address than at their capture; they are "
+                "copied into buffers from now on (a capture per address would spend max_captures)%s",
+                self._what, ", ".join(f"%{n}" for n in names),
+                f"; released {', '.join(released)}, made on the old address" if released else "",
+            )
+            keep = [(i, ptr) for i, ptr in zip(places, ptrs) if i not in moved]
+            plan = self._plans[base] = (tuple(i for i, _ in keep), tuple(p for _, p in keep))
+        return _key(base, plan, args)
+
     def capture(self, args: Sequence[Any], key: tuple | None = None) -> Capture | None:
         """Captures the program for the shapes (and model instance) of ``args``, kept for later calls.
 
@@ -410,7 +512,10 @@ class Executor:
         leaves no visible effect. A capture that fails on one op makes it a break and
         captures the rebuilt program; returns ``None`` when the graph stopped capturing.
         """
-        key = (self._instance(args), _shape_key(args, self._dynamic_positions)) if key is None else key
+        if key is None:
+            base = (self._instance(args), _shape_key(args, self._dynamic_positions))
+            self._plan(base, args)
+            key = _key(base, self._plans[base], args)
         while self.captured:
             program = self.program
             try:
@@ -429,7 +534,8 @@ class Executor:
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
             owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True)
-            cap = Capture(self.program, owner, self.static_outputs, self._written)
+            places = self._plan(key[:2], args)
+            cap = Capture(self.program, owner, self.static_outputs, self._written, frozenset(places))
             prof = profiling.active()
             try:
                 out = cap.run(args, real)
@@ -438,6 +544,8 @@ class Executor:
                 raise
             self._captures[key] = cap
             self._watch(key[0], args)
+            if places:
+                cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
             if prof is not None:
                 prof.adopt(owner, lambda: self._forget(key, cap))
         return cap, out
@@ -446,17 +554,21 @@ class Executor:
         """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
-            static = set(self.program.static_inputs)
+            places = frozenset(self._plan(key[:2], args))
+            static = set(self.program.static_inputs) | places
             # Timed replays write these at the caller's addresses: the picker restores them.
             protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
             device = self._device(args)
             # Owner names are unique among open owners: each other candidate's bears its schedule's name.
             captures = types.SimpleNamespace(
                 _capture_program=lambda program, a, r, candidate: self._capture_program(
-                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device),
+                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device,
+                    places),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             cap, out = self._picker.capture(captures, args, real, protect, device)
+            if places:
+                cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
             if self._record is not None:
                 self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
                                  str(cap.owner.device) if cap.owner.device is not None else "cpu")
@@ -465,10 +577,11 @@ class Executor:
         return cap, out
 
     def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
-                         device: torch.device | None) -> tuple[Capture, Any]:
-        """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps one)."""
+                         device: torch.device | None, places: frozenset[int] = frozenset()) -> tuple[Capture, Any]:
+        """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps
+        one); the inputs at ``places`` are captured in place."""
         owner = GraphOwner(name, len(program.info.lanes), device, captured=True)
-        cap = Capture(program, owner, self.static_outputs, mutated_inputs(program))
+        cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
             out = cap.run(args, real)
         except BaseException:
@@ -491,7 +604,9 @@ class Executor:
                     self._what,
                 )
                 return
-            key = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
+            base = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
+            self._plan(base, sized, given=args)
+            key = _key(base, self._plans[base], sized)
             if key not in self._captures and len(self._captures) < self.max_captures:
                 if self.capture(sized, key) is None:
                     return
@@ -562,8 +677,9 @@ class Executor:
         self.captured = False
         log.warning("capturepass: the %s runs uncaptured from now on: %s", self._what, reason)
         for cap in self._captures.values():
-            cap.owner.close()
+            cap.release()
         self._captures.clear()
+        self._plans.clear()
 
     # -- uncaptured runs -------------------------------------------------------------------------
     def _run_eager(self, args: Sequence[Any]) -> Any:
@@ -626,8 +742,9 @@ class Executor:
         """Closes every capture owner (graphs, pools, leases, retained objects); the callable
         stays usable and captures again on its next call."""
         for cap in self._captures.values():
-            cap.owner.close()
+            cap.release()
         self._captures.clear()
+        self._plans.clear()
         self._warned_bound = False
 
     def release_instance(self, instance: tuple, why: str = "released") -> bool:
@@ -640,6 +757,22 @@ class Executor:
         finally:
             self._lock.release()
         self._log_released(closed, why)
+        return True
+
+    def release_capture(self, key: tuple, cap: Capture | None, why: str) -> bool:
+        """Closes the capture ``cap`` if it is still the one under ``key``; ``False`` if the
+        callable is busy capturing on another thread (try again later)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if cap is None or self._captures.get(key) is not cap:
+                return True
+            del self._captures[key]
+            model = self._models.get(key[0])
+            cap.release()
+        finally:
+            self._lock.release()
+        self._log_released([(model.name if model is not None else "?", cap.owner.name)], why)
         return True
 
     def release_addresses(self, addresses: set[int]) -> list[tuple[str, str]]:
@@ -668,13 +801,16 @@ class Executor:
         capture shapes' numbers."""
         closed: list[tuple[str, str]] = []
 
-        def close(instance: tuple, owner: GraphOwner) -> None:
+        def close(instance: tuple, owner: GraphOwner, release: Callable[[], None] | None = None) -> None:
             model = self._models.get(instance)
             closed.append((model.name if model is not None else "?", owner.name))
-            owner.close()
+            (release or owner.close)()
 
         for key in [k for k in self._captures if match(k[0])]:
-            close(key[0], self._captures.pop(key).owner)
+            cap = self._captures.pop(key)
+            close(key[0], cap.owner, cap.release)
+        for base in [b for b in self._plans if match(b[0])]:
+            del self._plans[base]
         for table in (self._eager_owners, self._profile_owners):
             for instance in [i for i in table if match(i)]:
                 close(instance, table.pop(instance).owner)

@@ -17,13 +17,18 @@ go with the instance:
   makes, on any thread): it is then deferred to the next call of a compiled
   graph, or to the end of the capture;
 - :func:`release` releases one model's owners explicitly (engines call it when
-  they drop a model).
+  they drop a model);
+- a capture made on a caller's own tensor (an input captured in place, such as a
+  KV cache) is released when that tensor's *storage* dies (``watch_capture``):
+  the storage, not the tensor object, since a caller may pass a new view of the
+  same buffer at every call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Iterator
@@ -36,11 +41,28 @@ from capturepass.errors import CapturePassError
 if TYPE_CHECKING:
     from capturepass.runtime.executor import Executor
 
+log = logging.getLogger("capturepass")
 _executors: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 _lock = threading.Lock()
 _capturing = 0
-# (executor, instance) pairs whose model died while a release was not allowed.
-PENDING: list[tuple["weakref.ref[Executor]", tuple]] = []
+# (executor, instance) pairs whose model died while a release was not allowed; the instance
+# is a ``CaptureDied`` where one capture's in-place input died.
+PENDING: list[tuple["weakref.ref[Executor]", Any]] = []
+
+
+class CaptureDied:
+    """The storage of an input one capture was made on died: that capture goes.
+
+    Args:
+        key: the capture's key in its executor.
+        capture: a weak reference to the capture (a later capture under the same key stays).
+    """
+
+    __slots__ = ("key", "capture")
+
+    def __init__(self, key: tuple, capture: "weakref.ref[Any]") -> None:
+        self.key = key
+        self.capture = capture
 
 
 def register(executor: "Executor") -> None:
@@ -85,7 +107,50 @@ def watch(executor: "Executor", instance: tuple, tensors: list[torch.Tensor]) ->
     return finalizers
 
 
-def _died(ref: "weakref.ref[Executor]", instance: tuple) -> None:
+def watch_capture(executor: "Executor", key: tuple, capture: Any, storages: list[Any]) -> list[weakref.finalize]:
+    """Finalizers that release ``executor``'s capture under ``key`` when any of ``storages`` dies.
+
+    Storages are watched through their Python object, which torch keeps alive as long as
+    the storage itself (PyObject preservation); where it does not, nothing is watched
+    (logged once), and the capture goes with its model or by ``max_captures``. Either way
+    a replay writes only the tensor of the call: the address is part of the key.
+    """
+    if not _storages_preserved():
+        return []
+    ref = weakref.ref(executor)
+    died = CaptureDied(key, weakref.ref(capture))
+    finalizers = []
+    for storage in storages:
+        f = weakref.finalize(storage, _died, ref, died)
+        f.atexit = False
+        finalizers.append(f)
+    return finalizers
+
+
+_preserved: bool | None = None
+
+
+def _storages_preserved() -> bool:
+    """Whether a storage's Python object lives as long as the storage (else a finalizer on it
+    would fire as soon as our own reference goes, not when the memory does)."""
+    global _preserved
+    if _preserved is None:
+        t = torch.empty(1)
+        try:
+            r = weakref.ref(t.untyped_storage())
+        except TypeError as exc:
+            reason = f"storages take no weak reference ({exc})"
+            _preserved = False
+        else:
+            _preserved = r() is not None
+            reason = "a storage's Python object does not live as long as the storage"
+        if not _preserved:
+            log.info("capturepass: inputs captured in place are not watched: %s; their captures go with "
+                     "their model or by max_captures", reason)
+    return _preserved
+
+
+def _died(ref: "weakref.ref[Executor]", instance: Any) -> None:
     with _lock:
         PENDING.append((ref, instance))
     if _safe():
@@ -102,7 +167,13 @@ def drain() -> None:
     keep = []
     for ref, instance in todo:
         executor = ref()
-        if executor is not None and not executor.release_instance(instance, "its model was collected"):
+        if executor is None:
+            continue
+        if isinstance(instance, CaptureDied):
+            done = executor.release_capture(instance.key, instance.capture(), "an input it was made on was collected")
+        else:
+            done = executor.release_instance(instance, "its model was collected")
+        if not done:
             keep.append((ref, instance))  # the executor is busy (capturing): next time
     if keep:
         with _lock:

@@ -98,6 +98,7 @@ class GraphOwner:
             captures more graphs into ``pool`` should use it too).
         workspaces: its scratch storage, a slot per lane (locked while capturing).
         profiling: it belongs to a profiling capture and is released at its end.
+        before_close: callables ``close()`` runs first (copying out held outputs).
     """
 
     def __init__(self, name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
@@ -130,6 +131,9 @@ class GraphOwner:
             self.name, max(num_lanes, 1), device=self.device if self.device is not None else device or "cpu"
         )
         self.profiling = False
+        # Called first by close(), while the pool and buffers still hold their values: the
+        # replayed outputs a caller still holds are copied out of them there.
+        self.before_close: list[Any] = []
 
     # -- lanes and events ---------------------------------------------------------------------
     def lanes(self, scope: str = "eager") -> Lanes:
@@ -204,6 +208,9 @@ class GraphOwner:
             return
         self.closed = True
         try:
+            hooks, self.before_close = self.before_close, []
+            for hook in hooks:
+                hook()
             self.synchronize()
         finally:
             for lanes in self._scopes.values():

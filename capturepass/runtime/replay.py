@@ -15,9 +15,17 @@ Later calls copy the values of non-static inputs into the capture's static
 input buffers and replay; breaks run eagerly between segment replays, reading
 the same buffers, their outputs copied into the next segment's staged buffers.
 Inputs the graph writes in place are written in the buffers, so they are copied
-back to the caller's tensors after the replay (static inputs, parameters and
-buffers of the module, are read and written in place: their addresses are part
-of the capture's key).
+back to the caller's tensors after the replay. Static inputs (parameters and
+buffers of the module) and the inputs the executor chose to capture *in place*
+(``in_place``: a KV cache the caller passes at one address every call) have no
+buffer: the graphs read and write the caller's tensor itself, and its address
+is part of the capture's key, so a call replays this capture only when the
+tensor is where the graphs expect it.
+
+Outputs that live in memory the next replay overwrites (the pool, the buffers)
+are returned over aliases of that memory, copied out only when the caller still
+holds them when it is about to be overwritten (``runtime.outputs``), unless
+``static_outputs`` (returned as they are, overwritten by the next call).
 
 A segment that reads a value its capture baked in but that changes at replay
 (a break's output of another shape or stride, or a host scalar such as a size
@@ -38,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.errors import CapturePassError, ResourceError
-from capturepass.runtime import capture, context, pools
+from capturepass.runtime import capture, context, outputs, pools
 from capturepass.runtime.owner import GraphOwner, HeldStorage
 from capturepass.runtime.program import Program
 from capturepass.runtime.workspaces import locked_for_capture
@@ -76,15 +84,31 @@ class Capture:
     Args:
         program: the program to capture.
         owner: the owner of the graphs, pool and buffers.
-        static_outputs: return replayed outputs without copying them out of the pool.
+        static_outputs: return replayed outputs as they are, in the pool (overwritten by the
+            next call); otherwise as aliases copied out only when still held at the next replay.
         written: input positions the graph writes in place.
+        in_place: non-static input positions captured on the caller's tensor itself (no
+            buffer, no copy); the caller keys this capture on their addresses.
+
+    Attributes:
+        outputs: the aliases of replayed outputs (``None`` with ``static_outputs``, or where
+            torch cannot alias them: outputs are then copied out).
+        input_copies: copies of inputs into buffers and back to the caller's tensors, over
+            all replays (in-place inputs make none).
+        in_place_ptrs: the address each in-place input had at capture.
     """
 
-    def __init__(self, program: Program, owner: GraphOwner, static_outputs: bool, written: frozenset[int]) -> None:
+    def __init__(self, program: Program, owner: GraphOwner, static_outputs: bool, written: frozenset[int],
+                 in_place: frozenset[int] = frozenset()) -> None:
         self.program = program
         self.owner = owner
         self.static_outputs = static_outputs
         self.written = written
+        self.in_place = in_place
+        self.in_place_ptrs: dict[int, int] = {}
+        self.outputs: outputs.OutputAliases | None = None
+        self.input_copies = 0
+        self.watchers: list[Any] = []  # finalizers of the in-place inputs' storages
         self.eager_lanes = owner.lanes("eager")
         self.eager = program.bind(owner, self.eager_lanes)
         self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
@@ -111,7 +135,9 @@ class Capture:
         program, owner = self.program, self.owner
         device = owner.device
         for i, (node, arg) in enumerate(zip(program.inputs, args)):
-            if isinstance(arg, torch.Tensor) and i not in program.static_inputs:
+            if isinstance(arg, torch.Tensor) and i in self.in_place:
+                self.in_place_ptrs[i] = arg.data_ptr()  # the graphs use the caller's tensor: held by nobody here
+            elif isinstance(arg, torch.Tensor) and i not in program.static_inputs:
                 # Filled before the warm-up, which may write the caller's tensor.
                 buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
                 buf.copy_(arg)
@@ -133,7 +159,31 @@ class Capture:
         self._capture(args, env, out)
         torch.cuda.synchronize(device)
         self.snapshot = Snapshot.of(self)
+        if not self.static_outputs and outputs.supported():
+            self.outputs = outputs.OutputAliases(self._overwritten(args))
+            owner.before_close.append(self.outputs.close)
         return out
+
+    def _overwritten(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        """Tensors over the memory a replay writes anew: segment outputs, input and staged buffers.
+
+        A segment output over the caller's memory (a view of a parameter, of an in-place
+        input, of a constant) is not: it is returned as it is, as eager returns it.
+        """
+        theirs = {
+            a.untyped_storage()._cdata
+            for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided
+            and (i in self.program.static_inputs or i in self.in_place)
+        }
+        theirs.update(
+            c.untyped_storage()._cdata for c in self.program.constants.values()
+            if isinstance(c, torch.Tensor) and c.layout == torch.strided
+        )
+        mine = [t for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)]
+        mine += [buf for staged in self.seg_in.values() for _, buf in staged]
+        mine += list(self.inputs.values())
+        return [t for t in mine if t.layout == torch.strided and t.untyped_storage()._cdata not in theirs]
 
     def _capture(self, args: Sequence[Any], warm: dict[fx.Node, Any], out: Any) -> None:
         program, owner = self.program, self.owner
@@ -204,17 +254,24 @@ class Capture:
 
     # -- replays ----------------------------------------------------------------------------------
     def replay(self, args: Sequence[Any], check: bool = False) -> Any:
-        """Copies the inputs in, replays the segments (breaks in between), copies written inputs back."""
+        """Copies the inputs in, replays the segments (breaks in between), copies written inputs back.
+
+        Outputs the caller still holds from the previous replay are copied out of the
+        memory first (an input may be one of them: it is read after its rescue).
+        """
         program = self.program
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
         # The copies in and out are this owner's work too (an observer's owner range holds them).
         with context.running(self.owner):
-            # Static inputs are where the capture saw them: their addresses are part of the key.
+            if self.outputs is not None:
+                self.outputs.rescue()
+            # Static and in-place inputs are where the capture saw them: their addresses are part of the key.
             for i, buf in self.inputs.items():
                 arg = args[i]
                 if arg.data_ptr() != buf.data_ptr():
                     buf.copy_(arg)
+                    self.input_copies += 1
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
             for node, buf in self.input_nodes:
@@ -238,14 +295,24 @@ class Capture:
                 arg, buf = args[i], self.inputs[i]
                 if arg.data_ptr() != buf.data_ptr():
                     arg.copy_(buf)
+                    self.input_copies += 1
             env.update(zip(program.inputs, args))  # an input returned as is is the caller's tensor
             out = self.eager.result(env)
             if self.static_outputs:
                 return out
+            if self.outputs is not None:
+                return self.outputs.wrap(out)
             static = {id(t) for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)}
             return fx.node.map_aggregate(
                 out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
             )
+
+    def release(self) -> None:
+        """Stops watching the in-place inputs and closes the owner (held outputs are copied out first)."""
+        for finalizer in self.watchers:
+            finalizer.detach()
+        self.watchers.clear()
+        self.owner.close()
 
     def _stage(self, p: int, piece: Any, env: dict[fx.Node, Any]) -> bool:
         """Copies a segment's fresh inputs into its staged buffers; ``False`` if it must run uncaptured."""

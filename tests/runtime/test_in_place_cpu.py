@@ -1,0 +1,147 @@
+"""Which inputs a capture is made on in place, and what happens when they move or die, on the host.
+
+Nothing is captured without CUDA; here the executor's capture class is replaced by one
+that runs the program eagerly for its "capture" and its "replays", and records what the
+executor decided: the positions captured in place, the addresses it keyed them on, and
+which capture served each call. The GPU half (real replays) is ``test_outputs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from capturepass.backends.compile import last_compiled
+from capturepass.runtime import context
+from capturepass.runtime import executor as executor_module
+from capturepass.runtime.replay import Capture
+
+
+class _HostCapture(Capture):
+    """Runs the program eagerly in place of capture and replay; checks the replay's key."""
+
+    log: list[tuple[str, int]] = []
+
+    def run(self, args, real):
+        self.in_place_ptrs = {i: args[i].data_ptr() for i in self.in_place}
+        _HostCapture.log.append(("capture", id(self)))
+        with context.running(self.owner):
+            return self.eager(*args)
+
+    def replay(self, args, check=False):
+        # The executor keys the capture on these addresses: a replay must never see another.
+        assert {i: args[i].data_ptr() for i in self.in_place} == self.in_place_ptrs
+        _HostCapture.log.append(("replay", id(self)))
+        with context.running(self.owner):
+            return self.eager(*args)
+
+
+@pytest.fixture
+def host_captures(monkeypatch):
+    monkeypatch.setattr(executor_module, "Capture", _HostCapture)
+    _HostCapture.log = []
+    yield _HostCapture.log
+
+
+class _Cache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+    def forward(self, x, cache, pos, rows):
+        cache.index_copy_(0, pos, x @ self.w)
+        return cache.sum(0) + rows.sum(0)
+
+
+def _compiled():
+    torch.manual_seed(0)
+    model = _Cache()
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"inner": "eager", "verify": True, "cudagraphs": "monolithic"})
+    return model, compiled
+
+
+def _executor():
+    ex = [g for g in last_compiled() if g.name == "inference"][-1].executor
+    ex.captured = True  # as on a GPU: the calls from now on capture and replay
+    return ex
+
+
+def _args(step: int, rows_buffer: torch.Tensor):
+    return torch.randn(1, 4), torch.tensor([step]), rows_buffer[:3]
+
+
+@torch.no_grad()
+def test_a_written_cache_and_a_buffer_slice_are_captured_in_place_and_the_rest_copied(host_captures):
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    x, pos, r = _args(0, rows)
+    torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))  # compiles, runs eagerly
+    ex = _executor()
+    for step in range(1, 5):
+        x, pos, r = _args(step, rows)
+        torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+        torch.testing.assert_close(cache, ref)
+    assert ex.num_captures == 1
+    (key, cap), = ex._captures.items()
+    shapes = [tuple(n.meta["val"].shape) for n in ex.program.inputs]
+    in_place = sorted(shapes[i] for i in cap.in_place)
+    assert in_place == [(3, 4), (8, 4)]  # the cache (written) and the slice of rows; not x nor pos
+    assert sorted(key[2]) == sorted([cache.data_ptr(), rows.data_ptr()])
+    assert [k for k, _ in host_captures] == ["capture", "replay", "replay", "replay"]
+
+
+@torch.no_grad()
+def test_a_cache_that_moves_is_copied_from_then_on_with_one_more_capture(host_captures, caplog):
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    caches = [torch.zeros(8, 4), torch.ones(8, 4)]
+    refs = [c.clone() for c in caches]
+    x, pos, r = _args(0, rows)
+    compiled(x, torch.zeros(8, 4), pos, r)  # compiles, runs eagerly
+    ex = _executor()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for step in range(6):
+            x, pos, r = _args(step // 2, rows)
+            c, ref = caches[step % 2], refs[step % 2]
+            torch.testing.assert_close(compiled(x, c, pos, r), model(x, ref, pos, r))
+            torch.testing.assert_close(c, ref)
+    said = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
+    assert len(said) == 1 and "copied into buffers from now on" in said[0]
+    assert ex.num_captures == 1
+    (key, cap), = ex._captures.items()
+    shapes = [tuple(n.meta["val"].shape) for n in ex.program.inputs]
+    assert [shapes[i] for i in cap.in_place] == [(3, 4)]  # the slice of rows stayed put
+    first, second = host_captures[0][1], host_captures[1][1]
+    assert host_captures == [("capture", first), ("capture", second)] + [("replay", second)] * 4
+
+
+@torch.no_grad()
+def test_the_capture_made_on_a_cache_goes_when_its_storage_dies(host_captures, caplog):
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    cache = torch.zeros(8, 4)
+    x, pos, r = _args(0, rows)
+    compiled(x, cache, pos, r)
+    ex = _executor()
+    view = cache[:8]  # a caller may pass a new view of its buffer at every call
+    compiled(x, view, pos, r)
+    (cap,) = ex._captures.values()
+    del view
+    gc.collect()
+    assert not cap.owner.closed  # a view died, not the cache
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        del cache
+        gc.collect()
+    assert cap.owner.closed and ex.num_captures == 0
+    said = [r.getMessage() for r in caplog.records if "was collected" in r.getMessage()]
+    assert said == [f"capturepass: inference graph {ex.graph_owner}: released 1 owner(s) of model "
+                    f"{cap.owner.name.rsplit('.', 1)[0]} ({cap.owner.name}): an input it was made on was collected"]
+    fresh, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    torch.testing.assert_close(compiled(x, fresh, pos, r), model(x, ref, pos, r))
+    torch.testing.assert_close(fresh, ref)
+    assert ex.num_captures == 1

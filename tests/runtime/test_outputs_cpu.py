@@ -1,0 +1,171 @@
+"""Replayed outputs as aliases of the capture's memory, copied out only while held; inputs in place.
+
+The alias and the rescue work on any device: here the "static memory" is a host tensor
+that a test overwrites as the next replay would. The GPU halves (real replays) are in
+``test_outputs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from capturepass.runtime import lifetime, outputs
+from capturepass.runtime.executor import _is_slice, _key
+from capturepass.runtime.outputs import OutputAliases
+from capturepass.runtime.owner import GraphOwner
+
+pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
+
+
+def _static():
+    return torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.arange(5, dtype=torch.float32) + 100
+
+
+def test_outputs_alias_the_static_memory_with_exact_values_and_views():
+    a, b = _static()
+    reg = OutputAliases([a, b])
+    fresh = torch.ones(2)
+    out = reg.wrap((a, [a.t(), {"row": a[1]}], b, fresh, 3))
+    whole, (transposed, inner), bb, same, three = out
+    assert torch.equal(whole, a) and torch.equal(transposed, a.t()) and torch.equal(inner["row"], a[1])
+    assert torch.equal(bb, b)
+    assert same is fresh and three == 3  # not static memory: returned as it is
+    # No copy: the outputs read the static memory, and views of one buffer share one storage.
+    assert whole.data_ptr() == a.data_ptr() and inner["row"].data_ptr() == a[1].data_ptr()
+    storages = {t.untyped_storage()._cdata for t in (whole, transposed, inner["row"])}
+    assert len(storages) == 1
+    assert whole.untyped_storage()._cdata != a.untyped_storage()._cdata  # an alias, not the pool's own storage
+    assert transposed.stride() == (1, 4) and inner["row"].storage_offset() == 4
+    assert reg.aliased == 4 and reg.rescues == 0 and reg.copies == 0
+
+
+def test_a_held_output_keeps_its_values_when_the_memory_is_overwritten():
+    a, b = _static()
+    reg = OutputAliases([a, b])
+    held, view = reg.wrap((a, a[2]))
+    held_b = reg.wrap(b)  # a second call before a rescue: its own alias
+    del held_b
+    assert reg.num_live == 1
+    assert reg.rescue() == 1  # the next replay is about to write: one storage copied out
+    a.fill_(-1.0)  # the replay
+    assert torch.equal(held, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(view, torch.tensor([8.0, 9.0, 10.0, 11.0]))
+    assert held.data_ptr() != a.data_ptr() and view.data_ptr() == held.data_ptr() + 8 * 4
+    assert held.untyped_storage()._cdata == view.untyped_storage()._cdata
+    assert reg.rescues == 1
+    # The rescued outputs own their memory now: a second rescue does not copy them again.
+    assert reg.rescue() == 0 and reg.rescues == 1
+
+
+def test_a_dropped_output_costs_no_copy():
+    a, b = _static()
+    reg = OutputAliases([a, b])
+    for _ in range(3):
+        out = reg.wrap((a, a[0], b))
+        assert torch.equal(out[2], b)
+        del out
+        assert reg.rescue() == 0
+    assert reg.rescues == 0 and reg.aliased == 9
+
+
+def test_only_the_view_still_held_keeps_its_storage_alive():
+    a, _ = _static()
+    reg = OutputAliases([a])
+    whole, row = reg.wrap((a, a[1]))
+    del whole  # the row still uses the alias storage
+    assert reg.rescue() == 1
+    a.zero_()
+    assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0]))
+
+
+def test_an_output_fed_back_as_the_next_input_reads_the_values_it_was_returned_with():
+    a, _ = _static()
+    reg = OutputAliases([a])
+    h = reg.wrap(a)
+    for step in range(3):
+        reg.rescue()  # before the next replay, and before its inputs are copied in
+        buf = h.clone()  # the copy of the input into its static buffer
+        a.copy_(buf * 2)  # the replay writes the static output
+        h = reg.wrap(a)
+        assert torch.equal(h, torch.arange(12, dtype=torch.float32).reshape(3, 4) * 2 ** (step + 1))
+    assert reg.rescues == 3  # each step held its input until the next replay
+
+
+def test_an_output_that_requires_grad_is_copied():
+    w = torch.ones(3, requires_grad=True)
+    static = w * 2
+    reg = OutputAliases([static])
+    out = reg.wrap(static)
+    assert out.requires_grad and out.data_ptr() != static.data_ptr()
+    assert reg.copies == 1 and reg.aliased == 0
+
+
+def test_closing_the_owner_copies_out_what_is_held_before_the_memory_goes():
+    a, _ = _static()
+    owner = GraphOwner("t", 1, None, captured=True)
+    reg = OutputAliases([a])
+    owner.before_close.append(reg.close)
+    held = reg.wrap(a)
+    dropped = reg.wrap(a[0])
+    del dropped
+    owner.close()
+    assert reg.rescues == 1 and owner.before_close == []
+    a.fill_(7.0)
+    assert torch.equal(held, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert reg.wrap(a) is a  # closed: nothing is static any more
+
+
+def test_without_the_torch_functions_outputs_are_copied_and_the_reason_logged(monkeypatch, caplog):
+    monkeypatch.setattr(outputs, "UNSUPPORTED", "this torch has no UntypedStorage._swap_data_ptr_")
+    monkeypatch.setattr(outputs, "_warned", False)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert not outputs.supported()
+        assert not outputs.supported()
+    said = [r.getMessage() for r in caplog.records if "copied out" in r.getMessage()]
+    assert said == ["capturepass: replayed outputs are copied out of the graph's memory: "
+                    "this torch has no UntypedStorage._swap_data_ptr_"]
+
+
+# -- inputs in place ---------------------------------------------------------------------------------
+
+def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():
+    buf = torch.zeros(16, 8)
+    assert _is_slice(buf[:4]) and _is_slice(buf[:, :2]) and _is_slice(buf[3])
+    assert not _is_slice(buf) and not _is_slice(torch.zeros(4, 8)) and not _is_slice(buf.t())
+    assert not _is_slice(torch.zeros(0, 8)) and not _is_slice(torch.zeros(4, 1).expand(4, 8))
+
+
+def test_the_key_holds_the_addresses_of_the_inputs_in_place():
+    x, cache = torch.zeros(2), torch.zeros(8)
+    base = ((), ("shapes",))
+    assert _key(base, None, [x, cache]) == ((), ("shapes",), ())
+    assert _key(base, ((), ()), [x, cache]) == ((), ("shapes",), ())
+    assert _key(base, ((1,), (0,)), [x, cache]) == ((), ("shapes",), (cache.data_ptr(),))
+
+
+class _Releases:
+    def __init__(self) -> None:
+        self.released: list[tuple] = []
+
+    def release_capture(self, key, cap, why):
+        self.released.append((key, cap, why))
+        return True
+
+
+def test_a_capture_on_a_callers_tensor_goes_when_its_storage_dies_not_its_view():
+    ex, cap = _Releases(), _Releases()  # any object with a weak reference stands for the capture
+    cache = torch.zeros(8, 4)
+    view = cache[:2]
+    finalizers = lifetime.watch_capture(ex, ("k",), cap, [view.untyped_storage()])
+    assert len(finalizers) == 1
+    del view
+    gc.collect()
+    assert ex.released == []  # a view made for one call died; the buffer did not
+    del cache
+    gc.collect()
+    lifetime.drain()
+    assert ex.released == [(("k",), cap, "an input it was made on was collected")]

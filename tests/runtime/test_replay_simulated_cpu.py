@@ -1,0 +1,263 @@
+"""The whole capture-and-replay path of ``runtime.replay`` on the host, with CUDA graphs simulated.
+
+A CUDA graph replays its kernels into the addresses its capture saw. The stand-in here
+records, while a segment "captures", the piece it ran, the tensors it read and the
+tensors it produced; its replay runs the piece again on those same input tensors (so it
+reads what the call copied into them, and writes what it writes in place again) and
+copies the results into the captured output tensors, as a replay overwrites its pool.
+Everything else is the real runtime: the executor's keys and in-place rule, the input
+buffers and copies, the output aliases and their rescue. The GPU halves are in
+``test_outputs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from capturepass.backends.compile import last_compiled
+from capturepass.runtime import capture, outputs
+from capturepass.runtime.program import BoundProgram
+
+pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
+
+
+class _Graph:
+    capturing: "_Graph | None" = None
+
+    def __init__(self) -> None:
+        self.runs: list[tuple] = []
+
+    def replay(self) -> None:
+        for module, ins, outs in self.runs:
+            for static, new in zip(outs, module(*ins)):
+                if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
+                    static.copy_(new)
+
+
+class _Stream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """CUDA graphs simulated on the host (see the module's docstring)."""
+    real_run_piece = BoundProgram.run_piece
+
+    def run_piece(self, index, env):
+        graph = _Graph.capturing
+        piece = self.program.pieces[index]
+        ins = [env[n] for n in piece.live_in]
+        real_run_piece(self, index, env)
+        if graph is not None:
+            graph.runs.append((self.modules[index], ins, [env[n] for n in piece.live_out]))
+
+    @contextlib.contextmanager
+    def segment(graph, pool, stream, forked=()):
+        _Graph.capturing = graph
+        try:
+            yield
+        finally:
+            _Graph.capturing = None
+
+    monkeypatch.setattr(BoundProgram, "run_piece", run_piece)
+    monkeypatch.setattr(capture, "segment", segment)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def _compile(model, **options):
+    options.setdefault("inner", "eager")
+    options.setdefault("verify", True)
+    options.setdefault("cudagraphs", "monolithic")
+    return torch.compile(model, backend="capturepass", options=options)
+
+
+def _capturing_executor():
+    ex = [g for g in last_compiled() if g.name == "inference"][-1].executor
+    ex.captured = True  # as on a GPU: the calls from now on capture and replay
+    return ex
+
+
+def _only_capture(ex):
+    caps = list(ex._captures.values())
+    assert len(caps) == 1, list(ex._captures)
+    return caps[0]
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        y = self.b(h)
+        return y, y[:, :4], h.tanh()
+
+
+def _prime(compiled, *args):
+    """The first call compiles (and runs eagerly on the host); the executor captures from the next."""
+    compiled(*args)
+    return _capturing_executor()
+
+
+@torch.no_grad()
+def test_held_outputs_keep_their_values_across_replays(simulated):
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    xs = [torch.randn(4, 16) for _ in range(4)]
+    got = [compiled(x) for x in xs]  # call 1 captures; 2..4 replay into the same memory
+    for x, out in zip(xs, got):
+        want = model(x)
+        for i in range(3):
+            assert torch.equal(out[i], want[i])
+    cap = _only_capture(ex)
+    y, head, _ = got[-1]
+    assert head.untyped_storage()._cdata == y.untyped_storage()._cdata
+    pool = {t.data_ptr() for outs in cap.seg_out.values() for t in outs}
+    assert y.data_ptr() in pool  # the last call's outputs are still the pool's memory: never copied
+    assert (cap.outputs.aliased, cap.outputs.rescues, cap.outputs.copies) == (9, 4, 0)
+
+
+@torch.no_grad()
+def test_dropped_outputs_cost_no_copy(simulated):
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    for _ in range(5):
+        x = torch.randn(4, 16)
+        assert all(torch.equal(g, w) for g, w in zip(compiled(x), model(x)))
+    cap = _only_capture(ex)
+    assert (cap.outputs.aliased, cap.outputs.rescues) == (12, 0)
+
+
+class _Step(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.lin(h).tanh() + h
+
+
+@torch.no_grad()
+def test_an_output_fed_back_as_the_next_input_gives_eagers_result(simulated):
+    torch.manual_seed(0)
+    model = _Step()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(2, 8))
+    h = want = torch.randn(2, 8)
+    for _ in range(4):
+        h = compiled(h)
+        want = model(want)
+        assert torch.equal(h, want)
+    cap = _only_capture(ex)
+    assert cap.outputs.rescues == 2 and cap.input_copies == 3
+
+
+@torch.no_grad()
+def test_static_outputs_are_the_pools_own_and_overwritten_by_the_next_call(simulated):
+    """The hazard the aliases remove, as static_outputs documents it."""
+    torch.manual_seed(0)
+    model = _Step()
+    compiled = _compile(model, static_outputs=True)
+    ex = _prime(compiled, torch.randn(2, 8))
+    x1, x2, x3 = (torch.randn(2, 8) for _ in range(3))
+    compiled(x1)
+    out2 = compiled(x2)
+    assert torch.equal(out2, model(x2))
+    out3 = compiled(x3)
+    assert out3 is out2 and torch.equal(out2, model(x3))
+    assert _only_capture(ex).outputs is None
+
+
+class _Cache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache, pos):
+        cache.index_copy_(0, pos, self.k(x))
+        return cache.sum(0) * 0.5
+
+
+@torch.no_grad()
+def test_a_cache_at_a_fixed_address_is_written_in_place_without_a_copy(simulated):
+    torch.manual_seed(0)
+    model = _Cache()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(1, 4), torch.zeros(8, 4), torch.tensor([0]))
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    for step in range(5):
+        x, pos = torch.randn(1, 4), torch.tensor([step])
+        assert torch.equal(compiled(x, cache, pos), model(x, ref, pos))
+        assert torch.equal(cache, ref)
+    cap = _only_capture(ex)
+    assert list(cap.in_place_ptrs.values()) == [cache.data_ptr()]
+    assert cap.input_copies == 4 * 2  # x and pos into their buffers; the cache neither in nor back
+
+
+@torch.no_grad()
+def test_a_cache_that_moves_is_copied_and_still_equals_eager(simulated):
+    torch.manual_seed(0)
+    model = _Cache()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(1, 4), torch.zeros(8, 4), torch.tensor([0]))
+    caches = [torch.zeros(8, 4), torch.ones(8, 4)]
+    refs = [c.clone() for c in caches]
+    for step in range(6):
+        x, pos = torch.randn(1, 4), torch.tensor([step // 2])
+        c, r = caches[step % 2], refs[step % 2]
+        assert torch.equal(compiled(x, c, pos), model(x, r, pos))
+        assert torch.equal(c, r)
+    cap = _only_capture(ex)
+    assert cap.in_place_ptrs == {}
+    assert cap.input_copies == 4 * 4  # steps 2..5: x, pos, the cache in; the cache back
+
+
+@torch.library.custom_op("cptest_replay_sim::host_round", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _host_round(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x * 64.0) / 64.0
+
+
+@_host_round.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _EndsInABreak(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.ops.cptest_replay_sim.host_round(y), y * 2
+
+
+@torch.no_grad()
+def test_an_output_of_a_break_is_returned_as_it_is(simulated):
+    torch.manual_seed(0)
+    model = _EndsInABreak()
+    compiled = _compile(model, cudagraphs="breakable")
+    ex = _prime(compiled, torch.randn(2, 8))
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    got = [compiled(x) for x in xs]
+    for x, out in zip(xs, got):
+        want = model(x)
+        assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    cap = _only_capture(ex)
+    assert cap.uncaptured  # the break ran between the replays
+    assert cap.outputs.aliased == 2  # y * 2 of calls 2 and 3; the break's results are its own
+    assert cap.outputs.rescues == 1  # call 3 found call 2's y * 2 held
