@@ -21,7 +21,10 @@ many calls, CUDA events), compile time (the first call, cold caches: every run u
 calls. The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
-schedule chosen for it (what the whole call adds to the replay is the host's share).
+schedule chosen for it (what the whole call adds to the replay is the host's share), and each
+variant's time per call on the host alone (wall clock, no synchronisation: where it exceeds the
+CUDA-event time, the host paces the call). With ``--out``, each worker's log is kept in
+``DIR/logs``.
 
 Run: ``python bench/zoo.py --out DIR`` (``--models``, ``--variants``, ``--jobs``, ``--procs``).
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import gc
 import json
 import os
 import statistics
@@ -135,8 +139,12 @@ def _arrive(lock_path: str, reached: str, release: str) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     """One model and variant in this process: prints one JSON line per shape."""
+    import logging
+
     import torch
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("capturepass").setLevel(logging.INFO)  # its choices and fallbacks, into DIR/logs
     dev = args.device
     cuda = dev == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -171,12 +179,64 @@ def worker(args: argparse.Namespace) -> None:
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         with turn(args.lock):
             for label, call in timed_calls.items():
+                collections = sum(st["collections"] for st in gc.get_stats())
+                mallocs = device_mallocs(dev)
                 results[label]["ms"] = timed(call, iters=args.iters, device=dev)
+                results[label]["gc_runs"] = sum(st["collections"] for st in gc.get_stats()) - collections
+                results[label]["device_mallocs"] = device_mallocs(dev) - mallocs
+                results[label]["host_ms"] = host_time(call, iters=args.iters, device=dev)
+                results[label]["syncs"] = host_syncs(call, dev)
             replays = replay_times(args.iters) if cuda and args.variant.startswith("capturepass") else None
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
         print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs,
                               replays=replays, **r)), flush=True)
+
+
+def device_mallocs(device: str) -> int:
+    """cudaMalloc and cudaFree calls of the caching allocator so far (a call that makes any
+    pays the driver, and cudaFree waits for the device)."""
+    import torch
+
+    if device != "cuda":
+        return 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
+
+
+def host_syncs(call, device: str) -> int:
+    """Synchronising CUDA calls one call makes (``torch.cuda.set_sync_debug_mode``'s warnings)."""
+    import warnings
+
+    import torch
+
+    if device != "cuda":
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def host_time(call, iters: int, device: str) -> float:
+    """Milliseconds per call on the host alone (the wall clock, no synchronisation inside the loop):
+    where it is above the CUDA-event time, the host paces the call."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    host = (time.perf_counter() - start) * 1e3 / iters
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return host
 
 
 def replay_times(iters: int) -> list[dict]:
@@ -293,6 +353,11 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
             out, err = proc.communicate()
             failures.append(f"{m} {v}: timed out after {args.timeout} s")
         got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if args.out:  # the worker's log (capturepass's choices, warnings), for the reader of the table
+            logs = os.path.join(args.out, "logs")
+            os.makedirs(logs, exist_ok=True)
+            with open(os.path.join(logs, f"{m}-{v}-{proc.pid}.log"), "w") as f:
+                f.write(err)
         rows += got
         if proc.returncode != 0:
             tail = [line for line in err.strip().splitlines() if "Warning" not in line][-25:]
@@ -338,6 +403,18 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
                 cells.append("" if c is None else f"{c:.1f} / {pk:.0f}")
             if any(cells):
                 lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
+    if any("host_ms" in r for r in rows):
+        lines += ["", "| model | shape | " + " | ".join(f"{v} host ms" for v in variants) + " |",
+                  "|" + "---|" * (2 + len(variants))]
+        for m in models:
+            for s in shapes:
+                cells = []
+                for v in variants:
+                    got = [r for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s) and "host_ms" in r]
+                    cells.append(f"{statistics.median(r['host_ms'] for r in got):.4f} (syncs {max(r['syncs'] for r in got)}, "
+                                 f"cudaMalloc/Free {max(r['device_mallocs'] for r in got)})" if got else "")
+                if any(cells):
+                    lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
     seen = set()
     for r in rows:
         for rep in r.get("replays") or []:
