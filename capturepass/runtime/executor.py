@@ -98,7 +98,7 @@ from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import capture, comms, context, lifetime, naming, pools, profiling
-from capturepass.runtime.owner import GraphOwner
+from capturepass.runtime.owner import CaptureMemory, GraphOwner
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
 from capturepass.runtime.workspaces import locked_for_capture
@@ -197,6 +197,16 @@ class _Model:
 
     name: str
     shapes: dict[tuple, int] = dataclasses.field(default_factory=dict)
+    memory: dict[torch.device, CaptureMemory] = dataclasses.field(default_factory=dict)
+
+    def shared(self, device: torch.device | None) -> CaptureMemory | None:
+        """The pool and streams its capture owners share on ``device`` (``None`` on a host)."""
+        if device is None or device.type != "cuda":
+            return None
+        mem = self.memory.get(device)
+        if mem is None:
+            mem = self.memory[device] = CaptureMemory(device)
+        return mem
 
 
 @dataclasses.dataclass
@@ -355,8 +365,9 @@ class Executor:
         return model, naming.capture_owner(model.name, shape)
 
     def _new_owner(self, name: str, model: _Model, role: str, args: Sequence[Any], device: torch.device | None,
-                   captured: bool) -> GraphOwner:
-        owner = GraphOwner(name, len(self.program.info.lanes), device, captured=captured)
+                   captured: bool, share: bool = False) -> GraphOwner:
+        shared = model.shared(device) if share else None
+        owner = GraphOwner(name, len(self.program.info.lanes), device, captured=captured, shared=shared)
         if self._record is not None:
             self._record.add(name, model.name, role, naming.describe_inputs(args, self._static_positions),
                              str(owner.device) if owner.device is not None else "cpu")
@@ -533,10 +544,12 @@ class Executor:
                 return self._pick_new(args, key, real)
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
-            owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True)
+            prof = profiling.active()
+            # A profiling capture is thrown away: it keeps to a pool and streams of its own.
+            owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True,
+                                    share=prof is None)
             places = self._plan(key[:2], args)
             cap = Capture(self.program, owner, self.static_outputs, self._written, frozenset(places))
-            prof = profiling.active()
             try:
                 out = cap.run(args, real)
             except BaseException:
@@ -563,10 +576,13 @@ class Executor:
             captures = types.SimpleNamespace(
                 _capture_program=lambda program, a, r, candidate: self._capture_program(
                     program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device,
-                    places),
+                    places, model.shared(device)),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
-            cap, out = self._picker.capture(captures, args, real, protect, device)
+            shared = model.shared(device)
+            # Its timed replays run graphs of the model's shared pool: not beside another replay of it.
+            with shared.lock if shared is not None else contextlib.nullcontext():
+                cap, out = self._picker.capture(captures, args, real, protect, device)
             if places:
                 cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
             if self._record is not None:
@@ -577,10 +593,11 @@ class Executor:
         return cap, out
 
     def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
-                         device: torch.device | None, places: frozenset[int] = frozenset()) -> tuple[Capture, Any]:
+                         device: torch.device | None, places: frozenset[int] = frozenset(),
+                         shared: CaptureMemory | None = None) -> tuple[Capture, Any]:
         """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps
-        one); the inputs at ``places`` are captured in place."""
-        owner = GraphOwner(name, len(program.info.lanes), device, captured=True)
+        one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool."""
+        owner = GraphOwner(name, len(program.info.lanes), device, captured=True, shared=shared)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
             out = cap.run(args, real)
@@ -594,8 +611,10 @@ class Executor:
             del self._captures[key]
 
     def _precapture(self, args: Sequence[Any]) -> None:
-        """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input)."""
-        for size in self.capture_sizes:
+        """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input),
+        largest first: the smaller captures' temporaries then fit in memory the larger ones freed
+        in the model's shared pool."""
+        for size in sorted(self.capture_sizes, reverse=True):
             sized = _args_for_size(self.program, args, size)
             if sized is None:
                 log.warning(

@@ -78,6 +78,59 @@ def retained_kind(obj: Any) -> str:
     return obj.kind if isinstance(obj, HeldStorage) else type(obj).__name__
 
 
+class CaptureMemory:
+    """What the capture owners of one model instance share on one device: one private memory
+    pool for the graphs of all its capture shapes (and schedule candidates), one capture stream,
+    and a side stream per lane role.
+
+    As vLLM captures its batch sizes into one pool, a capture's temporaries reuse the memory
+    another capture of the same model freed when its capture ended, so the memory held grows
+    with the largest shape, not with the number of shapes. cuBLAS's workspace is cached per
+    stream: side streams shared by role keep it to one per lane. This is safe because (1) the
+    captures' outputs, static buffers and retained objects stay alive while their graph lives,
+    so no other capture is handed their memory; only temporaries, which every replay writes
+    before reading, are shared; (2) the captures of one model never run at once: replays,
+    warm-ups and captures hold :attr:`lock`. Captures of *another* model instance (a target
+    and its draft) never share, so they may replay in either order or at once.
+
+    The pool handle is renewed once no capture owner uses it any more (torch frees a pool
+    whose graphs are all gone).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lock = threading.RLock()
+        self.capture_stream = torch.cuda.Stream(device)
+        self._side: list[torch.cuda.Stream] = []
+        self._pool: Any = None
+        self._users = 0
+
+    def side_streams(self, n: int) -> list[torch.cuda.Stream]:
+        """The side streams of lanes 1..n (made on first use, then the same ones)."""
+        with self.lock:
+            while len(self._side) < n:
+                self._side.append(torch.cuda.Stream(self.device))
+            return self._side[:n]
+
+    def acquire_pool(self) -> Any:
+        """The shared pool's handle, for one more owner's graphs."""
+        with self.lock:
+            if self._pool is None or self._users == 0:
+                self._pool = torch.cuda.graph_pool_handle()
+            self._users += 1
+            return self._pool
+
+    def release_pool(self) -> None:
+        """One owner's graphs are gone."""
+        with self.lock:
+            self._users = max(0, self._users - 1)
+
+    @property
+    def users(self) -> int:
+        """Open capture owners that captured into the pool."""
+        return self._users
+
+
 class GraphOwner:
     """Owns one model instance's (and capture shape's) streams, events, graphs and retained objects.
 
@@ -88,6 +141,8 @@ class GraphOwner:
         num_lanes: lanes of the graph (lane 0 is the caller's stream).
         device: the CUDA device, or ``None`` for a host graph.
         captured: whether its segments are captured (CPU: simulated for bookkeeping).
+        shared: the pool and streams it shares with the other capture owners of its model
+            (``None``: its own).
 
     Attributes:
         name: its name, as given.
@@ -99,9 +154,11 @@ class GraphOwner:
         workspaces: its scratch storage, a slot per lane (locked while capturing).
         profiling: it belongs to a profiling capture and is released at its end.
         before_close: callables ``close()`` runs first (copying out held outputs).
+        lock: held by its replays, warm-ups and captures (its model's, when shared).
     """
 
-    def __init__(self, name: str, num_lanes: int, device: torch.device | None, captured: bool) -> None:
+    def __init__(self, name: str, num_lanes: int, device: torch.device | None, captured: bool,
+                 shared: CaptureMemory | None = None) -> None:
         with _lock:
             # NOTE: leases, channels and workspaces are keyed by the name, and closing an owner
             # releases every lease of its name: two open owners of one name would share them.
@@ -116,9 +173,13 @@ class GraphOwner:
         self.device = device if device is not None and device.type == "cuda" else None
         self.num_lanes = num_lanes
         self.captured = captured
-        self.streams: list[torch.cuda.Stream] = (
-            [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
-        )
+        self.shared = shared if self.device is not None else None
+        self.lock = self.shared.lock if self.shared is not None else threading.RLock()
+        if self.shared is not None:
+            self.streams: list[torch.cuda.Stream] = self.shared.side_streams(num_lanes - 1)
+        else:
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
+        self._holds_pool = False
         self._scopes: dict[str, Lanes] = {}
         self.retained: dict[int, list[Any]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -193,6 +254,20 @@ class GraphOwner:
         """How many objects this owner's captures retain."""
         return sum(len(v) for v in self.retained.values())
 
+    def begin_capture(self) -> torch.cuda.Stream:
+        """Sets :attr:`pool` (its model's shared pool, or a pool of its own) and
+        :attr:`capture_stream`; returns the capture stream."""
+        if self.pool is None:
+            if self.shared is not None:
+                self.pool = self.shared.acquire_pool()
+                self._holds_pool = True
+            else:
+                self.pool = torch.cuda.graph_pool_handle()
+        if self.capture_stream is None:
+            self.capture_stream = (self.shared.capture_stream if self.shared is not None
+                                   else torch.cuda.Stream(self.device))
+        return self.capture_stream
+
     # -- teardown ---------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Waits for every lane of this owner."""
@@ -224,6 +299,9 @@ class GraphOwner:
             self._resources.clear()
             self.workspaces.release()
             pools.release_owner(self.name)
+            if self._holds_pool and self.shared is not None:
+                self.shared.release_pool()
+            self._holds_pool = False
             self.pool = None
             self.capture_stream = None
             self.streams = []

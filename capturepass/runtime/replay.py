@@ -132,6 +132,10 @@ class Capture:
         Raises:
             CaptureFailure: a segment failed to capture (not an error of capturepass's own).
         """
+        with self.owner.lock:  # the model's other captures share the pool: not while one of them runs
+            return self._run(args, real)
+
+    def _run(self, args: Sequence[Any], real: bool) -> Any:
         program, owner = self.program, self.owner
         device = owner.device
         for i, (node, arg) in enumerate(zip(program.inputs, args)):
@@ -188,10 +192,8 @@ class Capture:
     def _capture(self, args: Sequence[Any], warm: dict[fx.Node, Any], out: Any) -> None:
         program, owner = self.program, self.owner
         device = owner.device
-        owner.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
+        stream = owner.begin_capture()
         stream.wait_stream(torch.cuda.current_stream(device))
-        owner.capture_stream = stream
         # External joins run outside the graphs, around each segment's replay.
         bound = program.bind(owner, owner.lanes("capture:0"), externals=False)
         env = bound.initial_env(args)
@@ -263,7 +265,8 @@ class Capture:
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
         # The copies in and out are this owner's work too (an observer's owner range holds them).
-        with context.running(self.owner):
+        # The lock: the model's other captures share this one's temporaries (``CaptureMemory``).
+        with self.owner.lock, context.running(self.owner):
             if self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.

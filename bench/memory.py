@@ -1,0 +1,119 @@
+"""Memory held at engine scale: one model called at many batch sizes, as a serving engine captures it.
+
+The showcase MoE block at hidden 2048 (bf16), compiled with ``dynamic=True``, called at batch
+sizes ``N, N-1, ..., 1`` (largest first, as vLLM captures; two calls each, new values), for
+each variant in its own process (all at once: memory is per process):
+
+- ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead", dynamic=True)``
+  (cudagraph trees: one graph per size, one pool);
+- ``capturepass-off``: capturepass with ``policy="off"`` (one lane);
+- ``capturepass``: capturepass's default options (the measured lane choice on a GPU).
+
+capturepass captures each size up to ``max_captures`` (raised to ``N`` here, so that every
+size is captured, as an engine's ``capture_sizes`` would). Reported: memory allocated and
+reserved afterwards above the weights, the peak allocated over the run, and how many sizes
+each variant captured; every call is compared with eager.
+
+Run: ``python bench/memory.py --sizes 8,32,67 --out DIR`` (one process per variant and N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+VARIANTS = ("reduce-overhead", "capturepass-off", "capturepass")
+MIB = 2**20
+
+
+def worker(variant: str, n: int) -> dict:
+    import torch
+
+    import capturepass  # noqa: F401 - registers the backend where no entry point is installed
+    from capturepass.testing.models import MoEBlock
+
+    torch.manual_seed(0)
+    model = MoEBlock(2048, 5632, 8, 1408, 2, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    weights_alloc, weights_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    if variant == "reduce-overhead":
+        fn = torch.compile(model, mode="reduce-overhead", dynamic=True)
+    else:
+        opts = {"max_captures": n}
+        if variant == "capturepass-off":
+            opts["policy"] = "off"
+        fn = torch.compile(model, backend="capturepass", dynamic=True, options=opts)
+    worst = 0.0
+    with torch.no_grad():
+        for t in range(n, 0, -1):
+            for _ in range(2):
+                x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+                got = fn(x).float()
+                want = model(x).float()
+                worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item())
+    torch.cuda.synchronize()
+    captured = None
+    if variant.startswith("capturepass"):
+        from capturepass.backends.compile import last_compiled
+
+        captured = sum(g.executor.num_captures for g in last_compiled() if g.executor is not None)
+    return dict(variant=variant, sizes=n, captured=captured, rel_err=worst,
+                allocated_mib=(torch.cuda.memory_allocated() - weights_alloc) / MIB,
+                reserved_mib=(torch.cuda.memory_reserved() - weights_res) / MIB,
+                peak_mib=(torch.cuda.max_memory_allocated() - weights_alloc) / MIB)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="8,32", help="comma-separated N: call at batch sizes N..1")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.n)), flush=True)
+        return
+    rows, failures = [], []
+    # Memory is per process: the variants run at once (their compiles overlap).
+    jobs = [(n, v) for n in (int(x) for x in args.sizes.split(",")) for v in args.variants.split(",")]
+    procs = [((n, v), subprocess.Popen([sys.executable, __file__, "--worker", v, "--n", str(n)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             for n, v in jobs]
+    for (n, v), proc in procs:
+        out, err = proc.communicate()
+        got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        rows += got
+        if proc.returncode != 0 or not got:
+            tail = [line for line in err.strip().splitlines() if "Warning" not in line][-15:]
+            failures.append(f"{v} N={n}: exit {proc.returncode}:\n" + "\n".join(tail))
+        print(f"done {v} N={n}", file=sys.stderr, flush=True)
+    lines = ["| N sizes | variant | captured | allocated MiB | reserved MiB | peak MiB | reserved / reduce-overhead's |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ro = next((x for x in rows if x["sizes"] == r["sizes"] and x["variant"] == "reduce-overhead"), None)
+        ratio = f"{r['reserved_mib'] / ro['reserved_mib']:.2f}" if ro and ro["reserved_mib"] > 0 else ""
+        lines.append(f"| {r['sizes']} | {r['variant']} | {r['captured'] if r['captured'] is not None else ''} | "
+                     f"{r['allocated_mib']:.0f} | {r['reserved_mib']:.0f} | {r['peak_mib']:.0f} | {ratio} |")
+    lines += [f"large difference from eager: {r['variant']} N={r['sizes']} rel {r['rel_err']:.3g}"
+              for r in rows if r["rel_err"] > 5e-2]
+    table = "\n".join(lines)
+    print(table)
+    for f in failures:
+        print("failed:", f)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "memory.json"), "w") as f:
+            json.dump({"rows": rows, "failures": failures}, f, indent=1)
+        with open(os.path.join(args.out, "memory.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The capture shapes of one model share one memory pool and its lanes' streams; two models never do.
+
+Every test is marked ``gpu`` and skipped without CUDA. Sharing is only sound if each
+capture's outputs and buffers stay out of the memory the others are handed, so the
+tests replay the shapes interleaved with new values and compare every result, and
+held results, with eager.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from capturepass.backends.compile import last_compiled
+from capturepass.testing.models import MoEBlock
+
+pytestmark = pytest.mark.gpu
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def _executor():
+    return [g for g in last_compiled() if g.name == "inference"][-1].executor
+
+
+def _captures(ex):
+    return {key[1]: cap for key, cap in ex._captures.items()}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["auto", "off"])
+def test_shapes_of_one_model_share_a_pool_and_streams(policy):
+    torch.manual_seed(0)
+    model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"capture_sizes": [4, 8, 16], "policy": policy, "verify": True})
+    x = torch.randn(8, 256, device="cuda")
+    torch.testing.assert_close(compiled(x), model(x), **TOL)
+    ex = _executor()
+    caps = list(ex._captures.values())
+    assert len(caps) == 3
+    owners = [c.owner for c in caps]
+    assert len({o.pool for o in owners}) == 1, [o.pool for o in owners]
+    assert len({id(o.shared) for o in owners}) == 1 and owners[0].shared is not None
+    assert owners[0].shared.users == 3
+    assert len({id(o.capture_stream) for o in owners}) == 1
+    # Lane k of every capture runs on one stream (cuBLAS keeps one workspace per stream).
+    for k in range(len(owners[0].streams)):
+        assert len({o.streams[k].cuda_stream for o in owners}) == 1
+    assert len({o.lock for o in owners}) == 1
+
+
+@torch.no_grad()
+def test_interleaved_shapes_and_held_results_stay_equal_to_eager():
+    """A shape's replay writes temporaries that other shapes' captures reuse; never their outputs."""
+    torch.manual_seed(0)
+    model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"capture_sizes": [4, 8, 16], "verify": True})
+    held = []
+    for t in (16, 4, 8, 16, 8, 4, 4, 16):
+        x = torch.randn(t, 256, device="cuda")
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), **TOL)
+        held.append((x, got))
+    torch.cuda.synchronize()
+    for x, got in held:  # every result, after the other shapes replayed
+        torch.testing.assert_close(got, model(x), **TOL)
+    assert _executor().num_captures == 3
+
+
+@torch.no_grad()
+def test_two_models_never_share_and_a_closed_pool_is_renewed():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    a = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    b = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = {m: torch.compile(m, backend="capturepass", options={"verify": True}) for m in (a, b)}
+    for m in (a, b, a, b):  # one graph serves the class: two model instances of one executor
+        x = torch.randn(8, 256, device="cuda")
+        torch.testing.assert_close(compiled[m](x), m(x), **TOL)
+    ex = _executor()
+    caps = list(ex._captures.values())
+    assert len(caps) == 2
+    assert caps[0].owner.pool != caps[1].owner.pool
+    assert caps[0].owner.shared is not caps[1].owner.shared
+    shared = caps[0].owner.shared
+    pool = caps[0].owner.pool
+    ex.release_captures()
+    gc.collect()
+    assert shared.users == 0
+    x = torch.randn(8, 256, device="cuda")
+    torch.testing.assert_close(compiled[a](x), a(x), **TOL)
+    again = [c for c in ex._captures.values()]
+    assert len(again) == 1 and again[0].owner.shared is shared and again[0].owner.pool != pool
+
+
+@torch.no_grad()
+def test_memory_held_grows_with_the_largest_shape_not_the_number_of_shapes():
+    """Eight sizes captured into one pool hold less than twice what the largest alone holds."""
+    torch.manual_seed(0)
+    model = MoEBlock(512, 2048, 8, 512, 2, device="cuda")
+    sizes = [64, 56, 48, 40, 32, 24, 16, 8]
+
+    def held(capture_sizes):
+        torch._dynamo.reset()
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        fn = torch.compile(model, backend="capturepass", dynamic=True,
+                           options={"capture_sizes": capture_sizes, "policy": "off"})
+        x = torch.randn(capture_sizes[0], 512, device="cuda")
+        torch.testing.assert_close(fn(x), model(x), **TOL)
+        torch.cuda.synchronize()
+        gc.collect()
+        grown = torch.cuda.memory_reserved() - before
+        _executor().release_captures()
+        del fn
+        return grown
+
+    one = held(sizes[:1])
+    many = held(sizes)
+    assert many < 2 * one, (many / 2**20, one / 2**20)
