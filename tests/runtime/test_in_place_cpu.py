@@ -145,3 +145,42 @@ def test_the_capture_made_on_a_cache_goes_when_its_storage_dies(host_captures, c
     torch.testing.assert_close(compiled(x, fresh, pos, r), model(x, ref, pos, r))
     torch.testing.assert_close(fresh, ref)
     assert ex.num_captures == 1
+
+
+@torch.no_grad()
+def test_the_measured_choice_captures_its_candidates_in_place_and_protects_the_cache(host_captures):
+    """The picker's candidates are captured with the executor's in-place plan; the timed replays
+    would write the cache at the caller's address, so the picker is told to restore it."""
+    import types
+
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    x, pos, r = _args(0, rows)
+    compiled(x, cache, pos, r)  # compiles, runs eagerly
+    model(x, ref, pos, r)
+    ex = _executor()
+    seen = {}
+
+    class Picker:
+        def for_program(self, program):
+            return self
+
+        def capture(self, executor, args, real, protect, device):
+            seen["protect"] = [t.data_ptr() for t in protect]
+            cap, out = executor._capture_program(ex.program, args, real, None)
+            other, _ = executor._capture_program(ex.program, args, False, types.SimpleNamespace(name="one_lane"))
+            other.owner.close()
+            return cap, out
+
+    ex._picker = Picker()
+    for step in range(1, 4):
+        x, pos, r = _args(step, rows)
+        torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+        torch.testing.assert_close(cache, ref)
+    (key, cap), = ex._captures.items()
+    shapes = [tuple(n.meta["val"].shape) for n in ex.program.inputs]
+    assert sorted(shapes[i] for i in cap.in_place) == [(3, 4), (8, 4)]
+    assert seen["protect"] == [cache.data_ptr()]  # written and in place: restored after timing
+    assert len(cap.watchers) == 2  # released when the cache's or the buffer's storage dies
+    assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay"]

@@ -1,0 +1,53 @@
+"""The bookkeeping of a model's shared capture memory, on the host (streams and pool handles faked).
+
+The GPU half, with real pools, streams and interleaved replays, is ``test_shared_memory_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from capturepass.runtime.owner import CaptureMemory
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    handles = itertools.count()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles) + 1))
+
+
+def test_side_streams_are_made_once_per_lane_and_shared(fake_cuda):
+    mem = CaptureMemory(torch.device("cuda", 0))
+    two = mem.side_streams(2)
+    three = mem.side_streams(3)
+    assert three[:2] == two and len(set(map(id, three))) == 3
+    assert mem.side_streams(1) == two[:1]
+    assert mem.side_streams(0) == []
+
+
+def test_the_pool_is_shared_while_used_and_renewed_after(fake_cuda):
+    mem = CaptureMemory(torch.device("cuda", 0))
+    a, b = mem.acquire_pool(), mem.acquire_pool()
+    assert a == b and mem.users == 2
+    mem.release_pool()
+    assert mem.acquire_pool() == a  # still in use by one owner: the same pool
+    mem.release_pool()
+    mem.release_pool()
+    assert mem.users == 0
+    assert mem.acquire_pool() != a  # torch freed the old pool with its last graph
+
+
+def test_the_lock_is_reentrant_for_the_capturing_thread(fake_cuda):
+    mem = CaptureMemory(torch.device("cuda", 0))
+    got = []
+    with mem.lock:
+        with mem.lock:  # the picker holds it and replays, which take it again
+            t = threading.Thread(target=lambda: got.append(mem.lock.acquire(timeout=0.05)))
+            t.start()
+            t.join()
+    assert got == [False]  # another thread waits while one model's capture or replay runs
