@@ -11,8 +11,9 @@ each variant in its own process (all at once: memory is per process):
 
 capturepass captures each size up to ``max_captures`` (raised to ``N`` here, so that every
 size is captured, as an engine's ``capture_sizes`` would). Reported: memory allocated and
-reserved afterwards above the weights, the peak allocated over the run, and how many sizes
-each variant captured; every call is compared with eager.
+reserved afterwards above the weights, the peak allocated over the run, how many sizes
+each variant captured, and where the reserved memory lies (graph pools, each stream's cache);
+every call is compared with eager.
 
 Run: ``python bench/memory.py --sizes 8,32,67 --out DIR`` (one process per variant and N).
 """
@@ -63,10 +64,25 @@ def worker(variant: str, n: int) -> dict:
         from capturepass.backends.compile import last_compiled
 
         captured = sum(g.executor.num_captures for g in last_compiled() if g.executor is not None)
-    return dict(variant=variant, sizes=n, captured=captured, rel_err=worst,
+    return dict(variant=variant, sizes=n, captured=captured, rel_err=worst, segments=segments(),
                 allocated_mib=(torch.cuda.memory_allocated() - weights_alloc) / MIB,
                 reserved_mib=(torch.cuda.memory_reserved() - weights_res) / MIB,
                 peak_mib=(torch.cuda.max_memory_allocated() - weights_alloc) / MIB)
+
+
+def segments() -> dict[str, list[float]]:
+    """Reserved and allocated MiB by where the allocator keeps them: a graph pool (its id), or
+    the ordinary cache of one stream (blocks freed on a stream are reused on that stream only)."""
+    import torch
+
+    out: dict[str, list[float]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        where = f"pool {pool}" if pool != (0, 0) else f"stream {seg.get('stream', 0):#x}"
+        got = out.setdefault(where, [0.0, 0.0])
+        got[0] += seg["total_size"] / MIB
+        got[1] += seg["allocated_size"] / MIB
+    return out
 
 
 def main() -> None:
@@ -103,6 +119,9 @@ def main() -> None:
                      f"{r['allocated_mib']:.0f} | {r['reserved_mib']:.0f} | {r['peak_mib']:.0f} | {ratio} |")
     lines += [f"large difference from eager: {r['variant']} N={r['sizes']} rel {r['rel_err']:.3g}"
               for r in rows if r["rel_err"] > 5e-2]
+    for r in rows:
+        where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated" for k, v in sorted(r["segments"].items()))
+        lines.append(f"segments, {r['variant']} N={r['sizes']}: {where}")
     table = "\n".join(lines)
     print(table)
     for f in failures:

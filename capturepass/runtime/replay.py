@@ -3,7 +3,7 @@
 The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
 results are what the call returns; then every segment is captured into its own
-CUDA graph in the owner's private pool, on one capture stream, in the
+CUDA graph in the pool its model's captures share, on one capture stream, in the
 thread-local capture mode (``runtime.capture``). Capturing runs no kernel, and
 breaks (non-capturable ops) do not run again during the capture: the segments
 after a break are captured reading copies of the break's outputs from the
