@@ -16,6 +16,8 @@ from capturepass.ir.meta import GraphInfo, OwnerId
 from capturepass.ir.options import Options
 from capturepass.passes.base import PassContext
 from capturepass.backends.compile import compile_graph
+from capturepass.runtime import context as runtime_context
+from capturepass.runtime.replay import Capture
 
 _owners = itertools.count(1000)
 
@@ -102,3 +104,24 @@ def unneeded_waits(gm: fx.GraphModule) -> list[str]:
             continue
         unneeded.append(wait.name)
     return unneeded
+
+
+class HostCapture(Capture):
+    """Stands in for the executor's capture class on a machine without CUDA (nothing can be captured
+    there): runs the program eagerly for the "capture" and each "replay", checks that a replay sees
+    the in-place inputs at their captured addresses, and logs ``("capture" | "replay", id)``."""
+
+    log: list[tuple[str, int]] = []
+
+    def run(self, args, real):
+        self.in_place_ptrs = {i: args[i].data_ptr() for i in self.in_place}
+        HostCapture.log.append(("capture", id(self)))
+        with runtime_context.running(self.owner):
+            return self.eager(*args)
+
+    def replay(self, args, check=False):
+        # The executor keys the capture on these addresses: a replay must never see another.
+        assert {i: args[i].data_ptr() for i in self.in_place} == self.in_place_ptrs
+        HostCapture.log.append(("replay", id(self)))
+        with runtime_context.running(self.owner):
+            return self.eager(*args)

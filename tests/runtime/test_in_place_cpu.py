@@ -15,28 +15,8 @@ import pytest
 import torch
 
 from capturepass.backends.compile import last_compiled
-from capturepass.runtime import context
 from capturepass.runtime import executor as executor_module
-from capturepass.runtime.replay import Capture
-
-
-class _HostCapture(Capture):
-    """Runs the program eagerly in place of capture and replay; checks the replay's key."""
-
-    log: list[tuple[str, int]] = []
-
-    def run(self, args, real):
-        self.in_place_ptrs = {i: args[i].data_ptr() for i in self.in_place}
-        _HostCapture.log.append(("capture", id(self)))
-        with context.running(self.owner):
-            return self.eager(*args)
-
-    def replay(self, args, check=False):
-        # The executor keys the capture on these addresses: a replay must never see another.
-        assert {i: args[i].data_ptr() for i in self.in_place} == self.in_place_ptrs
-        _HostCapture.log.append(("replay", id(self)))
-        with context.running(self.owner):
-            return self.eager(*args)
+from tests.helpers import HostCapture as _HostCapture
 
 
 @pytest.fixture

@@ -1,0 +1,92 @@
+"""Which sizes ``capture_sizes`` captures, and what the log says when it cannot, on the host.
+
+Nothing is captured without CUDA: the executor's capture class is replaced by
+``tests.helpers.HostCapture``, which runs the program eagerly and logs each "capture" and
+"replay". The GPU half is ``test_cuda_runtime.py``'s ``capture_sizes`` tests.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from capturepass.backends.compile import last_compiled
+from capturepass.runtime import executor as executor_module
+from tests.helpers import HostCapture
+
+
+@pytest.fixture
+def host_captures(monkeypatch):
+    monkeypatch.setattr(executor_module, "Capture", HostCapture)
+    # As on a GPU: graphs compiled from now on capture and replay.
+    real_init = executor_module.Executor.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        self.captured = True
+
+    monkeypatch.setattr(executor_module.Executor, "__init__", init)
+    HostCapture.log = []
+    yield HostCapture.log
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _executors():
+    return [g.executor for g in last_compiled() if g.name == "inference"]
+
+
+def _batch_sizes(ex):
+    """The batch size of each capture: dim 0 of the first tensor in its shape key."""
+    return sorted(next(e[0][0] for e in key[1] if isinstance(e, tuple)) for key in ex._captures)
+
+
+@torch.no_grad()
+def test_sizes_outside_the_graphs_batch_range_are_left_to_the_graph_that_serves_them(host_captures, caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [1, 4, 8]})
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    ex = _executors()[-1]
+    assert _batch_sizes(ex) == [4, 8]  # 1 is specialized by Dynamo: that call compiles (and captures) another graph
+    said = [r.getMessage() for r in caplog.records if "outside the batch sizes" in r.getMessage()]
+    assert len(said) == 1 and "capture_sizes 1 are outside" in said[0] and "(2 to any;" in said[0]
+    assert [k for k, _ in host_captures] == ["capture", "capture", "replay"]  # 8 then 4, then the call
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        x = torch.randn(1, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(_executors()) == 2
+
+
+@torch.no_grad()
+def test_a_first_call_at_batch_one_says_why_the_graph_has_no_dynamic_batch(host_captures, caplog):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [2, 4]})
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        x = torch.randn(1, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    said = [r.getMessage() for r in caplog.records if "no dynamic batch dimension" in r.getMessage()]
+    assert len(said) == 1
+    assert "first call had batch size 1, which Dynamo specializes" in said[0]
+    # The next size compiles the graph with a dynamic batch, which captures capture_sizes.
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    ex = _executors()[-1]
+    assert _batch_sizes(ex) == [2, 3, 4]
