@@ -27,6 +27,9 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import save  # noqa: E402
 
 VARIANTS = ("reduce-overhead", "capturepass-off", "capturepass")
 MIB = 2**20
@@ -120,18 +123,9 @@ def main() -> None:
     lines += [f"large difference from eager: {r['variant']} N={r['sizes']} rel {r['rel_err']:.3g}"
               for r in rows if r["rel_err"] > 5e-2]
     for r in rows:
-        where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated" for k, v in sorted(r["segments"].items()))
+        where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated" for k, v in sorted(r.get("segments", {}).items()))
         lines.append(f"segments, {r['variant']} N={r['sizes']}: {where}")
-    table = "\n".join(lines)
-    print(table)
-    for f in failures:
-        print("failed:", f)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "memory.json"), "w") as f:
-            json.dump({"rows": rows, "failures": failures}, f, indent=1)
-        with open(os.path.join(args.out, "memory.md"), "w") as f:
-            f.write(table + "\n")
+    save(args.out, "memory", rows, failures, "\n".join(lines))
 
 
 if __name__ == "__main__":

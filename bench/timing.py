@@ -69,3 +69,20 @@ def capture(fn: Callable[[], object], warm: int = 3, before: Callable[[], object
         fn()
     torch.cuda.synchronize()
     return g
+
+
+def save(out: str | None, stem: str, rows: list[dict], failures: list[str], table: str) -> None:
+    """Prints ``table`` and the failures; with ``out``, also writes them to ``out/stem.md`` and the
+    rows and failures to ``out/stem.json``."""
+    import json
+    import os
+
+    print(table)
+    for f in failures:
+        print("failed:", f)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{stem}.json"), "w") as f:
+            json.dump({"rows": rows, "failures": failures}, f, indent=1)
+        with open(os.path.join(out, f"{stem}.md"), "w") as f:
+            f.write(table + "\n" + "".join(f"failed: {x}\n" for x in failures))

@@ -42,11 +42,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import timed  # noqa: E402
+from timing import save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 
@@ -314,16 +315,7 @@ def main() -> None:
         if args.out:  # what finished survives a run cut short
             with open(os.path.join(args.out, "zoo-bench.jsonl"), "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows_)
-    table = report(rows, models, variants)
-    print(table)
-    for f in failures:
-        print("failed:", f)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "zoo-bench.json"), "w") as f:
-            json.dump({"rows": rows, "failures": failures}, f, indent=1)
-        with open(os.path.join(args.out, "zoo-bench.md"), "w") as f:
-            f.write(table + "\n" + "".join(f"failed: {x}\n" for x in failures))
+    save(args.out, "zoo-bench", rows, failures, report(rows, models, variants))
 
 
 def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[dict], list[str]]:
@@ -393,28 +385,27 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
                 ind = ms.get("inductor")
                 cells.append(f"{cp / ind:.3f}" if cp and ind else "")
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| model | shape | " + " | ".join(f"{v} compile s / peak MiB" for v in variants) + " |",
-              "|" + "---|" * (2 + len(variants))]
-    for m in models:
-        for s in shapes:
-            cells = []
-            for v in variants:
-                c, pk = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib")
-                cells.append("" if c is None else f"{c:.1f} / {pk:.0f}")
-            if any(cells):
-                lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
-    if any("host_ms" in r for r in rows):
-        lines += ["", "| model | shape | " + " | ".join(f"{v} host ms" for v in variants) + " |",
-                  "|" + "---|" * (2 + len(variants))]
+    def per_variant(what: str, cell: Callable[[str, str, str], str]) -> None:
+        lines.extend(["", "| model | shape | " + " | ".join(f"{v} {what}" for v in variants) + " |",
+                      "|" + "---|" * (2 + len(variants))])
         for m in models:
             for s in shapes:
-                cells = []
-                for v in variants:
-                    got = [r for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s) and "host_ms" in r]
-                    cells.append(f"{statistics.median(r['host_ms'] for r in got):.4f} (syncs {max(r['syncs'] for r in got)}, "
-                                 f"cudaMalloc/Free {max(r['device_mallocs'] for r in got)})" if got else "")
+                cells = [cell(m, v, s) for v in variants]
                 if any(cells):
                     lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
+
+    def compile_cell(m: str, v: str, s: str) -> str:
+        c, pk = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib")
+        return "" if c is None else f"{c:.1f} / {pk:.0f}"
+
+    def host_cell(m: str, v: str, s: str) -> str:
+        got = [r for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s) and "host_ms" in r]
+        return (f"{statistics.median(r['host_ms'] for r in got):.4f} (syncs {max(r.get('syncs', 0) for r in got)}, "
+                f"cudaMalloc/Free {max(r.get('device_mallocs', 0) for r in got)})" if got else "")
+
+    per_variant("compile s / peak MiB", compile_cell)
+    if any("host_ms" in r for r in rows):
+        per_variant("host ms", host_cell)
     seen = set()
     for r in rows:
         for rep in r.get("replays") or []:

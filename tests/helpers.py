@@ -125,3 +125,15 @@ class HostCapture(Capture):
         HostCapture.log.append(("replay", id(self)))
         with runtime_context.running(self.owner):
             return self.eager(*args)
+
+
+@torch.library.custom_op("cptest::host_round", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def host_round(x: torch.Tensor) -> torch.Tensor:
+    """A host round trip (rounding to 1/64 on the CPU): it synchronizes and cannot be captured, so
+    a captured graph breaks around it and it runs between replays, in fresh memory."""
+    return (torch.round(x.cpu() * 64.0) / 64.0).to(x.device)
+
+
+@host_round.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

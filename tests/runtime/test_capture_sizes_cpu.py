@@ -42,6 +42,14 @@ class _Mlp(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+def _compiled(capture_sizes):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Mlp()
+    return model, torch.compile(model, backend="capturepass", dynamic=True,
+                                options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": capture_sizes})
+
+
 def _executors():
     return [g.executor for g in last_compiled() if g.name == "inference"]
 
@@ -53,11 +61,7 @@ def _batch_sizes(ex):
 
 @torch.no_grad()
 def test_sizes_outside_the_graphs_batch_range_are_left_to_the_graph_that_serves_them(host_captures, caplog):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Mlp()
-    compiled = torch.compile(model, backend="capturepass", dynamic=True,
-                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [1, 4, 8]})
+    model, compiled = _compiled([1, 4, 8])
     with caplog.at_level(logging.INFO, logger="capturepass"):
         x = torch.randn(4, 8)
         torch.testing.assert_close(compiled(x), model(x))
@@ -75,11 +79,7 @@ def test_sizes_outside_the_graphs_batch_range_are_left_to_the_graph_that_serves_
 
 @torch.no_grad()
 def test_a_first_call_at_batch_one_says_why_the_graph_has_no_dynamic_batch(host_captures, caplog):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Mlp()
-    compiled = torch.compile(model, backend="capturepass", dynamic=True,
-                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [2, 4]})
+    model, compiled = _compiled([2, 4])
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         x = torch.randn(1, 8)
         torch.testing.assert_close(compiled(x), model(x))

@@ -20,6 +20,7 @@ import torch
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import capture, outputs
 from capturepass.runtime.program import BoundProgram
+import tests.helpers  # noqa: F401 - registers torch.ops.cptest.host_round
 
 pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
 
@@ -226,16 +227,6 @@ def test_a_cache_that_moves_is_copied_and_still_equals_eager(simulated):
     assert cap.input_copies == 4 * 4  # steps 2..5: x, pos, the cache in; the cache back
 
 
-@torch.library.custom_op("cptest_replay_sim::host_round", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def _host_round(x: torch.Tensor) -> torch.Tensor:
-    return torch.round(x * 64.0) / 64.0
-
-
-@_host_round.register_fake
-def _(x):
-    return torch.empty_like(x)
-
-
 class _EndsInABreak(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -243,7 +234,7 @@ class _EndsInABreak(torch.nn.Module):
 
     def forward(self, x):
         y = self.lin(x)
-        return torch.ops.cptest_replay_sim.host_round(y), y * 2
+        return torch.ops.cptest.host_round(y), y * 2
 
 
 @torch.no_grad()
