@@ -112,6 +112,38 @@ def test_zoo_cpu(name: str, options: dict) -> None:
     _check(name, compile_fn, (1, 2), zoo.TOLERANCE["cpu"], f"{name} {opts}")
 
 
+# Decoders of different families (dense, MoE, MLA, GPT-2's Conv1D, sliding-window attention).
+DYNAMIC = ("llama", "qwen2_moe", "deepseek_v3", "gpt2", "gemma3")
+# (batch, tokens) per call: later shapes make Dynamo recompile with dynamic sizes (first the length,
+# then the batch); batch 1 is specialized again (another graph).
+SHAPES = ((2, 8), (2, 11), (3, 5), (1, 7))
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_zoo_cpu_at_changing_shapes(name: str) -> None:
+    """What an engine does: calls at other batch sizes and lengths, through automatic dynamic shapes."""
+    from capturepass.backends.compile import last_compiled
+
+    torch._dynamo.reset()
+    model, _ = zoo.build(name)
+    compiled = torch.compile(model, backend="capturepass", options={"inner": "eager", "verify": True})
+    before = len(last_compiled())
+    for call, (batch, tokens) in enumerate(SHAPES):
+        ids = torch.randint(0, zoo.VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(call))
+        with torch.no_grad():
+            want = zoo.output_tensors(model(input_ids=ids))
+            got = zoo.output_tensors(compiled(input_ids=ids.clone()))
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], **zoo.TOLERANCE["cpu"],
+                                       msg=f"{name}: call {call} at {(batch, tokens)}, output {key}")
+    graphs = last_compiled()[before:]
+    symbolic = [g for g in graphs if any(isinstance(v, torch.SymInt) for n in g.graph.graph.find_nodes(op="placeholder")
+                                         for v in [n.meta.get("val")])]
+    # The first shape's static graph, at least one with dynamic sizes, and batch 1's.
+    assert len(graphs) >= 3 and symbolic, [g.name for g in graphs]
+
+
 @pytest.fixture
 def _no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
