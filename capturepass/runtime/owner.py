@@ -104,6 +104,7 @@ class CaptureMemory:
         self._side: list[torch.cuda.Stream] = []
         self._pool: Any = None
         self._users = 0
+        self.last_stream: Any = None  # the stream the last replay of one of its captures ran on
 
     def side_streams(self, n: int) -> list[torch.cuda.Stream]:
         """The side streams of lanes 1..n (made on first use, then the same ones)."""
@@ -129,6 +130,21 @@ class CaptureMemory:
     def users(self) -> int:
         """Open capture owners that captured into the pool."""
         return self._users
+
+
+def order_after_last(tracker: Any, stream: Any) -> None:
+    """Orders a replay on ``stream`` after the last replay of ``tracker``'s captures (a
+    :class:`CaptureMemory`, or an owner with memory of its own); call it holding their lock.
+
+    The host lock serializes the launches only: a graph replayed on another stream than the last
+    one (two micro-batches of one model on two streams, say) would run beside it on the GPU,
+    writing the temporaries, static buffers and outputs they share. Waiting costs nothing when the
+    stream is the same (stream order already holds), so it is done only on a change.
+    """
+    last = tracker.last_stream
+    if last is not None and last != stream:
+        stream.wait_stream(last)
+    tracker.last_stream = stream
 
 
 class GraphOwner:
@@ -180,6 +196,7 @@ class GraphOwner:
         else:
             self.streams = [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
         self._holds_pool = False
+        self.last_stream: Any = None  # see order_after_last (when it has memory of its own)
         self._scopes: dict[str, Lanes] = {}
         self.retained: dict[int, list[Any]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -253,6 +270,11 @@ class GraphOwner:
     def num_retained(self) -> int:
         """How many objects this owner's captures retain."""
         return sum(len(v) for v in self.retained.values())
+
+    def order_replay(self, stream: torch.cuda.Stream) -> None:
+        """Orders a replay on ``stream`` after the last replay that shares its memory
+        (:func:`order_after_last`); call it holding :attr:`lock`."""
+        order_after_last(self.shared if self.shared is not None else self, stream)
 
     def begin_capture(self) -> torch.cuda.Stream:
         """Sets :attr:`pool` (its model's shared pool, or a pool of its own) and

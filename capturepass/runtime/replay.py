@@ -267,6 +267,8 @@ class Capture:
         # The copies in and out are this owner's work too (an observer's owner range holds them).
         # The lock: the model's other captures share this one's temporaries (``CaptureMemory``).
         with self.owner.lock, context.running(self.owner):
+            if self.owner.device is not None:
+                self.owner.order_replay(torch.cuda.current_stream(self.owner.device))
             if self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.

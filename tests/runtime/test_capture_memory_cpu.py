@@ -51,3 +51,25 @@ def test_the_lock_is_reentrant_for_the_capturing_thread(fake_cuda):
             t.start()
             t.join()
     assert got == [False]  # another thread waits while one model's capture or replay runs
+
+
+class _FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited: list[str] = []
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.waited.append(other.name)
+
+
+def test_a_replay_on_another_stream_waits_for_the_last_replay(fake_cuda):
+    """Captures that share memory must not run at once on the GPU: a change of stream waits."""
+    from capturepass.runtime.owner import order_after_last
+
+    mem = CaptureMemory(torch.device("cuda", 0))
+    a, b = _FakeStream("a"), _FakeStream("b")
+    for s in (a, a, b, b, a):
+        order_after_last(mem, s)
+    assert b.waited == ["a"]  # once, at the change
+    assert a.waited == ["b"]  # and back
+    assert mem.last_stream is a
