@@ -137,3 +137,12 @@ def host_round(x: torch.Tensor) -> torch.Tensor:
 @host_round.register_fake
 def _(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+def compiled_since(before: list) -> list:
+    """The graphs ``last_compiled()`` holds now that were not in ``before`` (a list taken from it
+    earlier: it keeps at most 32, so lengths cannot be compared)."""
+    from capturepass.backends.compile import last_compiled
+
+    seen = {id(g) for g in before}  # ``before`` holds them: their ids stay theirs
+    return [g for g in last_compiled() if id(g) not in seen]

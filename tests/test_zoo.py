@@ -123,11 +123,12 @@ SHAPES = ((2, 8), (2, 11), (3, 5), (1, 7))
 def test_zoo_cpu_at_changing_shapes(name: str) -> None:
     """What an engine does: calls at other batch sizes and lengths, through automatic dynamic shapes."""
     from capturepass.backends.compile import last_compiled
+    from tests.helpers import compiled_since
 
     torch._dynamo.reset()
     model, _ = zoo.build(name)
     compiled = torch.compile(model, backend="capturepass", options={"inner": "eager", "verify": True})
-    before = len(last_compiled())
+    before = last_compiled()
     for call, (batch, tokens) in enumerate(SHAPES):
         ids = torch.randint(0, zoo.VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(call))
         with torch.no_grad():
@@ -137,7 +138,7 @@ def test_zoo_cpu_at_changing_shapes(name: str) -> None:
         for key in want:
             torch.testing.assert_close(got[key], want[key], **zoo.TOLERANCE["cpu"],
                                        msg=f"{name}: call {call} at {(batch, tokens)}, output {key}")
-    graphs = last_compiled()[before:]
+    graphs = compiled_since(before)
     symbolic = [g for g in graphs if any(isinstance(v, torch.SymInt) for n in g.graph.graph.find_nodes(op="placeholder")
                                          for v in [n.meta.get("val")])]
     # The first shape's static graph, at least one with dynamic sizes, and batch 1's.
