@@ -30,6 +30,7 @@ import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class CaptureMemory:
         self._pool: Any = None
         self._users = 0
         self.last_stream: Any = None  # the stream the last replay of one of its captures ran on
+        self.last_raw: int | None = None  # its handle
 
     def side_streams(self, n: int) -> list[torch.cuda.Stream]:
         """The side streams of lanes 1..n (made on first use, then the same ones)."""
@@ -132,19 +134,26 @@ class CaptureMemory:
         return self._users
 
 
-def order_after_last(tracker: Any, stream: Any) -> None:
-    """Orders a replay on ``stream`` after the last replay of ``tracker``'s captures (a
-    :class:`CaptureMemory`, or an owner with memory of its own); call it holding their lock.
+# The current stream's handle, without making a Stream object (what Inductor's code calls).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def order_after_last(tracker: Any, raw: int, current: Callable[[], Any]) -> None:
+    """Orders a replay on the current stream (handle ``raw``; ``current()`` makes its Stream)
+    after the last replay of ``tracker``'s captures (a :class:`CaptureMemory`, or an owner with
+    memory of its own); call it holding their lock.
 
     The host lock serializes the launches only: a graph replayed on another stream than the last
     one (two micro-batches of one model on two streams, say) would run beside it on the GPU,
     writing the temporaries, static buffers and outputs they share. Waiting costs nothing when the
     stream is the same (stream order already holds), so it is done only on a change.
     """
-    last = tracker.last_stream
-    if last is not None and last != stream:
-        stream.wait_stream(last)
-    tracker.last_stream = stream
+    if raw == tracker.last_raw:
+        return
+    stream = current()
+    if tracker.last_stream is not None:
+        stream.wait_stream(tracker.last_stream)
+    tracker.last_stream, tracker.last_raw = stream, raw
 
 
 class GraphOwner:
@@ -197,6 +206,7 @@ class GraphOwner:
             self.streams = [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
         self._holds_pool = False
         self.last_stream: Any = None  # see order_after_last (when it has memory of its own)
+        self.last_raw: int | None = None
         self._scopes: dict[str, Lanes] = {}
         self.retained: dict[int, list[Any]] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -271,10 +281,17 @@ class GraphOwner:
         """How many objects this owner's captures retain."""
         return sum(len(v) for v in self.retained.values())
 
-    def order_replay(self, stream: torch.cuda.Stream) -> None:
-        """Orders a replay on ``stream`` after the last replay that shares its memory
+    def order_replay(self) -> None:
+        """Orders a replay on the current stream after the last replay that shares its memory
         (:func:`order_after_last`); call it holding :attr:`lock`."""
-        order_after_last(self.shared if self.shared is not None else self, stream)
+        device = self.device
+        assert device is not None
+        current = lambda: torch.cuda.current_stream(device)  # noqa: E731
+        if _raw_stream is not None:
+            raw = _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+        else:
+            raw = current().cuda_stream
+        order_after_last(self.shared if self.shared is not None else self, raw, current)
 
     def begin_capture(self) -> torch.cuda.Stream:
         """Sets :attr:`pool` (its model's shared pool, or a pool of its own) and

@@ -268,7 +268,7 @@ class Capture:
         # The lock: the model's other captures share this one's temporaries (``CaptureMemory``).
         with self.owner.lock, context.running(self.owner):
             if self.owner.device is not None:
-                self.owner.order_replay(torch.cuda.current_stream(self.owner.device))
+                self.owner.order_replay()
             if self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.

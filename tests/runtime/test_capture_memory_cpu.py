@@ -54,8 +54,8 @@ def test_the_lock_is_reentrant_for_the_capturing_thread(fake_cuda):
 
 
 class _FakeStream:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, raw: int) -> None:
+        self.name, self.raw = name, raw
         self.waited: list[str] = []
 
     def wait_stream(self, other: "_FakeStream") -> None:
@@ -67,9 +67,16 @@ def test_a_replay_on_another_stream_waits_for_the_last_replay(fake_cuda):
     from capturepass.runtime.owner import order_after_last
 
     mem = CaptureMemory(torch.device("cuda", 0))
-    a, b = _FakeStream("a"), _FakeStream("b")
+    a, b = _FakeStream("a", 11), _FakeStream("b", 22)
+    made = []
+
+    def current(s):
+        made.append(s.name)
+        return s
+
     for s in (a, a, b, b, a):
-        order_after_last(mem, s)
+        order_after_last(mem, s.raw, lambda s=s: current(s))
     assert b.waited == ["a"]  # once, at the change
     assert a.waited == ["b"]  # and back
-    assert mem.last_stream is a
+    assert mem.last_stream is a and mem.last_raw == 11
+    assert made == ["a", "b", "a"]  # a Stream object is made only when the stream changed
