@@ -97,7 +97,7 @@ import torch
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
-from capturepass.runtime import capture, comms, context, lifetime, naming, pools, profiling
+from capturepass.runtime import capture, comms, context, lifetime, naming, outputs, pools, profiling
 from capturepass.runtime.owner import CaptureMemory, GraphOwner
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
@@ -606,8 +606,11 @@ class Executor:
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             shared = model.shared(device)
-            # Its timed replays run graphs of the model's shared pool: not beside another replay of it.
+            # Its timed replays run graphs of the model's shared pool: not beside another replay of
+            # it, and not over outputs of the model's other captures that the caller still holds.
             with shared.lock if shared is not None else contextlib.nullcontext():
+                if shared is not None:
+                    outputs.rescue_group(shared.held_outputs)
                 cap, out = self._picker.capture(captures, args, real, protect, device)
             if places:
                 cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])

@@ -75,6 +75,16 @@ def supported() -> bool:
     return False
 
 
+def rescue_group(group: list["OutputAliases"]) -> int:
+    """Rescues every capture of ``group`` that handed out aliases since its last rescue (call it
+    before anything writes memory they share); returns how many storages were copied."""
+    if not group:
+        return 0
+    pending = list(group)
+    group.clear()
+    return sum(a.rescue() for a in pending)
+
+
 def _use_count(storage: Any) -> int:
     return torch._C._storage_Use_Count(storage._cdata)
 
@@ -106,6 +116,10 @@ class OutputAliases:
         self.aliased = 0
         self.rescues = 0
         self.copies = 0
+        # Captures whose memory another capture's replays write (a model's shapes share one pool)
+        # put themselves here when they hand out an alias: the other replays rescue them first.
+        self.group: list[OutputAliases] | None = None
+        self._in_group = False
 
     def is_static(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in memory a replay overwrites."""
@@ -133,6 +147,9 @@ class OutputAliases:
                 alias = torch._C._construct_storage_from_data_pointer(static.data_ptr(), v.device, static.nbytes())
                 fresh[key] = alias
                 self._live.append((alias, static))
+                if self.group is not None and not self._in_group:
+                    self.group.append(self)
+                    self._in_group = True
             self.aliased += 1
             return v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
 
@@ -150,6 +167,7 @@ class OutputAliases:
         of its inputs into the static buffers: an input may be an earlier output), or the
         release of the owner. Returns how many storages were copied.
         """
+        self._in_group = False
         if not self._live:
             return 0
         live, self._live = self._live, []

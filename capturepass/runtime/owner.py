@@ -89,10 +89,14 @@ class CaptureMemory:
     with the largest shape, not with the number of shapes. cuBLAS's workspace is cached per
     stream: side streams shared by role keep it to one per lane. This is safe because (1) the
     captures' outputs, static buffers and retained objects stay alive while their graph lives,
-    so no other capture is handed their memory; only temporaries, which every replay writes
-    before reading, are shared; (2) the captures of one model never run at once: replays,
-    warm-ups and captures hold :attr:`lock`. Captures of *another* model instance (a target
-    and its draft) never share, so they may replay in either order or at once.
+    so no other capture is handed their memory; (2) the captures of one model never run at once:
+    replays, warm-ups and captures hold :attr:`lock`, and a replay on another stream waits for
+    the last one (:func:`order_after_last`); (3) a capture's outputs may lie in memory an *earlier*
+    capture used for temporaries, which that capture's replays write again: outputs handed out
+    as aliases (torch with ``_swap_data_ptr_``) are therefore rescued before a replay of *any*
+    capture of the model (:attr:`held_outputs`), not only of their own; where outputs are
+    copied out after each replay there is nothing to rescue. Captures of *another* model
+    instance (a target and its draft) never share, so they may replay in either order or at once.
 
     The pool handle is renewed once no capture owner uses it any more (torch frees a pool
     whose graphs are all gone).
@@ -107,6 +111,10 @@ class CaptureMemory:
         self._users = 0
         self.last_stream: Any = None  # the stream the last replay of one of its captures ran on
         self.last_raw: int | None = None  # its handle
+        # Output aliases of its captures handed out since their last rescue
+        # (``outputs.OutputAliases.group``): a replay of any capture of the model writes the
+        # pool they share, so it rescues these first.
+        self.held_outputs: list[Any] = []
 
     def side_streams(self, n: int) -> list[torch.cuda.Stream]:
         """The side streams of lanes 1..n (made on first use, then the same ones)."""

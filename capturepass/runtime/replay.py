@@ -166,6 +166,8 @@ class Capture:
         if not self.static_outputs and outputs.supported():
             self.outputs = outputs.OutputAliases(self._overwritten(args))
             owner.before_close.append(self.outputs.close)
+            if owner.shared is not None:
+                self.outputs.group = owner.shared.held_outputs
         return out
 
     def _overwritten(self, args: Sequence[Any]) -> list[torch.Tensor]:
@@ -269,7 +271,10 @@ class Capture:
         with self.owner.lock, context.running(self.owner):
             if self.owner.device is not None:
                 self.owner.order_replay()
-            if self.outputs is not None:
+            if self.owner.shared is not None:
+                # Any capture of the model: its outputs may lie in this one's temporaries.
+                outputs.rescue_group(self.owner.shared.held_outputs)
+            elif self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.
             for i, buf in self.inputs.items():

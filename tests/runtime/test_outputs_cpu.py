@@ -169,3 +169,22 @@ def test_a_capture_on_a_callers_tensor_goes_when_its_storage_dies_not_its_view()
     gc.collect()
     lifetime.drain()
     assert ex.released == [(("k",), cap, "an input it was made on was collected")]
+
+
+def test_captures_sharing_memory_rescue_each_others_held_outputs():
+    """A model's captures share a pool: capture B's output may lie where capture A keeps its
+    temporaries, which A's replay writes. Held aliases of every capture of the group are copied
+    out before any of them replays; captures that handed nothing out cost nothing."""
+    pool = torch.arange(8, dtype=torch.float32)
+    temporaries_of_a, output_of_b = pool, pool[4:]  # A's temporaries were freed; B's output took part of them
+    group: list[OutputAliases] = []
+    a, b = OutputAliases([temporaries_of_a]), OutputAliases([output_of_b])
+    a.group = b.group = group
+    held = b.wrap(output_of_b)
+    assert group == [b]  # b handed out an alias since its last rescue
+    b.wrap(output_of_b)  # a second call: b is in the group once
+    assert group == [b]
+    assert outputs.rescue_group(group) == 1 and group == []  # what A's replay does first
+    temporaries_of_a.fill_(-1.0)  # A's replay writes its temporaries
+    assert torch.equal(held, torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert outputs.rescue_group(group) == 0 and a.rescues == 0
