@@ -252,3 +252,35 @@ def test_an_output_of_a_break_is_returned_as_it_is(simulated):
     assert cap.uncaptured  # the break ran between the replays
     assert cap.outputs.aliased == 2  # y * 2 of calls 2 and 3; the break's results are its own
     assert cap.outputs.rescues == 1  # call 3 found call 2's y * 2 held
+
+
+@torch.no_grad()
+def test_a_replay_rescues_the_held_outputs_of_the_models_other_captures(simulated):
+    """A model's captures share a pool on a GPU: shape A's replay may write where shape B's held
+    output lies. The host has no pool; the captures are put in one group as the GPU does, and a
+    replay of A must copy out B's held output (B's own rescue count moves, B never replayed)."""
+    from capturepass.runtime.owner import CaptureMemory
+
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"inner": "eager", "verify": True, "cudagraphs": "monolithic"})
+    ex = _prime(compiled, torch.randn(3, 16))  # one graph for every batch from 2 up
+    x4, x2 = torch.randn(4, 16), torch.randn(2, 16)
+    compiled(x4)  # captures shape A
+    compiled(x2)  # captures shape B
+    assert ex.num_captures == 2
+    a, b = sorted(ex._captures.values(), key=lambda c: -next(iter(c.inputs.values())).shape[0])
+    mem = CaptureMemory.__new__(CaptureMemory)  # the group alone: no streams or pool on the host
+    mem.held_outputs = []
+    for cap in (a, b):
+        cap.owner.shared = mem
+        cap.outputs.group = mem.held_outputs
+    held = compiled(x2)  # B replays and hands out aliases
+    assert mem.held_outputs == [b.outputs]
+    before = b.outputs.rescues
+    compiled(x4)  # A's replay rescues B's held outputs first
+    # Two storages copied: y (and its view y[:, :4]) and h.tanh().
+    assert b.outputs.rescues == before + 2 and mem.held_outputs == [a.outputs]
+    for got, want in zip(held, model(x2)):
+        assert torch.equal(got, want)
