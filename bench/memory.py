@@ -113,6 +113,12 @@ def main() -> None:
             tail = [line for line in err.strip().splitlines() if "Warning" not in line][-15:]
             failures.append(f"{v} N={n}: exit {proc.returncode}:\n" + "\n".join(tail))
         print(f"done {v} N={n}", file=sys.stderr, flush=True)
+    save(args.out, "memory", rows, failures, report(rows))
+
+
+def report(rows: list[dict]) -> str:
+    """The table (reserved memory against reduce-overhead's at the same N), calls that differ from
+    eager, and where each run's reserved memory lies."""
     lines = ["| N sizes | variant | captured | allocated MiB | reserved MiB | peak MiB | reserved / reduce-overhead's |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -123,9 +129,10 @@ def main() -> None:
     lines += [f"large difference from eager: {r['variant']} N={r['sizes']} rel {r['rel_err']:.3g}"
               for r in rows if r["rel_err"] > 5e-2]
     for r in rows:
-        where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated" for k, v in sorted(r.get("segments", {}).items()))
+        where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated"
+                          for k, v in sorted(r.get("segments", {}).items()))
         lines.append(f"segments, {r['variant']} N={r['sizes']}: {where}")
-    save(args.out, "memory", rows, failures, "\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""bench/memory.py on the CPU: its arguments and its report's arithmetic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.test_bench_zoo import ROOT, _load
+
+
+def test_memory_bench_help():
+    ok = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "memory.py"), "--help"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "--sizes" in ok.stdout
+
+
+def test_memory_report_compares_reserved_memory_with_reduce_overhead_at_each_n():
+    memory = _load("memory")
+    row = dict(captured=None, allocated_mib=32.0, peak_mib=90.0, rel_err=0.0)
+    rows = [
+        dict(row, variant="reduce-overhead", sizes=8, reserved_mib=80.0, segments={"pool (1, 2)": [60.0, 30.0]}),
+        dict(row, variant="capturepass", sizes=8, captured=8, reserved_mib=120.0, rel_err=0.2,
+             segments={"pool (1, 5)": [64.0, 32.0], "stream 0x0": [56.0, 0.0]}),
+        dict(row, variant="capturepass", sizes=32, captured=32, reserved_mib=100.0),
+    ]
+    lines = memory.report(rows).splitlines()
+    assert lines[2] == "| 8 | reduce-overhead |  | 32 | 80 | 90 | 1.00 |"
+    assert lines[3] == "| 8 | capturepass | 8 | 32 | 120 | 90 | 1.50 |"
+    assert lines[4] == "| 32 | capturepass | 32 | 32 | 100 | 90 |  |"  # no reduce-overhead row at N=32
+    assert "large difference from eager: capturepass N=8 rel 0.2" in lines
+    assert ("segments, capturepass N=8: pool (1, 5): 64 reserved / 32 allocated, stream 0x0: 56 reserved / 0 allocated"
+            in lines)
