@@ -124,3 +124,33 @@ def test_memory_held_grows_with_the_largest_shape_not_the_number_of_shapes():
     one = held(sizes[:1])
     many = held(sizes)
     assert many < 2 * one, (many / 2**20, one / 2**20)
+
+
+@torch.no_grad()
+def test_replays_of_two_shapes_on_two_streams_run_one_after_the_other():
+    """Two micro-batches of one model on two streams, as dual-batch overlap runs them: the second
+    replay waits for the first (they share the pool's temporaries), and both equal eager."""
+    torch.manual_seed(0)
+    model = MoEBlock(1024, 4096, 8, 1024, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"capture_sizes": [64, 32], "policy": "off", "verify": True})
+    main = torch.cuda.current_stream()
+    x = torch.randn(48, 1024, device="cuda")
+    torch.testing.assert_close(compiled(x), model(x), **TOL)  # compiles and captures 64 and 32
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for _ in range(10):
+        xa, xb = torch.randn(64, 1024, device="cuda"), torch.randn(32, 1024, device="cuda")
+        s1.wait_stream(main)
+        s2.wait_stream(main)
+        with torch.cuda.stream(s1):
+            ya = compiled(xa)
+        with torch.cuda.stream(s2):
+            yb = compiled(xb)
+        main.wait_stream(s1)
+        main.wait_stream(s2)
+        torch.testing.assert_close(ya, model(xa), **TOL)
+        torch.testing.assert_close(yb, model(xb), **TOL)
+    ex = _executor()
+    assert ex.num_captures == 3  # 64 and 32 up front, 48 at the first call
+    (shared,) = {id(c.owner.shared): c.owner.shared for c in ex._captures.values()}.values()
+    assert shared.last_raw == s2.cuda_stream  # the last replay ran on s2, after waiting for s1
