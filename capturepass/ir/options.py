@@ -85,12 +85,15 @@ class Options:
         max_captures: capture shapes kept per graph; beyond it new shapes run
             uncaptured (logged once).
         static_outputs: return replayed outputs as they are, in the graph's pool:
-            each is overwritten by the next call, and nothing is ever copied (for
-            callers that consume outputs before the next call). By default outputs
-            are returned over aliases of the pool too, and the next replay (or the
+            each is overwritten by the model's next call (at any shape: a model's
+            shapes share one pool), and nothing is ever copied (for callers that
+            consume outputs before the next call). By default outputs are returned
+            over aliases of the pool too, and the next replay of the model (or the
             graph's release) first copies out those the caller still holds: an
             output is never overwritten under the caller, and only held ones cost
-            a copy.
+            a copy. Where torch cannot move a held output (no
+            ``UntypedStorage._swap_data_ptr_``, torch 2.11) outputs are copied out
+            after every replay instead.
         external_streams: streams capturepass does not own, by name, with their
             relation to the graph: ``"before"`` (the graph reads what the stream
             produced), ``"after"`` (the stream reads what the graph produced) or
