@@ -464,10 +464,7 @@ class Executor:
             if not self.captured:
                 return self._run_eager(args)
         base = (self._instance(args), _shape_key(args, self._dynamic_positions))
-        plan = self._plans.get(base)
-        if plan is None:
-            self._plan(base, args)
-            plan = self._plans[base]
+        plan = self._plans.get(base) or self._plan(base, args)
         key = _key(base, plan, args)
         cap = self._captures.get(key)
         if cap is not None:
@@ -508,13 +505,20 @@ class Executor:
                 places.append(i)
         return tuple(places)
 
-    def _plan(self, base: tuple, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
-        """The in-place positions of ``base``, decided at its first capture."""
+    def _plan(self, base: tuple, args: Sequence[Any],
+              given: Sequence[Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The in-place plan of ``base`` (positions, and their addresses at its first capture),
+        decided at its first capture."""
         plan = self._plans.get(base)
         if plan is None:
             places = self._in_place(args, given)
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
-        return plan[0]
+        return plan
+
+    def _watch_in_place(self, key: tuple, cap: Capture, args: Sequence[Any], places: frozenset[int]) -> None:
+        """Releases ``cap`` when the storage of an input it was captured on in place (``places``) dies."""
+        if places:
+            cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in sorted(places)])
 
     def _replan(self, base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]], args: Sequence[Any]) -> tuple:
         """A call with the shapes of ``base`` but an in-place input elsewhere; returns its key.
@@ -551,8 +555,7 @@ class Executor:
         """
         if key is None:
             base = (self._instance(args), _shape_key(args, self._dynamic_positions))
-            self._plan(base, args)
-            key = _key(base, self._plans[base], args)
+            key = _key(base, self._plan(base, args), args)
         while self.captured:
             program = self.program
             try:
@@ -574,8 +577,8 @@ class Executor:
             # A profiling capture is thrown away: it keeps to a pool and streams of its own.
             owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True,
                                     share=prof is None)
-            places = self._plan(key[:2], args)
-            cap = Capture(self.program, owner, self.static_outputs, self._written, frozenset(places))
+            places = frozenset(self._plan(key[:2], args)[0])
+            cap = Capture(self.program, owner, self.static_outputs, self._written, places)
             try:
                 out = cap.run(args, real)
             except BaseException:
@@ -583,8 +586,7 @@ class Executor:
                 raise
             self._captures[key] = cap
             self._watch(key[0], args)
-            if places:
-                cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
+            self._watch_in_place(key, cap, args, places)
             if prof is not None:
                 prof.adopt(owner, lambda: self._forget(key, cap))
         return cap, out
@@ -593,27 +595,26 @@ class Executor:
         """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
-            places = frozenset(self._plan(key[:2], args))
+            places = frozenset(self._plan(key[:2], args)[0])
             static = set(self.program.static_inputs) | places
             # Timed replays write these at the caller's addresses: the picker restores them.
             protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
             device = self._device(args)
+            shared = model.shared(device)
             # Owner names are unique among open owners: each other candidate's bears its schedule's name.
             captures = types.SimpleNamespace(
                 _capture_program=lambda program, a, r, candidate: self._capture_program(
                     program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device,
-                    places, model.shared(device)),
+                    places, shared),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
-            shared = model.shared(device)
             # Its timed replays run graphs of the model's shared pool: not beside another replay of
             # it, and not over outputs of the model's other captures that the caller still holds.
             with shared.lock if shared is not None else contextlib.nullcontext():
                 if shared is not None:
                     outputs.rescue_group(shared.held_outputs)
                 cap, out = self._picker.capture(captures, args, real, protect, device)
-            if places:
-                cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in places])
+            self._watch_in_place(key, cap, args, places)
             if self._record is not None:
                 self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
                                  str(cap.owner.device) if cap.owner.device is not None else "cpu")
@@ -675,8 +676,7 @@ class Executor:
                 )
                 return
             base = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
-            self._plan(base, sized, given=args)
-            key = _key(base, self._plans[base], sized)
+            key = _key(base, self._plan(base, sized, given=args), sized)
             if key not in self._captures and len(self._captures) < self.max_captures:
                 if self.capture(sized, key) is None:
                     return
