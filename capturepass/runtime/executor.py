@@ -97,7 +97,7 @@ import torch
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
-from capturepass.runtime import capture, comms, context, lifetime, naming, outputs, pools, profiling
+from capturepass.runtime import capture, comms, context, lifetime, naming, outputs, pools, profiling, sizes
 from capturepass.runtime.owner import CaptureMemory, GraphOwner
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
@@ -144,61 +144,6 @@ def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> t
         else:
             key.append(type(a))
     return tuple(key)
-
-
-def _batch_dim(program: Program) -> torch.SymInt | None:
-    """The batch size of the graph: dim 0 of its first dynamic non-static input, or ``None``."""
-    for i, node in enumerate(program.inputs):
-        val = node.meta.get("val")
-        if i in program.static_inputs or not isinstance(val, torch.Tensor) or val.dim() == 0:
-            continue
-        d0 = val.shape[0]
-        if isinstance(d0, torch.SymInt) and d0.node.expr.free_symbols:
-            return d0
-    return None
-
-
-def _batch_range(program: Program) -> tuple[int, int | None] | None:
-    """The batch sizes the graph serves, ``(lowest, highest or None)``, from its shape environment;
-    ``None`` without a dynamic batch or a range to read. Dynamo specializes sizes 0 and 1, so a
-    graph with a dynamic batch usually serves 2 and up (calls at 1 compile another graph)."""
-    d0 = _batch_dim(program)
-    env = getattr(d0.node, "shape_env", None) if d0 is not None else None
-    bound = getattr(env, "bound_sympy", None)
-    if bound is None:
-        return None
-    try:
-        vr = bound(d0.node.expr)
-        lower = int(vr.lower)
-    except Exception:  # noqa: BLE001 - an unbounded or symbolic bound: nothing to say
-        return None
-    try:
-        upper: int | None = int(vr.upper)
-    except Exception:  # noqa: BLE001 - int_oo, oo
-        upper = None
-    return lower, upper
-
-
-def _args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any] | None:
-    """``args`` with the batch symbol (dim 0 of the first dynamic non-static input) set to ``size``."""
-    d0 = _batch_dim(program)
-    if d0 is None:
-        return None
-    symbol = d0.node.expr
-    out: list[Any] = []
-    for i, (node, arg) in enumerate(zip(program.inputs, args)):
-        val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) and val.node.expr == symbol:
-            out.append(size)
-        elif isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and i not in program.static_inputs:
-            shape = [
-                size if isinstance(d, torch.SymInt) and d.node.expr == symbol else int(a)
-                for d, a in zip(val.shape, arg.shape)
-            ]
-            out.append(torch.zeros(shape, dtype=arg.dtype, device=arg.device))
-        else:
-            out.append(arg)
-    return out
 
 
 def _key(base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]] | None, args: Sequence[Any]) -> tuple:
@@ -644,23 +589,18 @@ class Executor:
         """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input),
         largest first: the smaller captures' temporaries then fit in memory the larger ones freed
         in the model's shared pool."""
-        served = _batch_range(self.program)
-        sizes = sorted(self.capture_sizes, reverse=True)
-        if served is not None:
-            lower, upper = served
-            outside = [s for s in sizes if s < lower or (upper is not None and s > upper)]
-            if outside:
-                # A call at such a size never reaches this graph: its capture would be wasted,
-                # and would count against max_captures.
-                log.info(
-                    "capturepass: %s: capture_sizes %s are outside the batch sizes this graph serves (%d to %s; "
-                    "Dynamo compiles another graph for them, which captures them at their first call); not "
-                    "captured here", self._what, ", ".join(map(str, sorted(outside))), lower,
-                    "any" if upper is None else upper,
-                )
-                sizes = [s for s in sizes if s not in outside]
-        for size in sizes:
-            sized = _args_for_size(self.program, args, size)
+        wanted, outside, served = sizes.served(self.program, self.capture_sizes)
+        if outside:
+            # A call at such a size never reaches this graph: its capture would be wasted, and
+            # would count against max_captures.
+            log.info(
+                "capturepass: %s: capture_sizes %s are outside the batch sizes this graph serves (%d to %s; "
+                "Dynamo compiles another graph for them, which captures them at their first call); not "
+                "captured here", self._what, ", ".join(map(str, outside)), served[0],
+                "any" if served[1] is None else served[1],
+            )
+        for size in wanted:
+            sized = sizes.args_for_size(self.program, args, size)
             if sized is None:
                 batch = next((a.shape[0] for i, a in enumerate(args) if i not in self.program.static_inputs
                               and isinstance(a, torch.Tensor) and a.dim() > 0), None)

@@ -1,0 +1,76 @@
+"""Batch sizes of a compiled graph: which dimension is the batch, which sizes the graph serves,
+and the arguments of a call at another size (what ``capture_sizes`` captures)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from capturepass.runtime.program import Program
+
+
+def batch_dim(program: Program) -> torch.SymInt | None:
+    """The batch size of the graph: dim 0 of its first dynamic non-static input, or ``None``."""
+    for i, node in enumerate(program.inputs):
+        val = node.meta.get("val")
+        if i in program.static_inputs or not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        d0 = val.shape[0]
+        if isinstance(d0, torch.SymInt) and d0.node.expr.free_symbols:
+            return d0
+    return None
+
+
+def batch_range(program: Program) -> tuple[int, int | None] | None:
+    """The batch sizes the graph serves, ``(lowest, highest or None)``, from its shape environment;
+    ``None`` without a dynamic batch or a range to read. Dynamo specializes sizes 0 and 1, so a
+    graph with a dynamic batch usually serves 2 and up (calls at 1 compile another graph)."""
+    d0 = batch_dim(program)
+    env = getattr(d0.node, "shape_env", None) if d0 is not None else None
+    bound = getattr(env, "bound_sympy", None)
+    if bound is None:
+        return None
+    try:
+        vr = bound(d0.node.expr)
+        lower = int(vr.lower)
+    except Exception:  # noqa: BLE001 - an unbounded or symbolic bound: nothing to say
+        return None
+    try:
+        upper: int | None = int(vr.upper)
+    except Exception:  # noqa: BLE001 - int_oo, oo
+        upper = None
+    return lower, upper
+
+
+def args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any] | None:
+    """``args`` with the batch symbol (dim 0 of the first dynamic non-static input) set to ``size``."""
+    d0 = batch_dim(program)
+    if d0 is None:
+        return None
+    symbol = d0.node.expr
+    out: list[Any] = []
+    for i, (node, arg) in enumerate(zip(program.inputs, args)):
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr == symbol:
+            out.append(size)
+        elif isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and i not in program.static_inputs:
+            shape = [
+                size if isinstance(d, torch.SymInt) and d.node.expr == symbol else int(a)
+                for d, a in zip(val.shape, arg.shape)
+            ]
+            out.append(torch.zeros(shape, dtype=arg.dtype, device=arg.device))
+        else:
+            out.append(arg)
+    return out
+
+
+def served(program: Program, capture_sizes: Sequence[int]) -> tuple[list[int], list[int], tuple[int, int | None]]:
+    """``capture_sizes`` split into those the graph serves, largest first (the smaller captures'
+    temporaries then fit in memory the larger ones freed in a shared pool), and those outside
+    its batch range (ascending); and that range (``(0, None)`` where it cannot be read)."""
+    lower, upper = batch_range(program) or (0, None)
+    inside = [s for s in capture_sizes if lower <= s and (upper is None or s <= upper)]
+    outside = sorted(s for s in capture_sizes if s not in inside)
+    return sorted(inside, reverse=True), outside, (lower, upper)
