@@ -27,6 +27,13 @@
   custom ops (namespaces other than aten and prims, and the wrappers of
   functionalized custom ops) are probed first, then every other node with a
   kernel.
+- :func:`in_pool` runs a capture's warm-up on the capture stream with every allocation of
+  the thread (on any lane's stream) taken from the capture's pool, as cudagraph trees warm
+  up: the warm-up's temporaries, cuBLAS workspaces and autotuning buffers land in the blocks
+  the capture then reuses (the same streams, the same pool), instead of each side stream's
+  own cache outside any pool, where they stay reserved for nothing. :func:`keep_pool` holds
+  a pool open before its first graph exists (torch asserts on a pool re-entered after its
+  last user left).
 """
 
 from __future__ import annotations
@@ -67,6 +74,70 @@ MODE_KWARGS = _mode_kwargs()
 def _capturing(stream: torch.cuda.Stream) -> bool:
     with torch.cuda.stream(stream):
         return torch.cuda.is_current_stream_capturing()
+
+
+# Routes every allocation of the calling thread, whatever the stream, to a pool (torch's
+# ``use_mem_pool`` and cudagraph trees' warm-ups use it).
+def _cuda_function(name: str) -> Any:
+    fn = getattr(torch._C, name, None)
+    # A build without CUDA fills these names with placeholder classes (torch/cuda/memory.py).
+    return None if fn is None or isinstance(fn, type) else fn
+
+
+_route_thread = _cuda_function("_cuda_beginAllocateCurrentThreadToPool")
+_end_route = _cuda_function("_cuda_endAllocateToPool")
+_release_pool = _cuda_function("_cuda_releasePool")
+# Why warm-ups cannot run in their capture's pool here (``None``: they can).
+POOL_WARM_UP_UNSUPPORTED: str | None = (
+    None if _route_thread is not None and _end_route is not None and _release_pool is not None
+    else "this torch cannot route a thread's allocations to a pool (no _cuda_beginAllocateCurrentThreadToPool)"
+)
+
+
+def keep_pool(pool: Any, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """An empty graph captured into ``pool``: while it lives, the pool exists and may be
+    entered (a pool whose last user left is only freed at the allocator's next cache release,
+    and torch refuses to enter it before that)."""
+    keeper = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
+        with torch.cuda.stream(stream):
+            keeper.capture_begin(pool=pool, **MODE_KWARGS)
+            keeper.capture_end()
+    return keeper
+
+
+@contextlib.contextmanager
+def in_pool(pool: Any, stream: torch.cuda.Stream, after: Sequence[Any] = ()) -> Iterator[None]:
+    """Runs the block on ``stream`` with this thread's allocations taken from ``pool``.
+
+    The pool must be open (a graph or :func:`keep_pool` holds it). ``stream`` first waits
+    for the current stream (the block reads the caller's tensors) and for each stream of
+    ``after`` (the last replay of graphs sharing the pool, whose temporaries the block's
+    allocations may reuse); the current stream waits for ``stream`` at the end.
+
+    Tensors the block allocates and that outlive it stay in the pool: the caller copies
+    out what it hands on (a later replay of another graph of the pool may write memory
+    that was free when the block ran).
+    """
+    assert POOL_WARM_UP_UNSUPPORTED is None, POOL_WARM_UP_UNSUPPORTED
+    device = stream.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    for s in after:
+        if s is not None:
+            stream.wait_stream(s)
+    try:
+        with torch.cuda.stream(stream):
+            _route_thread(index, pool)
+            try:
+                yield
+            finally:
+                _end_route(index, pool)
+                _release_pool(index, pool)
+    finally:
+        current.wait_stream(stream)
 
 
 def clear_cublas_workspaces() -> None:

@@ -75,6 +75,34 @@ def supported() -> bool:
     return False
 
 
+def copy_out(out: Any, theirs: set[int]) -> Any:
+    """``out`` (any nesting) with every tensor over a storage not in ``theirs`` (``_cdata`` of the
+    storages of the call's arguments and constants) moved to a copy: one copy per storage, so
+    outputs that viewed one storage view one copy, at the same offsets and strides.
+
+    For results a warm-up computed in a graph pool: a later replay of another graph of the
+    pool may write memory that was free while the warm-up ran. An output that requires grad
+    is cloned (autograd keeps its own record of the storage).
+    """
+    copies: dict[int, Any] = {}
+
+    def one(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+            return v
+        storage = v.untyped_storage()
+        key = storage._cdata
+        if key in theirs or not storage.nbytes():
+            return v
+        if v.requires_grad:
+            return v.clone()
+        copy = copies.get(key)
+        if copy is None:
+            copy = copies[key] = storage.clone()
+        return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
+
+    return fx.node.map_aggregate(out, one)
+
+
 def rescue_group(group: list["OutputAliases"]) -> int:
     """Rescues every capture of ``group`` that handed out aliases since its last rescue (call it
     before anything writes memory they share); returns how many storages were copied."""

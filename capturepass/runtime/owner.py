@@ -25,6 +25,7 @@ Objects a custom op passes to ``capturepass.retain`` are kept as they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -37,7 +38,7 @@ import torch
 
 from capturepass.errors import CapturePassError
 from capturepass.ir.meta import ResourceBinding
-from capturepass.runtime import pools
+from capturepass.runtime import capture, pools
 from capturepass.runtime.events import POOL
 from capturepass.runtime.lanes import CudaLanes, HostLanes, Lanes
 from capturepass.runtime.workspaces import Workspaces
@@ -47,6 +48,7 @@ log = logging.getLogger("capturepass")
 _ids = itertools.count()
 _live: "weakref.WeakSet[GraphOwner]" = weakref.WeakSet()
 _lock = threading.Lock()
+_warned_pool = False  # warm-ups outside the pool: said once
 
 _HAS_RETAIN_OBJECT = hasattr(torch.cuda.CUDAGraph, "retain_object")
 
@@ -98,8 +100,12 @@ class CaptureMemory:
     copied out after each replay there is nothing to rescue. Captures of *another* model
     instance (a target and its draft) never share, so they may replay in either order or at once.
 
-    The pool handle is renewed once no capture owner uses it any more (torch frees a pool
-    whose graphs are all gone).
+    Warm-ups run in the pool too (:meth:`warm_up`), on the capture stream and the side
+    streams, so that their temporaries are the blocks the capture then takes; an empty keeper
+    graph holds the pool open from the first warm-up on.
+
+    The pool handle is renewed once no capture owner uses it any more (the keeper is dropped
+    with it, and torch frees a pool whose graphs are all gone).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -108,6 +114,7 @@ class CaptureMemory:
         self.capture_stream = torch.cuda.Stream(device)
         self._side: list[torch.cuda.Stream] = []
         self._pool: Any = None
+        self._keeper: torch.cuda.CUDAGraph | None = None
         self._users = 0
         self.last_stream: Any = None  # the stream the last replay of one of its captures ran on
         self.last_raw: int | None = None  # its handle
@@ -123,11 +130,18 @@ class CaptureMemory:
                 self._side.append(torch.cuda.Stream(self.device))
             return self._side[:n]
 
+    @property
+    def streams(self) -> list[torch.cuda.Stream]:
+        """The capture stream and every side stream made so far."""
+        return [self.capture_stream, *self._side]
+
     def acquire_pool(self) -> Any:
         """The shared pool's handle, for one more owner's graphs."""
         with self.lock:
             if self._pool is None or self._users == 0:
                 self._pool = torch.cuda.graph_pool_handle()
+                if capture.POOL_WARM_UP_UNSUPPORTED is None:
+                    self._keeper = capture.keep_pool(self._pool, self.capture_stream)
             self._users += 1
             return self._pool
 
@@ -135,6 +149,21 @@ class CaptureMemory:
         """One owner's graphs are gone."""
         with self.lock:
             self._users = max(0, self._users - 1)
+            if self._users == 0:
+                self._keeper = None  # the pool is torch's to free once its graphs are gone
+
+    def warm_up(self, pool: Any) -> Any:
+        """The context a warm-up of one of its captures runs in: on the capture stream, its
+        allocations in ``pool`` (acquired), after the last replay of the model's captures
+        (its temporaries are free blocks of the pool). A null context, logged once, where
+        torch cannot route a thread's allocations."""
+        if capture.POOL_WARM_UP_UNSUPPORTED is not None:
+            global _warned_pool
+            if not _warned_pool:
+                _warned_pool = True
+                log.info("capturepass: warm-ups run outside the capture's pool: %s", capture.POOL_WARM_UP_UNSUPPORTED)
+            return contextlib.nullcontext()
+        return capture.in_pool(pool, self.capture_stream, after=(self.last_stream,))
 
     @property
     def users(self) -> int:

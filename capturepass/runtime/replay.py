@@ -2,7 +2,10 @@
 
 The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
-results are what the call returns; then every segment is captured into its own
+results are what the call returns. It runs where the capture will (the capture
+stream, the model's pool: ``CaptureMemory.warm_up``), so that the capture reuses
+the memory it took; the results it returns are copied out of the pool first.
+Then every segment is captured into its own
 CUDA graph in the pool its model's captures share, on one capture stream, in the
 thread-local capture mode (``runtime.capture``). Capturing runs no kernel, and
 breaks (non-capturable ops) do not run again during the capture: the segments
@@ -37,6 +40,7 @@ inputs the graph writes, so that they leave no visible effect either.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -154,10 +158,23 @@ class Capture:
                 if i < len(args) and isinstance(args[i], torch.Tensor):
                     warm_args[i] = args[i].clone()
         env = self.eager.initial_env(warm_args)
-        with context.running(owner):
+        shared = owner.shared
+        if shared is not None:
+            owner.begin_capture()  # the warm-up allocates in the pool the capture then uses
+        routed = shared is not None and capture.POOL_WARM_UP_UNSUPPORTED is None
+        with shared.warm_up(owner.pool) if shared is not None else contextlib.nullcontext(), \
+                context.running(owner):
             for p in range(len(program.pieces)):
                 self.eager.run_piece(p, env)
         out = self.eager.result(env)
+        if real and routed:
+            # Results the caller holds must not stay in the pool: another capture's replay
+            # writes its temporaries there, and some of them were free while this ran.
+            theirs = {a.untyped_storage()._cdata for a in args
+                      if isinstance(a, torch.Tensor) and a.layout == torch.strided}
+            theirs.update(c.untyped_storage()._cdata for c in program.constants.values()
+                          if isinstance(c, torch.Tensor) and c.layout == torch.strided)
+            out = outputs.copy_out(out, theirs)
         torch.cuda.synchronize(device)
         capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
         self._capture(args, env, out)

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from capturepass.runtime import capture
 from capturepass.runtime.owner import CaptureMemory
 
 
@@ -40,6 +41,23 @@ def test_the_pool_is_shared_while_used_and_renewed_after(fake_cuda):
     mem.release_pool()
     assert mem.users == 0
     assert mem.acquire_pool() != a  # torch freed the old pool with its last graph
+
+
+def test_a_keeper_holds_each_pool_open_until_its_last_owner_leaves(fake_cuda, monkeypatch):
+    """Warm-ups enter the pool before any graph of it exists: an empty keeper graph holds it
+    open (torch refuses a pool whose last user left), and goes with the pool's last owner."""
+    kept = []
+    monkeypatch.setattr(capture, "POOL_WARM_UP_UNSUPPORTED", None)
+    monkeypatch.setattr(capture, "keep_pool", lambda pool, stream: kept.append(pool) or ("keeper", pool))
+    mem = CaptureMemory(torch.device("cuda", 0))
+    a = mem.acquire_pool()
+    assert mem.acquire_pool() == a and kept == [a] and mem._keeper == ("keeper", a)
+    mem.release_pool()
+    assert mem._keeper == ("keeper", a)
+    mem.release_pool()
+    assert mem._keeper is None
+    b = mem.acquire_pool()
+    assert kept == [a, b] and b != a and mem._keeper == ("keeper", b)
 
 
 def test_the_lock_is_reentrant_for_the_capturing_thread(fake_cuda):

@@ -215,16 +215,16 @@ def _(x):
 capturepass.register_capability("cptest_gpu::scaled", overlap="safe")
 
 
-def _second_graph_clobbered(pool, n: int, stream=None):
-    """Captures a second graph into ``pool`` (on ``stream``) whose output may reuse a freed
-    block; returns that output and the graph."""
+def _second_graph_clobbered(pool, n: int, stream=None, outputs: int = 1):
+    """Captures a second graph into ``pool`` (on ``stream``) whose ``outputs`` outputs (all 7.0)
+    may reuse freed blocks; returns those outputs (one tensor when one) and the graph."""
     src = torch.full((n,), 7.0, device="cuda")
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2, pool=pool, stream=stream):
-        y2 = src * 1.0
+        ys = [src * 1.0 for _ in range(outputs)]
     g2.replay()
     torch.cuda.synchronize()
-    return y2, g2
+    return (ys[0] if outputs == 1 else ys), g2
 
 
 @torch.no_grad()
@@ -275,10 +275,12 @@ def test_h1_through_capturepass(retain):
         assert (owner.num_retained > 0) == retain
         _BINDINGS.clear()  # the op's cache evicts the binding
         gc.collect()
-        # The engine captures its next graph into the same pool on the same stream.
-        y2, g2 = _second_graph_clobbered(owner.pool, n * _SCRATCH_FACTOR, owner.capture_stream)
+        # The engine captures its next graph into the same pool on the same stream. Two outputs of
+        # the scratch's size: the pool also holds the block of the warm-up's binding (the warm-up
+        # runs in the pool too, and the capture bound a new one), which one of them may take.
+        ys, g2 = _second_graph_clobbered(owner.pool, n * _SCRATCH_FACTOR, owner.capture_stream, outputs=2)
         eager_victim = torch.full((n * _SCRATCH_FACTOR,), 7.0, device="cuda")
-        victims = [y2, eager_victim]
+        victims = [*ys, eager_victim]
         x2 = torch.randn(n, device="cuda")
         torch.testing.assert_close(compiled(x2), (x2 * 3.0 + 1.0) * 2.0)
         torch.cuda.synchronize()

@@ -188,3 +188,22 @@ def test_captures_sharing_memory_rescue_each_others_held_outputs():
     temporaries_of_a.fill_(-1.0)  # A's replay writes its temporaries
     assert torch.equal(held, torch.tensor([4.0, 5.0, 6.0, 7.0]))
     assert outputs.rescue_group(group) == 0 and a.rescues == 0
+
+
+def test_warm_up_results_are_copied_out_of_the_pool_keeping_their_views():
+    """``copy_out``: results over memory the call made move to one copy per storage (views of one
+    result stay views of one copy); the caller's tensors and results over them are left as they are."""
+    made = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    arg = torch.ones(4)
+    grad = torch.ones(2, requires_grad=True) * 2
+    out = outputs.copy_out({"x": made, "views": (made[1], made.t()), "arg": arg, "view": arg[1:], "g": grad, "n": 3},
+                           {arg.untyped_storage()._cdata})
+    assert out["arg"] is arg and out["view"].data_ptr() == arg[1:].data_ptr() and out["n"] == 3
+    x, (row, t) = out["x"], out["views"]
+    assert torch.equal(x, made) and torch.equal(row, made[1]) and torch.equal(t, made.t())
+    assert x.data_ptr() != made.data_ptr()
+    assert {v.untyped_storage()._cdata for v in (x, row, t)} == {x.untyped_storage()._cdata}
+    assert row.data_ptr() == x[1].data_ptr() and t.stride() == made.t().stride()
+    made.zero_()  # the pool's memory written again: the copies keep the values
+    assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert out["g"].requires_grad and out["g"].grad_fn is not None and torch.equal(out["g"], grad)

@@ -154,3 +154,61 @@ def test_replays_of_two_shapes_on_two_streams_run_one_after_the_other():
     assert ex.num_captures == 3  # 64 and 32 up front, 48 at the first call
     (shared,) = {id(c.owner.shared): c.owner.shared for c in ex._captures.values()}.values()
     assert shared.last_raw == s2.cuda_stream  # the last replay ran on s2, after waiting for s1
+
+
+def _in(t: torch.Tensor, segs: list[dict]) -> bool:
+    return any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"] for s in segs)
+
+
+@torch.no_grad()
+def test_warm_ups_take_their_memory_from_the_models_pool():
+    """A warm-up runs where its capture runs: on the capture stream and the side streams, its
+    allocations in the model's pool. Nothing it frees stays reserved in a stream's own cache
+    (which no capture reuses), and the result it returns does not lie in the pool."""
+    torch.manual_seed(0)
+    model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True})
+    x = torch.randn(8, 256, device="cuda")
+    # torch allocates the CUDA generator's graph seed and offset (outside any pool, on the
+    # stream of the capture that registers first) whenever no graph is registered: one is.
+    anchor = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(anchor):
+        torch.ones(1, device="cuda")
+    gc.collect()
+    torch.cuda.synchronize()
+    before = {seg["address"] for seg in torch.cuda.memory_snapshot()}
+    first = compiled(x)  # warm-up (the candidates' too), captures
+    torch.cuda.synchronize()
+    torch.testing.assert_close(first, model(x), **TOL)
+    owner = next(iter(_executor()._captures.values())).owner
+    streams = {s.cuda_stream for s in owner.shared.streams}
+    assert len(streams) >= 2  # the cost model's candidate has side lanes
+    segs = torch.cuda.memory_snapshot()
+    outside = [(hex(s["stream"]), s["total_size"]) for s in segs
+               if s["address"] not in before and tuple(s["segment_pool_id"]) == (0, 0) and s["stream"] in streams]
+    assert outside == []
+    pool = [s for s in segs if tuple(s["segment_pool_id"]) == tuple(owner.pool)]
+    assert pool and not _in(first, pool)
+
+
+@torch.no_grad()
+def test_first_results_stay_equal_to_eager_while_other_shapes_replay():
+    """The first call of a shape returns its warm-up's result, computed in the shared pool; the
+    warm-up of shape 8 may take blocks that shape 16's graph writes as temporaries, so that
+    result is copied out before the call returns."""
+    torch.manual_seed(0)
+    model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True})
+    held = []
+    for t in (16, 8, 4):  # each first call: a warm-up and a capture
+        x = torch.randn(t, 256, device="cuda")
+        held.append((x, compiled(x)))
+    for _ in range(3):
+        for t in (16, 8, 4):
+            x = torch.randn(t, 256, device="cuda")
+            torch.testing.assert_close(compiled(x), model(x), **TOL)
+    torch.cuda.synchronize()
+    for x, got in held:
+        torch.testing.assert_close(got, model(x), **TOL)
+    assert _executor().num_captures == 3
+
