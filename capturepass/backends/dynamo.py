@@ -134,8 +134,22 @@ def _tracing_context() -> Any:
         return None
 
 
+def _dynamo_frame() -> int | None:
+    """The id Dynamo gives the frame it compiles (one per code object; its recompilations for
+    other shapes keep it), or ``None`` outside a Dynamo compile or where torch has none."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - an older or newer torch: graphs then keep their own memory
+        return None
+    frame = getattr(compile_id, "frame_id", None)
+    return frame if isinstance(frame, int) else None
+
+
 def _aten_compiler(
-    kind: str, opts: Options, front_dumps: list[tuple[str, str]], compile_id: int, upstream: list[str]
+    kind: str, opts: Options, front_dumps: list[tuple[str, str]], compile_id: int, upstream: list[str],
+    frame: int | None = None,
 ) -> Callable:
     def compile_aten(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         examples = list(example_inputs)
@@ -200,7 +214,11 @@ def _aten_compiler(
                 return new
 
             picker = make_picker()
-        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir, picker=picker)
+        # Dynamo's graphs of one frame are its shapes (a graph per batch-size specialization):
+        # run on the same parameters, their captures share one pool.
+        scope = ("dynamo-frame", frame, kind) if frame is not None else None
+        executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir, picker=picker,
+                            memory_scope=scope)
         compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:
@@ -322,12 +340,13 @@ def capturepass_backend(
     inner_compilers.check_available(opts.inner)
     compile_id = next(_compile_ids)
     upstream = _dynamo_breaks(gm)
+    frame = _dynamo_frame()
     front_dumps = driver.run_front(gm, example_inputs, opts)
     return aot_autograd(
         decompositions=_decompositions(opts.inner),
-        fw_compiler=_aten_compiler("forward", opts, front_dumps, compile_id, upstream),
-        bw_compiler=_aten_compiler("backward", opts, front_dumps, compile_id, upstream),
-        inference_compiler=_aten_compiler("inference", opts, front_dumps, compile_id, upstream),
+        fw_compiler=_aten_compiler("forward", opts, front_dumps, compile_id, upstream, frame),
+        bw_compiler=_aten_compiler("backward", opts, front_dumps, compile_id, upstream, frame),
+        inference_compiler=_aten_compiler("inference", opts, front_dumps, compile_id, upstream, frame),
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 

@@ -89,7 +89,7 @@ import logging
 import operator
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -98,7 +98,7 @@ from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import capture, comms, context, lifetime, naming, outputs, pools, profiling, sizes
-from capturepass.runtime.owner import CaptureMemory, GraphOwner
+from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
 from capturepass.runtime.workspaces import locked_for_capture
@@ -169,6 +169,8 @@ class _Model:
     name: str
     shapes: dict[tuple, int] = dataclasses.field(default_factory=dict)
     memory: dict[torch.device, CaptureMemory] = dataclasses.field(default_factory=dict)
+    # Names the model across graphs (``owner.capture_memory``): None, its memory is its own.
+    scope: tuple | None = None
 
     def shared(self, device: torch.device | None) -> CaptureMemory | None:
         """The pool and streams its capture owners share on ``device`` (``None`` on a host)."""
@@ -176,7 +178,7 @@ class _Model:
             return None
         mem = self.memory.get(device)
         if mem is None:
-            mem = self.memory[device] = CaptureMemory(device)
+            mem = self.memory[device] = capture_memory(device, self.scope)
         return mem
 
 
@@ -208,6 +210,10 @@ class Executor:
         picker: chooses among schedule candidates by measuring them when a shape is first
             captured (:class:`~capturepass.runtime.pick.Picker`; ``None``: the program's
             schedule, as the cost model chose it).
+        memory_scope: names the code this graph is one shape of (Dynamo's frame, and the
+            kind of graph): the captures of graphs with the same scope that run the same
+            parameters share one pool and its streams, as one graph's shapes do (``None``:
+            this graph's models keep their own).
 
     Attributes:
         graph_owner: the graph owner's name, as the dump prints it (``"g3"``); every owner
@@ -223,8 +229,10 @@ class Executor:
         rebuild: Callable[[dict[str, str]], Program] | None = None,
         record_dir: str | None = None,
         picker: Any = None,
+        memory_scope: Hashable | None = None,
     ) -> None:
         options = options if options is not None else Options()
+        self._memory_scope = memory_scope
         self.options = options
         self.check_replay = options.check_replay
         self.capture_sizes = tuple(options.capture_sizes)
@@ -325,7 +333,10 @@ class Executor:
         """The model instance of these static-input addresses, named on first use (``g3.m1``)."""
         model = self._models.get(instance)
         if model is None:
-            model = self._models[instance] = _Model(naming.next_model(self.graph_owner))
+            # The same parameters, as a set (another graph may take them in another order);
+            # a graph without any shares nothing: it cannot tell one model from another.
+            scope = (self._memory_scope, frozenset(instance)) if self._memory_scope is not None and instance else None
+            model = self._models[instance] = _Model(naming.next_model(self.graph_owner), scope=scope)
         return model
 
     def _capture_owner_name(self, key: tuple) -> tuple[_Model, str]:

@@ -171,6 +171,27 @@ class CaptureMemory:
         return self._users
 
 
+# Capture memories shared by the graphs of one model (see :func:`capture_memory`).
+_memories: "weakref.WeakValueDictionary[tuple, CaptureMemory]" = weakref.WeakValueDictionary()
+
+
+def capture_memory(device: torch.device, scope: tuple | None) -> CaptureMemory:
+    """The :class:`CaptureMemory` of the model ``scope`` names on ``device``, made on first use
+    and shared while a graph uses it; a new one when ``scope`` is ``None``.
+
+    Graphs that are one model's shapes (Dynamo's recompilations of one frame for another
+    shape, run on the same parameters) name the same scope, so their captures share one pool
+    and one set of streams, as all the shapes of one graph do.
+    """
+    if scope is None:
+        return CaptureMemory(device)
+    with _lock:
+        mem = _memories.get((device, scope))
+        if mem is None:
+            mem = _memories[(device, scope)] = CaptureMemory(device)
+        return mem
+
+
 # The current stream's handle, without making a Stream object (what Inductor's code calls).
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 

@@ -5,6 +5,7 @@ The GPU half, with real pools, streams and interleaved replays, is ``test_shared
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from capturepass.runtime import capture
-from capturepass.runtime.owner import CaptureMemory
+from capturepass.runtime.owner import CaptureMemory, _memories, capture_memory
 
 
 @pytest.fixture
@@ -58,6 +59,21 @@ def test_a_keeper_holds_each_pool_open_until_its_last_owner_leaves(fake_cuda, mo
     assert mem._keeper is None
     b = mem.acquire_pool()
     assert kept == [a, b] and b != a and mem._keeper == ("keeper", b)
+
+
+def test_graphs_of_one_model_scope_share_one_memory_and_others_do_not(fake_cuda):
+    dev = torch.device("cuda", 0)
+    one = capture_memory(dev, ("frame", 3, "inference", frozenset({1, 2})))
+    assert capture_memory(dev, ("frame", 3, "inference", frozenset({2, 1}))) is one
+    assert capture_memory(dev, ("frame", 3, "inference", frozenset({1, 5}))) is not one  # other parameters
+    assert capture_memory(dev, ("frame", 4, "inference", frozenset({1, 2}))) is not one  # other code
+    assert capture_memory(dev, None) is not capture_memory(dev, None)
+    key = ("frame", 9, "inference", frozenset({7}))
+    held = capture_memory(dev, key)
+    assert _memories[(dev, key)] is held
+    del held
+    gc.collect()  # no model holds it any more: the registry lets it go
+    assert (dev, key) not in _memories
 
 
 def test_the_lock_is_reentrant_for_the_capturing_thread(fake_cuda):

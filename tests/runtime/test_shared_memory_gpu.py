@@ -212,3 +212,25 @@ def test_first_results_stay_equal_to_eager_while_other_shapes_replay():
         torch.testing.assert_close(got, model(x), **TOL)
     assert _executor().num_captures == 3
 
+
+@torch.no_grad()
+def test_graphs_dynamo_compiles_for_other_shapes_of_one_model_share_its_pool():
+    """Batch 1 is another Dynamo graph (0/1 specialization) of the same frame and parameters:
+    its captures join the model's pool and streams; results held across both stay equal to eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True})
+    held = []
+    for t in (8, 1, 8, 1, 4, 1):
+        x = torch.randn(t, 256, device="cuda")
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), **TOL)
+        held.append((x, got))
+    torch.cuda.synchronize()
+    for x, got in held:
+        torch.testing.assert_close(got, model(x), **TOL)
+    graphs = [g for g in last_compiled() if g.name == "inference" and g.executor is not None][-2:]
+    owners = [c.owner for g in graphs for c in g.executor._captures.values()]
+    assert len(owners) == 3  # 8 and 4 in the dynamic graph, 1 in its own
+    assert len({id(o.shared) for o in owners}) == 1 and len({o.pool for o in owners}) == 1
