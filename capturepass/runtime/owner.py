@@ -100,9 +100,10 @@ class CaptureMemory:
     copied out after each replay there is nothing to rescue. Captures of *another* model
     instance (a target and its draft) never share, so they may replay in either order or at once.
 
-    Warm-ups run in the pool too (:meth:`warm_up`), on the capture stream and the side
-    streams, so that their temporaries are the blocks the capture then takes; an empty keeper
-    graph holds the pool open from the first warm-up on.
+    The first capture's warm-up runs in the pool too (:meth:`warms_up_in_pool`), on the
+    capture stream and the side streams, so that its temporaries, autotuning buffers and
+    workspaces are the blocks the captures then take; an empty keeper graph holds the pool open
+    from that warm-up on.
 
     The pool handle is renewed once no capture owner uses it any more (the keeper is dropped
     with it, and torch frees a pool whose graphs are all gone).
@@ -152,17 +153,30 @@ class CaptureMemory:
             if self._users == 0:
                 self._keeper = None  # the pool is torch's to free once its graphs are gone
 
-    def warm_up(self, pool: Any) -> Any:
-        """The context a warm-up of one of its captures runs in: on the capture stream, its
-        allocations in ``pool`` (acquired), after the last replay of the model's captures
-        (its temporaries are free blocks of the pool). A null context, logged once, where
-        torch cannot route a thread's allocations."""
+    def warms_up_in_pool(self) -> bool:
+        """Whether the warm-up of the capture about to be made (its owner has acquired the pool)
+        runs in the pool: only while no other capture's graphs live there.
+
+        Another capture's temporaries are free blocks of the pool, which its replays write
+        again. A warm-up's temporaries may take them (nothing replays while it runs), but an
+        allocation that outlives the warm-up (an op's cache made on its first call, as many
+        kernels' workspaces and tables are) would be overwritten by those replays. So only the
+        first capture's warm-up (or a capture's while the model has no other) runs in the pool;
+        it is where autotuning, cuBLAS and first-call caches allocate. The others run on the
+        caller's stream and the lanes' streams, outside any pool. Where torch cannot route a
+        thread's allocations, none does (logged once).
+        """
         if capture.POOL_WARM_UP_UNSUPPORTED is not None:
             global _warned_pool
             if not _warned_pool:
                 _warned_pool = True
                 log.info("capturepass: warm-ups run outside the capture's pool: %s", capture.POOL_WARM_UP_UNSUPPORTED)
-            return contextlib.nullcontext()
+            return False
+        return self._users <= 1
+
+    def warm_up(self, pool: Any) -> Any:
+        """The context a warm-up in the pool runs in (:meth:`warms_up_in_pool`): on the capture
+        stream, its allocations in ``pool``, after the last replay of the model's captures."""
         return capture.in_pool(pool, self.capture_stream, after=(self.last_stream,))
 
     @property

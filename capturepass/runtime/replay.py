@@ -2,9 +2,10 @@
 
 The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
-results are what the call returns. It runs where the capture will (the capture
-stream, the model's pool: ``CaptureMemory.warm_up``), so that the capture reuses
-the memory it took; the results it returns are copied out of the pool first.
+results are what the call returns. The first capture of a model warms up where
+the capture will run (the capture stream, the model's pool:
+``CaptureMemory.warms_up_in_pool``), so that the capture reuses the memory it took;
+the results it returns are copied out of the pool first.
 Then every segment is captured into its own
 CUDA graph in the pool its model's captures share, on one capture stream, in the
 thread-local capture mode (``runtime.capture``). Capturing runs no kernel, and
@@ -161,9 +162,8 @@ class Capture:
         shared = owner.shared
         if shared is not None:
             owner.begin_capture()  # the warm-up allocates in the pool the capture then uses
-        routed = shared is not None and capture.POOL_WARM_UP_UNSUPPORTED is None
-        with shared.warm_up(owner.pool) if shared is not None else contextlib.nullcontext(), \
-                context.running(owner):
+        routed = shared is not None and shared.warms_up_in_pool()
+        with shared.warm_up(owner.pool) if routed else contextlib.nullcontext(), context.running(owner):
             for p in range(len(program.pieces)):
                 self.eager.run_piece(p, env)
         out = self.eager.result(env)

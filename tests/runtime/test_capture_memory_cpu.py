@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import threading
 
 import pytest
 import torch
 
 from capturepass.runtime import capture
+from capturepass.runtime import owner as owner_module
 from capturepass.runtime.owner import CaptureMemory, _memories, capture_memory
 
 
@@ -59,6 +61,26 @@ def test_a_keeper_holds_each_pool_open_until_its_last_owner_leaves(fake_cuda, mo
     assert mem._keeper is None
     b = mem.acquire_pool()
     assert kept == [a, b] and b != a and mem._keeper == ("keeper", b)
+
+
+def test_only_a_capture_alone_in_the_pool_warms_up_there(fake_cuda, monkeypatch, caplog):
+    """Another capture's temporaries are free blocks of the pool: a cache an op makes in a later
+    warm-up could take one, and that capture's replays would overwrite it."""
+    mem = CaptureMemory(torch.device("cuda", 0))
+    monkeypatch.setattr(capture, "keep_pool", lambda pool, stream: ("keeper", pool))
+    monkeypatch.setattr(capture, "POOL_WARM_UP_UNSUPPORTED", None)
+    mem.acquire_pool()
+    assert mem.warms_up_in_pool()  # the first capture, alone
+    mem.acquire_pool()
+    assert not mem.warms_up_in_pool()  # a second, while the first's graphs live
+    mem.release_pool()
+    assert mem.warms_up_in_pool()  # the first was released
+    monkeypatch.setattr(capture, "POOL_WARM_UP_UNSUPPORTED", "this torch cannot")
+    monkeypatch.setattr(owner_module, "_warned_pool", False)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert not mem.warms_up_in_pool() and not mem.warms_up_in_pool()
+    assert [r.getMessage() for r in caplog.records].count(
+        "capturepass: warm-ups run outside the capture's pool: this torch cannot") == 1
 
 
 def test_graphs_of_one_model_scope_share_one_memory_and_others_do_not(fake_cuda):

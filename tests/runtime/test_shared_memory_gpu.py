@@ -167,7 +167,8 @@ def test_warm_ups_take_their_memory_from_the_models_pool():
     (which no capture reuses), and the result it returns does not lie in the pool."""
     torch.manual_seed(0)
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
-    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True})
+    # The cost model's schedule alone: one warm-up, the first capture's (later ones stay out of the pool).
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True, "pick": "model"})
     x = torch.randn(8, 256, device="cuda")
     # torch allocates the CUDA generator's graph seed and offset (outside any pool, on the
     # stream of the capture that registers first) whenever no graph is registered: one is.
@@ -182,7 +183,7 @@ def test_warm_ups_take_their_memory_from_the_models_pool():
     torch.testing.assert_close(first, model(x), **TOL)
     owner = next(iter(_executor()._captures.values())).owner
     streams = {s.cuda_stream for s in owner.shared.streams}
-    assert len(streams) >= 2  # the cost model's candidate has side lanes
+    assert len(streams) >= 2  # the cost model's schedule has side lanes
     segs = torch.cuda.memory_snapshot()
     outside = [(hex(s["stream"]), s["total_size"]) for s in segs
                if s["address"] not in before and tuple(s["segment_pool_id"]) == (0, 0) and s["stream"] in streams]
@@ -234,3 +235,56 @@ def test_graphs_dynamo_compiles_for_other_shapes_of_one_model_share_its_pool():
     owners = [c.owner for g in graphs for c in g.executor._captures.values()]
     assert len(owners) == 3  # 8 and 4 in the dynamic graph, 1 in its own
     assert len({id(o.shared) for o in owners}) == 1 and len({o.pool for o in owners}) == 1
+
+
+_TABLES: dict = {}
+
+
+@torch.library.custom_op("cptest_shared::tabled", mutates_args=())
+def _tabled(x: torch.Tensor) -> torch.Tensor:
+    # A table made on the first call of each shape and kept (as kernels keep workspaces and
+    # lookup tables): its memory must hold its values for every later call.
+    key = (tuple(x.shape), str(x.device))
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.arange(x.numel(), device=x.device, dtype=x.dtype).view_as(x) * 0.5
+    return x * 2.0 + table
+
+
+@_tabled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.no_grad()
+def test_an_ops_cache_made_in_a_later_warm_up_is_never_another_captures_temporary():
+    """Shape 32's warm-up runs while shape 64's graph lives in the model's pool, whose
+    temporaries are free blocks there: the table the op keeps from that warm-up must not take
+    one (64's replays would overwrite it), so that warm-up runs outside the pool."""
+    import capturepass
+
+    capturepass.register_capability("cptest_shared::tabled", overlap="safe")
+    _TABLES.clear()
+    torch.manual_seed(0)
+    w = torch.randn(2048, 2048, device="cuda") / 45
+
+    def f(x):
+        h = torch.relu(x @ w) @ w  # temporaries of the table's size and more
+        return torch.ops.cptest_shared.tabled(h) + x
+
+    def expected(x):
+        h = torch.relu(x @ w) @ w
+        return h * 2.0 + torch.arange(h.numel(), device="cuda", dtype=h.dtype).view_as(h) * 0.5 + x
+
+    compiled = torch.compile(f, backend="capturepass", dynamic=True, options={"verify": True})
+    for t in (64, 32):  # each first call: a warm-up, then a capture
+        x = torch.randn(t, 2048, device="cuda")
+        torch.testing.assert_close(compiled(x), expected(x), **TOL)
+    owner = next(iter(_executor()._captures.values())).owner
+    pool = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(owner.pool)]
+    assert _in(_TABLES[((64, 2048), "cuda:0")], pool)  # the first warm-up's: in the pool, safely
+    assert not _in(_TABLES[((32, 2048), "cuda:0")], pool)
+    for _ in range(3):
+        for t in (64, 32):
+            x = torch.randn(t, 2048, device="cuda")
+            torch.testing.assert_close(compiled(x), expected(x), **TOL)
