@@ -53,22 +53,12 @@ the owner's release) first copies out those the caller still holds
 nothing. ``static_outputs=True`` returns them as they are, overwritten by the
 next call (for callers that consume them before it, as engines do).
 
-In-place inputs. Parameters and buffers (static inputs) are read in place and
-key the owner. Of the other inputs, the capture of a shape reads and writes in
-place, with no copy in or back, those the graph *writes* (a KV cache) and those
-that are a slice of a larger buffer (an engine's input buffers): the addresses
-they had at capture join the capture's key, so a replay only ever touches the
-tensor of the call at hand. The rule, per model instance and shapes: the first
-capture is made in place; when a later call brings one of those inputs at
-another address (a caller that allocates a new tensor per call), that input is
-copied into a static buffer from then on, the in-place capture is released and
-a copy capture replaces it (logged). So a caller whose tensors stay put pays no
-copy, one whose tensors move pays one extra capture per shape (at most one per
-input that moves, as they are found), and captures never multiply per address
-within ``max_captures``. A capture made on a caller's tensor is released when
-that tensor's storage dies (``lifetime.watch_capture``). The capture key is
-(model instance, shapes, in-place addresses); the in-place capture and the copy
-capture that replaces it are one capture shape of the model (``g3.m0.c0``).
+In-place inputs (``runtime.in_place``): inputs the graph writes and slices of larger buffers
+are captured on the caller's own tensor, their addresses in the capture's key; an input that
+later comes at another address is copied from then on, and the captures made on the old
+address are released (logged). A capture made on a caller's tensor is released when that
+tensor's storage dies (``lifetime.watch_capture``). The in-place capture and the copy capture
+that replaces it are one capture shape of the model (``g3.m0.c0``).
 
 Owners die with their model: the executor watches each instance's static input
 tensors and releases that instance's owners when the model is collected
@@ -98,6 +88,7 @@ from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import capture, comms, context, lifetime, naming, outputs, pools, profiling, sizes
+from capturepass.runtime.in_place import InPlacePlans, capture_key
 from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
@@ -144,22 +135,6 @@ def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> t
         else:
             key.append(type(a))
     return tuple(key)
-
-
-def _key(base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]] | None, args: Sequence[Any]) -> tuple:
-    """A capture's key: model instance, shapes, and the addresses of the inputs captured in place."""
-    if not plan or not plan[0]:
-        return (*base, ())
-    return (*base, tuple(args[i].data_ptr() for i in plan[0]))
-
-
-def _is_slice(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers less than its storage: a slice of a buffer kept across calls (an
-    engine's input buffers), unlike a tensor made for the call."""
-    if t.numel() == 0:
-        return False
-    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-    return t.untyped_storage().nbytes() > extent * t.element_size()
 
 
 @dataclasses.dataclass
@@ -244,8 +219,6 @@ class Executor:
         self._profile_owners: dict[tuple, _EagerOwner] = {}
         self._watchers: dict[tuple, list] = {}  # instance -> finalizers of its static inputs
         self._models: dict[tuple, _Model] = {}  # instance -> its name and capture shapes, while it lives
-        # (instance, shapes) -> (positions captured in place, their addresses at the first capture)
-        self._plans: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._uncaptured_depth = 0
         self._rebuild = rebuild
         self._picker = picker
@@ -278,7 +251,7 @@ class Executor:
         self._static_indices: list[int] = []
         self._written = mutated_inputs(program)
         self._warned_bound = False
-        self._plans = {}
+        self._places = InPlacePlans(program.static_inputs, self._written)
 
     # -- owners --------------------------------------------------------------------------------
     def _device(self, args: Sequence[Any]) -> torch.device | None:
@@ -420,13 +393,13 @@ class Executor:
             if not self.captured:
                 return self._run_eager(args)
         base = (self._instance(args), _shape_key(args, self._dynamic_positions))
-        plan = self._plans.get(base) or self._plan(base, args)
-        key = _key(base, plan, args)
+        plan = self._places.get(base) or self._places.plan(base, args)
+        key = capture_key(base, plan, args)
         cap = self._captures.get(key)
         if cap is not None:
             return cap.replay(args, self.check_replay)
         if plan[0]:
-            key = self._replan(base, plan, args)
+            key = self._replan(base, args)
             cap = self._captures.get(key)
             if cap is not None:
                 return cap.replay(args, self.check_replay)
@@ -445,46 +418,19 @@ class Executor:
             self._capture_failed(failure)
             return failure.outputs  # the warm-up was this call
 
-    def _in_place(self, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
-        """Input positions to capture on the caller's tensor: written, or a slice of a larger buffer.
-
-        With ``given`` (the caller's arguments, of which ``args`` are resized copies) only the
-        positions that are the caller's own tensors qualify.
-        """
-        places = []
-        for i, a in enumerate(args):
-            if i in self.program.static_inputs or not isinstance(a, torch.Tensor) or a.layout != torch.strided:
-                continue
-            if given is not None and (i >= len(given) or a is not given[i]):
-                continue
-            if i in self._written or _is_slice(a):
-                places.append(i)
-        return tuple(places)
-
-    def _plan(self, base: tuple, args: Sequence[Any],
-              given: Sequence[Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The in-place plan of ``base`` (positions, and their addresses at its first capture),
-        decided at its first capture."""
-        plan = self._plans.get(base)
-        if plan is None:
-            places = self._in_place(args, given)
-            plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
-        return plan
-
     def _watch_in_place(self, key: tuple, cap: Capture, args: Sequence[Any], places: frozenset[int]) -> None:
         """Releases ``cap`` when the storage of an input it was captured on in place (``places``) dies."""
         if places:
             cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in sorted(places)])
 
-    def _replan(self, base: tuple, plan: tuple[tuple[int, ...], tuple[int, ...]], args: Sequence[Any]) -> tuple:
+    def _replan(self, base: tuple, args: Sequence[Any]) -> tuple:
         """A call with the shapes of ``base`` but an in-place input elsewhere; returns its key.
 
         An input back at its first address (its capture was released when the tensor died)
         is captured in place again; one at another address is copied from now on, and the
         captures made on it, now unreachable, are released.
         """
-        places, ptrs = plan
-        moved = [i for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr]
+        moved = self._places.moved(base, args)
         if moved:
             names = [self.program.inputs[i].name for i in moved]
             released = []
@@ -498,9 +444,7 @@ class Executor:
                 self._what, ", ".join(f"%{n}" for n in names),
                 f"; released {', '.join(released)}, made on the old address" if released else "",
             )
-            keep = [(i, ptr) for i, ptr in zip(places, ptrs) if i not in moved]
-            plan = self._plans[base] = (tuple(i for i, _ in keep), tuple(p for _, p in keep))
-        return _key(base, plan, args)
+        return capture_key(base, self._places.get(base), args)
 
     def capture(self, args: Sequence[Any], key: tuple | None = None) -> Capture | None:
         """Captures the program for the shapes (and model instance) of ``args``, kept for later calls.
@@ -511,7 +455,7 @@ class Executor:
         """
         if key is None:
             base = (self._instance(args), _shape_key(args, self._dynamic_positions))
-            key = _key(base, self._plan(base, args), args)
+            key = capture_key(base, self._places.plan(base, args), args)
         while self.captured:
             program = self.program
             try:
@@ -533,7 +477,7 @@ class Executor:
             # A profiling capture is thrown away: it keeps to a pool and streams of its own.
             owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True,
                                     share=prof is None)
-            places = frozenset(self._plan(key[:2], args)[0])
+            places = frozenset(self._places.plan(key[:2], args)[0])
             cap = Capture(self.program, owner, self.static_outputs, self._written, places)
             try:
                 out = cap.run(args, real)
@@ -551,7 +495,7 @@ class Executor:
         """Captures the schedule candidate the picker chooses for this shape (measured, or cached)."""
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
-            places = frozenset(self._plan(key[:2], args)[0])
+            places = frozenset(self._places.plan(key[:2], args)[0])
             static = set(self.program.static_inputs) | places
             # Timed replays write these at the caller's addresses: the picker restores them.
             protect = [args[i] for i in sorted(self._written & static) if isinstance(args[i], torch.Tensor)]
@@ -627,7 +571,7 @@ class Executor:
                 )
                 return
             base = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
-            key = _key(base, self._plan(base, sized, given=args), sized)
+            key = capture_key(base, self._places.plan(base, sized, given=args), sized)
             if key not in self._captures and len(self._captures) < self.max_captures:
                 if self.capture(sized, key) is None:
                     return
@@ -700,7 +644,7 @@ class Executor:
         for cap in self._captures.values():
             cap.release()
         self._captures.clear()
-        self._plans.clear()
+        self._places.clear()
 
     # -- uncaptured runs -------------------------------------------------------------------------
     def _run_eager(self, args: Sequence[Any]) -> Any:
@@ -765,7 +709,7 @@ class Executor:
         for cap in self._captures.values():
             cap.release()
         self._captures.clear()
-        self._plans.clear()
+        self._places.clear()
         self._warned_bound = False
 
     def release_instance(self, instance: tuple, why: str = "released") -> bool:
@@ -830,8 +774,7 @@ class Executor:
         for key in [k for k in self._captures if match(k[0])]:
             cap = self._captures.pop(key)
             close(key[0], cap.owner, cap.release)
-        for base in [b for b in self._plans if match(b[0])]:
-            del self._plans[base]
+        self._places.forget(match)
         for table in (self._eager_owners, self._profile_owners):
             for instance in [i for i in table if match(i)]:
                 close(instance, table.pop(instance).owner)

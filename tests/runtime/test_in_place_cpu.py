@@ -16,6 +16,7 @@ import torch
 
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import executor as executor_module
+from capturepass.runtime.in_place import InPlacePlans, capture_key, is_slice
 from tests.helpers import HostCapture as _HostCapture
 
 
@@ -164,3 +165,35 @@ def test_the_measured_choice_captures_its_candidates_in_place_and_protects_the_c
     assert seen["protect"] == [cache.data_ptr()]  # written and in place: restored after timing
     assert len(cap.watchers) == 2  # released when the cache's or the buffer's storage dies
     assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay"]
+
+
+def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():
+    buf = torch.zeros(16, 8)
+    assert is_slice(buf[:4]) and is_slice(buf[:, :2]) and is_slice(buf[3])
+    assert not is_slice(buf) and not is_slice(torch.zeros(4, 8)) and not is_slice(buf.t())
+    assert not is_slice(torch.zeros(0, 8)) and not is_slice(torch.zeros(4, 1).expand(4, 8))
+
+
+def test_the_key_holds_the_addresses_of_the_inputs_in_place():
+    x, cache = torch.zeros(2), torch.zeros(8)
+    base = ((), ("shapes",))
+    assert capture_key(base, None, [x, cache]) == ((), ("shapes",), ())
+    assert capture_key(base, ((), ()), [x, cache]) == ((), ("shapes",), ())
+    assert capture_key(base, ((1,), (0,)), [x, cache]) == ((), ("shapes",), (cache.data_ptr(),))
+
+
+def test_a_plan_is_decided_at_the_first_capture_and_a_moved_input_leaves_it():
+    cache, x, w = torch.zeros(4, 8), torch.zeros(2, 8), torch.zeros(8)
+    plans = InPlacePlans(static_inputs={2}, written={0})
+    base = (("instance",), ("shapes",))
+    assert plans.get(base) is None
+    plan = plans.plan(base, [cache, x, w])
+    assert plan == ((0,), (cache.data_ptr(),))  # written; x is made for the call; w is static
+    assert plans.plan(base, [torch.zeros(4, 8), x, w]) == plan  # decided once
+    assert plans.moved(base, [cache, x, w]) == [] and plans.get(base) == plan
+    other = torch.zeros(4, 8)
+    assert plans.moved(base, [other, x, w]) == [0]
+    assert plans.get(base) == ((), ())  # copied from now on
+    assert capture_key(base, plans.get(base), [other, x, w]) == (*base, ())
+    plans.forget(lambda instance: instance == ("instance",))
+    assert plans.get(base) is None

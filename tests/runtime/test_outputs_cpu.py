@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from capturepass.runtime import lifetime, outputs
-from capturepass.runtime.executor import _is_slice, _key
 from capturepass.runtime.outputs import OutputAliases
 from capturepass.runtime.owner import GraphOwner
 
@@ -131,21 +130,6 @@ def test_without_the_torch_functions_outputs_are_copied_and_the_reason_logged(mo
 
 
 # -- inputs in place ---------------------------------------------------------------------------------
-
-def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():
-    buf = torch.zeros(16, 8)
-    assert _is_slice(buf[:4]) and _is_slice(buf[:, :2]) and _is_slice(buf[3])
-    assert not _is_slice(buf) and not _is_slice(torch.zeros(4, 8)) and not _is_slice(buf.t())
-    assert not _is_slice(torch.zeros(0, 8)) and not _is_slice(torch.zeros(4, 1).expand(4, 8))
-
-
-def test_the_key_holds_the_addresses_of_the_inputs_in_place():
-    x, cache = torch.zeros(2), torch.zeros(8)
-    base = ((), ("shapes",))
-    assert _key(base, None, [x, cache]) == ((), ("shapes",), ())
-    assert _key(base, ((), ()), [x, cache]) == ((), ("shapes",), ())
-    assert _key(base, ((1,), (0,)), [x, cache]) == ((), ("shapes",), (cache.data_ptr(),))
-
 
 class _Releases:
     def __init__(self) -> None:
