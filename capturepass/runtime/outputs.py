@@ -80,9 +80,8 @@ def copy_out(out: Any, theirs: set[int]) -> Any:
     storages of the call's arguments and constants) moved to a copy: one copy per storage, so
     outputs that viewed one storage view one copy, at the same offsets and strides.
 
-    For results a warm-up computed in a graph pool: a later replay of another graph of the
-    pool may write memory that was free while the warm-up ran. An output that requires grad
-    is cloned (autograd keeps its own record of the storage).
+    For results a warm-up computed in a graph pool, which stays the captures' memory. An
+    output that requires grad is cloned (autograd keeps its own record of the storage).
     """
     copies: dict[int, Any] = {}
 

@@ -4,8 +4,8 @@ The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
 results are what the call returns. The first capture of a model warms up where
 the capture will run (the capture stream, the model's pool:
-``CaptureMemory.warms_up_in_pool``), so that the capture reuses the memory it took;
-the results it returns are copied out of the pool first.
+``CaptureMemory.warms_up_in_pool``), so that the captures reuse the memory it took;
+the results it returns are copied out of the pool first, which stays the captures'.
 Then every segment is captured into its own
 CUDA graph in the pool its model's captures share, on one capture stream, in the
 thread-local capture mode (``runtime.capture``). Capturing runs no kernel, and
@@ -168,8 +168,8 @@ class Capture:
                 self.eager.run_piece(p, env)
         out = self.eager.result(env)
         if real and routed:
-            # Results the caller holds must not stay in the pool: another capture's replay
-            # writes its temporaries there, and some of them were free while this ran.
+            # The pool is the captures' memory: a result the caller keeps would pin its block
+            # there for as long as it lives, past the release of every capture.
             theirs = {a.untyped_storage()._cdata for a in args
                       if isinstance(a, torch.Tensor) and a.layout == torch.strided}
             theirs.update(c.untyped_storage()._cdata for c in program.constants.values()
