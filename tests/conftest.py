@@ -30,10 +30,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(autouse=True)
 def _own_schedule_cache(tmp_path_factory):
-    """Measured schedule choices go to a folder of this run: a choice cached by another run (or the
-    user's own cache) never stands in for a measurement, and the tests write nothing outside."""
+    """Measured schedule choices and the device's cost-model calibration go to a folder of this
+    test: a choice cached, or a calibration measured, by another test or run (or the user's own
+    cache) never changes what a test compiles, and the tests write nothing outside."""
     old = os.environ.get("CAPTUREPASS_CACHE_DIR")
     os.environ["CAPTUREPASS_CACHE_DIR"] = str(tmp_path_factory.mktemp("schedule_cache"))
     yield

@@ -48,9 +48,11 @@ from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
 from capturepass.errors import EmitError, OptionError
-from capturepass.ir import collectives, meta
+from capturepass.ir import collectives, cost, meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
+from capturepass.runtime import calibration, pick
+from capturepass.runtime.calibration import CalibrationStore
 from capturepass.runtime.executor import Executor
 from capturepass.runtime.pick import Picker, PickRecord, ScheduleCache, append_record, default_cache_dir
 
@@ -162,11 +164,20 @@ def _aten_compiler(
         # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
         pristine = _pristine_copy(gm) if graph_opts.cudagraphs != CaptureMode.NONE else None
 
+        # The cost model calibrated on this device by earlier measured choices (or the nominal one).
+        device_model = _device_model(graph_opts, examples)
+        if device_model is not None:
+            log.info("capturepass: %s graph: %s", kind, device_model.describe())
+
         def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str], record: bool) -> CompiledGraph:
-            return driver.compile_graph(
-                graph, examples, opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
-                not_capturable=not_capturable, record=record,
-            )
+            with cost.device_model(device_model):
+                compiled = driver.compile_graph(
+                    graph, examples, opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
+                    not_capturable=not_capturable, record=record,
+                )
+            if device_model is not None:
+                meta.add_decision(compiled.graph, device_model.describe())
+            return compiled
 
         # The nodes the last rebuild made breaks: schedule candidates derived later have them too.
         breaks: dict[str, str] = {}
@@ -205,7 +216,7 @@ def _aten_compiler(
             def make_picker() -> Picker | None:
                 # After a rebuild this runs at a call, outside the compile: re-enter its tracing context.
                 scope = _tracing(tc) if _tracing_context() is not tc else contextlib.nullcontext()
-                with scope:
+                with scope, cost.device_model(device_model):
                     new = _picker(kind, compiled, pristine, graph_opts, plan_with, tc, dump_dir, on_cuda=gi.on_cuda,
                                   breaks=breaks)
                 if new is not None:
@@ -293,7 +304,19 @@ def _picker(
 
     cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
     key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
-    return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick)
+    return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick,
+                  calibration=CalibrationStore(cache.directory), rooflines=calibration.rooflines(compiled.graph.graph))
+
+
+def _device_model(opts: Options, examples: list[Any]) -> cost.DeviceModel | None:
+    """The cost model calibrated on the device of ``examples`` by earlier measured choices, where
+    the measured choice is on (``pick="model"`` keeps the nominal model: reproducible schedules)."""
+    if opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
+        return None
+    device = next((x.device for x in examples if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
+    if device is None:
+        return None
+    return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).model(pick.device_name(device))
 
 
 def _decompositions(inner: str) -> dict | None:

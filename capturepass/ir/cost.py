@@ -7,13 +7,23 @@ scheduling are those expressions evaluated at the shape hints, and the formula
 is kept for the dump. When a formula is missing or fails, the estimate degrades
 to the bytes alone, marked inexact, instead of failing the compile.
 
-:func:`node_time` turns a cost into a roofline time (seconds) on a nominal
-device; only ratios between nodes matter to the scheduler.
+:func:`node_time` turns a cost into a time (seconds) under a :class:`DeviceModel`:
+the roofline on a nominal device, scaled, with a floor per kernel. Ratios between
+nodes drive the schedule; absolute times matter against the fixed costs the
+scheduler weighs them with (an event record and wait, ``merge_lanes_below_us``).
+:func:`fit` calibrates a device model from measured graph times (one lane's
+captured replay is its kernels back to back), and :func:`device_model` makes one
+current for the passes that read costs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import math
 import operator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -205,10 +215,115 @@ class Estimator:
         return self._cost(nflops, nbytes, symbolic, True)
 
 
-def node_time(cost: Cost | None) -> float:
-    """Roofline time of a cost on the nominal device, in seconds (0 for no kernel)."""
+@dataclasses.dataclass(frozen=True)
+class DeviceModel:
+    """How a node's cost becomes a time: ``max(scale * roofline, launch_floor_s)``.
+
+    Attributes:
+        name: what it models (``"nominal"``, or the device it was calibrated on).
+        scale: measured time over the nominal roofline (below 1: the device, or Inductor's
+            fusion, does better than the nominal figures; above: worse).
+        launch_floor_s: the least time a kernel occupies its lane.
+        samples: the measurements it was fitted to (0: not calibrated).
+    """
+
+    name: str = "nominal"
+    scale: float = 1.0
+    launch_floor_s: float = LAUNCH_FLOOR_S
+    samples: int = 0
+
+    def describe(self) -> str:
+        """One line for the dump and the log."""
+        if not self.samples:
+            return f"cost model: {self.name} device (roofline x1, launch floor {self.launch_floor_s * 1e6:.1f} us)"
+        return (f"cost model: calibrated on {self.name} from {self.samples} measured graph(s): roofline "
+                f"x{self.scale:.3g}, launch floor {self.launch_floor_s * 1e6:.2f} us")
+
+
+NOMINAL = DeviceModel()
+_current: contextvars.ContextVar[DeviceModel] = contextvars.ContextVar("capturepass_device_model", default=NOMINAL)
+
+
+@contextlib.contextmanager
+def device_model(model: DeviceModel | None) -> Iterator[DeviceModel]:
+    """Makes ``model`` (``None``: the nominal one) the model :func:`node_time` uses inside the block."""
+    token = _current.set(model if model is not None else NOMINAL)
+    try:
+        yield _current.get()
+    finally:
+        _current.reset(token)
+
+
+def current_model() -> DeviceModel:
+    """The device model :func:`node_time` uses here."""
+    return _current.get()
+
+
+def roofline(cost: Cost | None) -> float:
+    """The nominal roofline time of a cost, in seconds, with no floor (0 for no kernel)."""
     if cost is None or (cost.flops == 0 and cost.bytes == 0):
         return 0.0
     flops = cost.flops if cost.flops == cost.flops else 0.0  # NaN: unknown hint
     nbytes = cost.bytes if cost.bytes == cost.bytes else 0.0
-    return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES_PER_S, LAUNCH_FLOOR_S)
+    return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES_PER_S)
+
+
+def node_time(cost: Cost | None, model: DeviceModel | None = None) -> float:
+    """The time of a cost under ``model`` (default: the current one), in seconds (0 for no kernel)."""
+    if cost is None or (cost.flops == 0 and cost.bytes == 0):
+        return 0.0
+    m = model if model is not None else _current.get()
+    return max(m.scale * roofline(cost), m.launch_floor_s)
+
+
+def predicted(rooflines: Sequence[tuple[float, int]], scale: float, floor_s: float) -> float:
+    """A one-lane graph's time under a device model: ``rooflines`` are (nominal roofline in
+    seconds, how many kernel nodes have it)."""
+    return sum(count * max(scale * r, floor_s) for r, count in rooflines)
+
+
+# The fit's search: launch floors from 0 to 20 us, scales from 1/100 to 100 (log-spaced).
+_FLOORS_S = [i * 0.25e-6 for i in range(81)]
+_LOG10_SCALES = [k / 40 for k in range(-80, 81)]
+
+
+def fit(samples: Sequence[tuple[Sequence[tuple[float, int]], float]], name: str) -> DeviceModel:
+    """The device model that best predicts measured one-lane graph times.
+
+    Each sample is a graph's rooflines (as :func:`predicted` takes them) and its measured
+    time in seconds. The error is the squared log ratio of predicted to measured, summed
+    over the samples; ties go to the scale nearest 1. Fewer than three samples leave the
+    floor underdetermined (one graph's time is met by many pairs): they fit the scale alone,
+    at the nominal floor.
+
+    Raises:
+        ValueError: no sample with kernels and a positive time.
+    """
+    usable = [(r, t) for r, t in samples if t > 0 and any(c > 0 for _, c in r)]
+    if not usable:
+        raise ValueError("no measured graph with kernels and a positive time to fit a device model to")
+    floors = _FLOORS_S if len(usable) >= 3 else [LAUNCH_FLOOR_S]
+    dt = torch.float64
+    log_k = torch.tensor(_LOG10_SCALES, dtype=dt) * math.log(10.0)
+    scales = torch.exp(log_k)
+    floor_t = torch.tensor(floors, dtype=dt)
+    # A node runs at its floor when scale * roofline < floor, i.e. below the threshold floor / scale:
+    # with each sample's rooflines sorted and summed cumulatively, every (floor, scale) pair is
+    # one binary search per sample.
+    threshold = floor_t[:, None] / scales[None, :]  # [floors, scales]
+    err = torch.zeros_like(threshold)
+    for r, t in usable:
+        ordered = sorted((v, c) for v, c in r if c > 0)
+        rv = torch.tensor([v for v, _ in ordered], dtype=dt)
+        rc = torch.tensor([float(c) for _, c in ordered], dtype=dt)
+        count_below = torch.cat([torch.zeros(1, dtype=dt), torch.cumsum(rc, 0)])
+        time_below = torch.cat([torch.zeros(1, dtype=dt), torch.cumsum(rv * rc, 0)])
+        idx = torch.searchsorted(rv, threshold)  # nodes [0, idx) run at the floor
+        pred = floor_t[:, None] * count_below[idx] + scales[None, :] * (time_below[-1] - time_below[idx])
+        err += (torch.log(pred) - math.log(t)) ** 2
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))
+    # Ties (within rounding) go to the scale nearest 1: the nominal model unless told otherwise.
+    err = err + 1e-12 * log_k.abs()[None, :]
+    f, k = divmod(int(torch.argmin(err)), len(_LOG10_SCALES))
+    best = (float(scales[k]), floors[f])
+    return DeviceModel(name=name, scale=best[0], launch_floor_s=best[1], samples=len(usable))

@@ -395,6 +395,10 @@ class Picker:
         measure_round: replays captures and times them (:func:`replay_round`; tests pass a
             fake with the same signature).
         device_name: names the device for the cache key (:func:`device_name`; tests pass a fake).
+        calibration: where the one-lane candidate's measured time goes as a sample of the
+            device's cost model (``runtime.calibration``; ``None``: nowhere).
+        rooflines: the graph's nominal kernel rooflines (``calibration.rooflines``), the
+            sample's estimate side.
 
     Attributes:
         renew: given the program a rebuild made (a capture failed on an op, now a break), the
@@ -407,6 +411,8 @@ class Picker:
         cache: ScheduleCache | None = None, on_pick: Callable[[PickRecord], None] | None = None,
         measure_round: MeasureRound = replay_round,
         device_name: Callable[[torch.device | None], str] = device_name,
+        calibration: Any = None,
+        rooflines: Sequence[tuple[float, int]] = (),
     ) -> None:
         self.graph = graph
         self.candidates = list(candidates)
@@ -416,6 +422,8 @@ class Picker:
         self.on_pick = on_pick
         self.measure_round = measure_round
         self.device_name = device_name
+        self.calibration = calibration
+        self.rooflines = list(rooflines)
         self.records: list[PickRecord] = []
         self.renew: Callable[[Any], Picker | None] | None = None
 
@@ -588,6 +596,18 @@ class Picker:
                  self.graph, shape, record.choice, self.candidates[chosen].lanes, _us(medians[chosen]), rounds)
         if self.cache is not None:
             self.cache.put(key, record)
+        if self.calibration is not None and one is not None and self.rooflines:
+            # One lane's replay is the graph's kernels back to back: a measurement of what the
+            # cost model estimates node by node, for the graphs compiled from now on.
+            try:
+                model = self.calibration.add(dev, key, self.rooflines, medians[one] * 1e-6)  # type: ignore[operator]
+            except Exception as e:  # noqa: BLE001 - the call must not fail for want of a calibration
+                model = None
+                log.warning("capturepass: %s graph: calibrating the cost model failed (%s: %s); later compiles keep "
+                            "the model they had", self.graph, type(e).__name__, e)
+            if model is not None:
+                log.info("capturepass: %s graph, shape %s: %s; the graphs compiled from now on on this device "
+                         "schedule with it", self.graph, shape, model.describe())
         self._done(record)
         return caps[kept.index(chosen)], out
 

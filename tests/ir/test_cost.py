@@ -217,3 +217,50 @@ def test_node_time():
     assert cost.node_time(big_bytes) == pytest.approx(2.0)
     unknown_hint = Cost(flops=math.nan, bytes=cost.PEAK_BYTES_PER_S)
     assert cost.node_time(unknown_hint) == pytest.approx(1.0)
+
+
+def test_a_device_model_scales_the_roofline_and_sets_the_floor():
+    big = Cost(flops=cost.PEAK_FLOPS * 1e-3, bytes=1.0)  # 1 ms nominal
+    tiny = Cost(flops=1.0, bytes=1.0)
+    model = cost.DeviceModel(name="dev", scale=0.5, launch_floor_s=5e-6, samples=3)
+    assert cost.roofline(big) == pytest.approx(1e-3) and cost.roofline(Cost()) == 0.0
+    assert cost.node_time(big, model) == pytest.approx(0.5e-3)
+    assert cost.node_time(tiny, model) == 5e-6
+    assert cost.node_time(Cost(), model) == 0.0  # no kernel: no floor
+    with cost.device_model(model):
+        assert cost.current_model() is model and cost.node_time(tiny) == 5e-6
+        with cost.device_model(None):
+            assert cost.node_time(tiny) == cost.LAUNCH_FLOOR_S
+    assert cost.current_model() is cost.NOMINAL
+    assert model.describe() == ("cost model: calibrated on dev from 3 measured graph(s): roofline x0.5, "
+                                "launch floor 5.00 us")
+    assert cost.NOMINAL.describe() == "cost model: nominal device (roofline x1, launch floor 2.0 us)"
+
+
+_GRAPHS = [
+    [(1e-6, 100), (5e-6, 20), (4e-5, 8)],  # a decode: mostly tiny kernels
+    [(2e-7, 300), (1e-5, 10)],
+    [(8e-5, 40), (1e-6, 5)],  # a prefill: mostly big ones
+]
+
+
+def test_the_fit_recovers_a_devices_scale_and_floor_from_three_graphs():
+    samples = [(r, cost.predicted(r, 0.5, 3e-6)) for r in _GRAPHS]
+    model = cost.fit(samples, "dev")
+    assert (model.name, model.samples, model.launch_floor_s) == ("dev", 3, 3e-6)
+    assert model.scale == pytest.approx(0.5, rel=0.03)  # the scale grid's step is 6%
+    for r, t in samples:
+        assert cost.predicted(r, model.scale, model.launch_floor_s) == pytest.approx(t, rel=0.03)
+
+
+def test_one_graph_fits_the_scale_alone_and_the_nominal_model_wins_ties():
+    r = _GRAPHS[0]
+    model = cost.fit([(r, cost.predicted(r, 0.5, 3e-6))], "dev")
+    assert model.launch_floor_s == cost.LAUNCH_FLOOR_S and model.samples == 1
+    assert cost.predicted(r, model.scale, model.launch_floor_s) == pytest.approx(cost.predicted(r, 0.5, 3e-6), rel=0.04)
+    assert cost.fit([(r, cost.predicted(r, 1.0, cost.LAUNCH_FLOOR_S))], "dev").scale == 1.0
+
+
+def test_a_fit_without_a_usable_measurement_says_so():
+    with pytest.raises(ValueError, match="no measured graph"):
+        cost.fit([(_GRAPHS[0], 0.0), ([], 1e-3)], "dev")

@@ -619,3 +619,24 @@ def test_a_model_instance_is_its_parameters_addresses(monkeypatch, cpp_check):
         assert ex._instance([torch.randn(4, 8), w, 3]) == (w.data_ptr(),)  # not a tensor: left out
     finally:
         ex.close()
+
+
+def test_one_lanes_measured_replay_calibrates_the_devices_cost_model(tmp_path, caplog):
+    from capturepass.runtime.calibration import CalibrationStore
+
+    store = CalibrationStore(tmp_path / "cache")
+    graph = [(1e-6, 20), (1e-5, 2)]  # 40 us nominal: one lane measured at 60 us
+    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
+                              calibration=store, rooflines=graph)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    model = store.model("FakeGPU sm90")
+    assert model.samples == 1 and model.launch_floor_s == 2e-6
+    assert sum(c * max(model.scale * r, 2e-6) for r, c in graph) == pytest.approx(60e-6, rel=0.04)
+    assert any(r.getMessage().startswith("capturepass: inference graph, shape (float32[4, 8]): cost model: "
+                                         "calibrated on FakeGPU sm90 from 1 measured graph(s)") for r in caplog.records)
+    # A choice read from the schedule cache measures nothing, so it adds no sample.
+    again, _, _, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
+                             calibration=store, rooflines=[(1e-6, 1)])
+    again.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    assert store.model("FakeGPU sm90") == model

@@ -1,0 +1,150 @@
+"""The cost model calibrated from measured kernel times, per device, on disk.
+
+The measured lane choice (``runtime.pick``) replays every candidate schedule of a shape as a
+captured graph and times it. The one-lane candidate's replay is the graph's kernels back to
+back, so its time is a measurement of the kernels the cost model estimates node by node:
+each such measurement becomes a *sample*, the graph's nominal rooflines (``ir.cost.roofline``
+of every kernel node, counted) and the measured time. :func:`ir.cost.fit` fits a
+:class:`~capturepass.ir.cost.DeviceModel` to a device's samples (a scale on the roofline and
+a launch floor per kernel), and the graphs compiled afterwards on that device schedule with
+it: the estimates the dump and the log show are then in the device's microseconds, and the
+fixed costs the scheduler weighs them against (an event record and wait,
+``merge_lanes_below_us``) are weighed against the right times.
+
+One JSON file per device in the schedule cache's folder (``calibration-<digest>.json``),
+holding the latest :data:`MAX_SAMPLES` samples (one per graph and shape; a shape measured
+again replaces its sample) and the model fitted to them, written atomically. The choice's
+off switch (``pick="model"``) turns calibration off too: schedules then come from the
+nominal model alone, the same on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch.fx as fx
+
+from capturepass.ir import cost, meta
+
+log = logging.getLogger("capturepass")
+
+FORMAT = 1
+# Samples kept per device: the latest graphs and shapes measured.
+MAX_SAMPLES = 64
+_warned: set[str] = set()
+
+
+def rooflines(graph: fx.Graph) -> list[tuple[float, int]]:
+    """The nominal roofline (seconds, 3 significant digits) of every kernel node of ``graph``,
+    with how many nodes have it (a model's layers repeat a few costs many times)."""
+    counts: dict[float, int] = {}
+    for node in graph.nodes:
+        info = meta.info(node) if node.op == "call_function" else None
+        r = cost.roofline(info.cost) if info is not None else 0.0
+        if r > 0 and math.isfinite(r):
+            key = float(f"{r:.3g}")
+            counts[key] = counts.get(key, 0) + 1
+    return sorted(counts.items())
+
+
+class CalibrationStore:
+    """The devices' samples and fitted models in ``directory`` (made at the first write)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+        self._lock = threading.Lock()
+
+    def path(self, device: str) -> str:
+        """The file of ``device`` (a digest of its name: names hold spaces and slashes)."""
+        digest = hashlib.sha256(device.encode()).hexdigest()[:16]
+        return os.path.join(self.directory, f"calibration-{digest}.json")
+
+    def _read(self, device: str) -> dict[str, Any] | None:
+        path = self.path(device)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError) as e:
+            _warn_once(path, "capturepass: the calibration file %s cannot be read (%s: %s); the cost model "
+                       "starts from its nominal device", path, type(e).__name__, e)
+            return None
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("device") != device \
+                or not isinstance(data.get("samples"), list):
+            _warn_once(path, "capturepass: %s is not a calibration file of %s; the cost model starts from its "
+                       "nominal device", path, device)
+            return None
+        return data
+
+    def model(self, device: str) -> cost.DeviceModel | None:
+        """The model fitted to ``device``'s samples, or ``None`` (none yet, or unreadable)."""
+        data = self._read(device)
+        m = data.get("model") if data is not None else None
+        if not isinstance(m, dict):
+            return None
+        try:
+            scale, floor_s, n = float(m["scale"]), float(m["launch_floor_s"]), int(m["samples"])
+        except (KeyError, TypeError, ValueError):
+            _warn_once(self.path(device), "capturepass: the calibration file %s holds no valid model; the cost "
+                       "model starts from its nominal device", self.path(device))
+            return None
+        if not (math.isfinite(scale) and scale > 0 and math.isfinite(floor_s) and floor_s >= 0 and n > 0):
+            return None
+        return cost.DeviceModel(name=device, scale=scale, launch_floor_s=floor_s, samples=n)
+
+    def add(self, device: str, key: str, graph_rooflines: Sequence[tuple[float, int]],
+            measured_s: float) -> cost.DeviceModel | None:
+        """Adds (or replaces) the sample of ``key`` (a graph and shape), refits the device's
+        model and writes both; returns the new model (``None``: nothing to fit). A file that
+        cannot be written is warned about once; the model still comes back."""
+        if not graph_rooflines or not (measured_s > 0 and math.isfinite(measured_s)):
+            return None
+        with self._lock:
+            data = self._read(device) or {"format": FORMAT, "device": device, "samples": []}
+            samples = [s for s in data["samples"] if isinstance(s, dict) and s.get("key") != key]
+            samples.append({"key": key, "rooflines": [[r, c] for r, c in graph_rooflines], "measured_s": measured_s})
+            samples = samples[-MAX_SAMPLES:]
+            fitted = cost.fit(list(_parsed(samples)), device)
+            data = {"format": FORMAT, "device": device, "samples": samples,
+                    "model": {"scale": fitted.scale, "launch_floor_s": fitted.launch_floor_s,
+                              "samples": fitted.samples}}
+            self._write(device, data)
+        return fitted
+
+    def _write(self, device: str, data: dict[str, Any]) -> None:
+        path = self.path(device)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)  # another process reads the old file or the new, never half of one
+        except OSError as e:
+            _warn_once(f"write:{self.directory}", "capturepass: cannot write the calibration in %s (%s); "
+                       "the cost model is recalibrated in this process only", self.directory, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _parsed(samples: Iterable[dict[str, Any]]) -> Iterable[tuple[list[tuple[float, int]], float]]:
+    for s in samples:
+        try:
+            yield [(float(r), int(c)) for r, c in s["rooflines"]], float(s["measured_s"])
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed sample (another writer's, or edited by hand) is left out of the fit
+
+
+def _warn_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
