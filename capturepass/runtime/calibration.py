@@ -21,8 +21,6 @@ nominal model alone, the same on every machine.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import math
 import os
 import threading
@@ -32,13 +30,11 @@ from typing import Any
 import torch.fx as fx
 
 from capturepass.ir import cost, meta
-
-log = logging.getLogger("capturepass")
+from capturepass.runtime import files
 
 FORMAT = 1
 # Samples kept per device: the latest graphs and shapes measured.
 MAX_SAMPLES = 64
-_warned: set[str] = set()
 
 
 def rooflines(graph: fx.Graph) -> list[tuple[float, int]]:
@@ -68,19 +64,14 @@ class CalibrationStore:
 
     def _read(self, device: str) -> dict[str, Any] | None:
         path = self.path(device)
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except (OSError, ValueError) as e:
-            _warn_once(path, "capturepass: the calibration file %s cannot be read (%s: %s); the cost model "
-                       "starts from its nominal device", path, type(e).__name__, e)
+        data = files.read_json(path, "capturepass: the calibration file %s cannot be read (%s: %s); the cost model "
+                                     "starts from its nominal device")
+        if data is None:
             return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("device") != device \
                 or not isinstance(data.get("samples"), list):
-            _warn_once(path, "capturepass: %s is not a calibration file of %s; the cost model starts from its "
-                       "nominal device", path, device)
+            files.warn_once(f"read:{path}", "capturepass: %s is not a calibration file of %s; the cost model "
+                            "starts from its nominal device", path, device)
             return None
         return data
 
@@ -93,8 +84,8 @@ class CalibrationStore:
         try:
             scale, floor_s, n = float(m["scale"]), float(m["launch_floor_s"]), int(m["samples"])
         except (KeyError, TypeError, ValueError):
-            _warn_once(self.path(device), "capturepass: the calibration file %s holds no valid model; the cost "
-                       "model starts from its nominal device", self.path(device))
+            files.warn_once(f"read:{self.path(device)}", "capturepass: the calibration file %s holds no valid model; "
+                            "the cost model starts from its nominal device", self.path(device))
             return None
         if not (math.isfinite(scale) and scale > 0 and math.isfinite(floor_s) and floor_s >= 0 and n > 0):
             return None
@@ -120,20 +111,8 @@ class CalibrationStore:
         return fitted
 
     def _write(self, device: str, data: dict[str, Any]) -> None:
-        path = self.path(device)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)  # another process reads the old file or the new, never half of one
-        except OSError as e:
-            _warn_once(f"write:{self.directory}", "capturepass: cannot write the calibration in %s (%s); "
-                       "the cost model is recalibrated in this process only", self.directory, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        files.write_json(self.path(device), data, "capturepass: cannot write the calibration in %s (%s); the cost "
+                                                  "model is recalibrated in this process only")
 
 
 def _parsed(samples: Iterable[dict[str, Any]]) -> Iterable[tuple[list[tuple[float, int]], float]]:
@@ -144,7 +123,3 @@ def _parsed(samples: Iterable[dict[str, Any]]) -> Iterable[tuple[list[tuple[floa
             continue  # a malformed sample (another writer's, or edited by hand) is left out of the fit
 
 
-def _warn_once(key: str, msg: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)

@@ -46,13 +46,13 @@ import json
 import logging
 import os
 import statistics
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from capturepass.ir.options import CACHE_DIR_ENV
+from capturepass.runtime import files
 
 log = logging.getLogger("capturepass")
 
@@ -69,16 +69,9 @@ CACHE_FORMAT = 1
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    log.warning(message, *args)
+# Warned once per file or folder (shared with the calibration's files; tests clear it).
+_warn_once = files.warn_once
+_warned = files._warned
 
 
 class CandidateLike(Protocol):
@@ -316,14 +309,9 @@ class ScheduleCache:
     def get(self, key: str) -> dict[str, Any] | None:
         """The cached entry of ``key``, or ``None`` (none, or unreadable: warned once)."""
         path = self.path(key)
-        try:
-            with open(path) as f:
-                entry = json.load(f)
-        except (FileNotFoundError, NotADirectoryError):
-            return None  # no entry (a folder that cannot be made is reported when a choice is written)
-        except (OSError, ValueError) as e:
-            _warn_once(f"read:{path}", "capturepass: the schedule cache file %s cannot be read (%s: %s); "
-                       "measuring the candidates again", path, type(e).__name__, e)
+        entry = files.read_json(path, "capturepass: the schedule cache file %s cannot be read (%s: %s); "
+                                      "measuring the candidates again")
+        if entry is None:
             return None
         if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT or entry.get("key") != key \
                 or not isinstance(entry.get("choice"), str) or not isinstance(entry.get("record"), dict):
@@ -334,21 +322,9 @@ class ScheduleCache:
 
     def put(self, key: str, record: PickRecord) -> None:
         """Writes the choice of ``key`` (a failure is warned once; the choice still holds here)."""
-        path = self.path(key)
         entry = {"format": CACHE_FORMAT, "key": key, "choice": record.choice, "record": record.to_json()}
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump(entry, f, indent=1)
-            os.replace(tmp, path)  # another process reads the old file or the new, never half of one
-        except OSError as e:
-            _warn_once(f"write:{self.directory}", "capturepass: cannot write the schedule cache in %s (%s); "
-                       "the choice is not kept for other processes", self.directory, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        files.write_json(self.path(key), entry, "capturepass: cannot write the schedule cache in %s (%s); "
+                                                "the choice is not kept for other processes", indent=1)
 
 
 # -- the picker --------------------------------------------------------------------------------------

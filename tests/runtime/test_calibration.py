@@ -14,7 +14,7 @@ from capturepass.backends import dynamo
 from capturepass.ir import cost, meta
 from capturepass.ir.meta import Cost
 from capturepass.ir.options import Options
-from capturepass.runtime import calibration
+from capturepass.runtime import calibration, files
 from capturepass.runtime.calibration import CalibrationStore
 from tests.helpers import aten_graph, run_passes
 
@@ -65,7 +65,7 @@ def test_a_bad_file_warns_once_and_the_model_is_nominal(tmp_path, caplog, conten
     store = CalibrationStore(tmp_path)
     with open(store.path(DEVICE), "w") as f:
         f.write(content)
-    calibration._warned.clear()
+    files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         assert store.model(DEVICE) is None and store.model(DEVICE) is None
     assert len([r for r in caplog.records if "calibration" in r.getMessage()]) == 1
@@ -76,7 +76,7 @@ def test_an_unwritable_folder_warns_once_and_the_model_still_comes_back(tmp_path
     blocker = tmp_path / "file"
     blocker.write_text("")
     store = CalibrationStore(blocker / "cache")
-    calibration._warned.clear()
+    files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         assert store.add(DEVICE, "g0", GRAPHS[0], 1e-3).samples == 1
         assert store.add(DEVICE, "g1", GRAPHS[1], 1e-3).samples == 1  # nothing was kept
