@@ -309,9 +309,15 @@ def _picker(
 
 
 def _device_model(opts: Options, examples: list[Any]) -> cost.DeviceModel | None:
-    """The cost model calibrated on the device of ``examples`` by earlier measured choices, where
-    the measured choice is on (``pick="model"`` keeps the nominal model: reproducible schedules)."""
-    if opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
+    """The cost model calibrated on the device of ``examples`` by earlier measured choices, for a
+    graph whose schedule is not measured: uncaptured (``cudagraphs="none"``) or breakable.
+
+    A captured graph's schedule is measured, and its cached choice names a candidate derived by
+    the nominal model: deriving them from a model that changes with every measurement would make
+    a cached name mean another schedule (or miss the cache). ``pick="model"`` keeps the nominal
+    model everywhere: reproducible schedules.
+    """
+    if opts.pick != "measure" or opts.cudagraphs not in (CaptureMode.NONE, CaptureMode.BREAKABLE):
         return None
     device = next((x.device for x in examples if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
     if device is None:

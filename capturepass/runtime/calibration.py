@@ -6,10 +6,12 @@ back, so its time is a measurement of the kernels the cost model estimates node 
 each such measurement becomes a *sample*, the graph's nominal rooflines (``ir.cost.roofline``
 of every kernel node, counted) and the measured time. :func:`ir.cost.fit` fits a
 :class:`~capturepass.ir.cost.DeviceModel` to a device's samples (a scale on the roofline and
-a launch floor per kernel), and the graphs compiled afterwards on that device schedule with
-it: the estimates the dump and the log show are then in the device's microseconds, and the
-fixed costs the scheduler weighs them against (an event record and wait,
-``merge_lanes_below_us``) are weighed against the right times.
+a launch floor per kernel). The schedules nothing measures, those of the graphs compiled
+afterwards on that device that run uncaptured (``cudagraphs="none"``) or breakable, come from
+it: their estimates are then in the device's microseconds, weighed against the right times
+by the scheduler's fixed costs (an event record and wait, ``merge_lanes_below_us``). A
+captured graph's candidates stay the nominal model's: its measured choice is cached by
+candidate name, which must keep meaning the same schedule in the next process.
 
 One JSON file per device in the schedule cache's folder (``calibration-<digest>.json``),
 holding the latest :data:`MAX_SAMPLES` samples (one per graph and shape; a shape measured

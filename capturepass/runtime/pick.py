@@ -582,8 +582,8 @@ class Picker:
                 log.warning("capturepass: %s graph: calibrating the cost model failed (%s: %s); later compiles keep "
                             "the model they had", self.graph, type(e).__name__, e)
             if model is not None:
-                log.info("capturepass: %s graph, shape %s: %s; the graphs compiled from now on on this device "
-                         "schedule with it", self.graph, shape, model.describe())
+                log.info("capturepass: %s graph, shape %s: %s; the unmeasured schedules compiled from now on on "
+                         "this device (uncaptured or breakable graphs) use it", self.graph, shape, model.describe())
         self._done(record)
         return caps[kept.index(chosen)], out
 

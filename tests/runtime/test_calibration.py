@@ -96,19 +96,25 @@ def test_a_graphs_rooflines_count_its_kernel_nodes():
     assert dict(got)[mm] == 2
 
 
-def test_compiles_read_the_model_only_where_the_choice_is_measured(tmp_path, monkeypatch):
+def test_compiles_read_the_model_only_for_schedules_nothing_measures(tmp_path, monkeypatch):
+    """Uncaptured and breakable graphs schedule with the calibrated model; a captured graph's
+    candidates stay the nominal model's (its cached choice names one of them); pick="model"
+    is the nominal model everywhere; a host graph measures nothing."""
     store = CalibrationStore(tmp_path)
     fitted = store.add(DEVICE, "g0", GRAPHS[0], 1e-3)
     monkeypatch.setattr(dynamo.pick, "device_name", lambda d: DEVICE)
     cuda = [torch.empty(2, device="meta")]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
-    opts = Options.from_mapping({"pick_cache_dir": str(tmp_path)})
-    assert dynamo._device_model(opts, cuda) == fitted
-    assert dynamo._device_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), "pick": "model"}), cuda) is None
-    assert dynamo._device_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), "cudagraphs": "none"}),
-                                cuda) is None
+
+    def model(**options):
+        return dynamo._device_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), **options}), cuda)
+
+    assert model(cudagraphs="none") == fitted and model(cudagraphs="breakable") == fitted
+    assert model() is None and model(cudagraphs="monolithic") is None
+    assert model(cudagraphs="none", pick="model") is None
     monkeypatch.undo()
-    assert dynamo._device_model(opts, [torch.empty(2)]) is None  # a host graph: nothing measured
+    assert dynamo._device_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), "cudagraphs": "none"}),
+                                [torch.empty(2)]) is None
 
 
 def test_the_scheduler_weighs_calibrated_times_against_its_fixed_thresholds():
