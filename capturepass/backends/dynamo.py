@@ -310,7 +310,8 @@ def _picker(
 
 def _device_model(opts: Options, examples: list[Any]) -> cost.DeviceModel | None:
     """The cost model calibrated on the device of ``examples`` by earlier measured choices, for a
-    graph whose schedule is not measured: uncaptured (``cudagraphs="none"``) or breakable.
+    graph whose schedule is not measured: compiled with ``cudagraphs="none"`` or ``"breakable"``
+    (a monolithic graph switched to breakable by a non-capturable op keeps the nominal model).
 
     A captured graph's schedule is measured, and its cached choice names a candidate derived by
     the nominal model: deriving them from a model that changes with every measurement would make
