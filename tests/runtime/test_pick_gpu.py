@@ -158,6 +158,28 @@ def test_pick_model_measures_nothing(tmp_path, caplog):
     assert not list(tmp_path.iterdir())
 
 
+@torch.no_grad()
+def test_a_measured_one_lane_replay_calibrates_what_an_uncaptured_compile_schedules_with(tmp_path):
+    """The first compile's measured choice leaves a calibration sample; a later compile of the
+    model run uncaptured (nothing measures its schedule) schedules with the fitted model, says so
+    in its graph record, and still equals eager."""
+    from capturepass.runtime.calibration import CalibrationStore
+
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    cache = str(tmp_path / "cache")
+    measured = torch.compile(model, backend="capturepass", options={"pick_cache_dir": cache})
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(measured(x), model(x), **BF16)
+    fitted = CalibrationStore(cache).model(pick.device_name(x.device))
+    assert fitted is not None and fitted.samples == 1 and fitted.scale > 0
+    torch._dynamo.reset()
+    uncaptured = torch.compile(model, backend="capturepass", options={"pick_cache_dir": cache, "cudagraphs": "none"})
+    torch.testing.assert_close(uncaptured(x), model(x), **BF16)
+    graph = [g for g in last_compiled() if g.name == "inference"][-1].graph
+    assert fitted.describe() in meta.graph_info(graph).decisions
+
+
 SCRIPT = textwrap.dedent("""
     import json
     import torch
