@@ -114,10 +114,18 @@ class HostCapture(Capture):
     log: list[tuple[str, int]] = []
 
     def run(self, args, real):
+        out = self.warm(args, real)
+        self.capture_warmed(args)
+        return out
+
+    def warm(self, args, real):
         self.in_place_ptrs = {i: args[i].data_ptr() for i in self.in_place}
         HostCapture.log.append(("capture", id(self)))
         with runtime_context.running(self.owner):
             return self.eager(*args)
+
+    def capture_warmed(self, args):
+        pass
 
     def replay(self, args, check=False):
         # The executor keys the capture on these addresses: a replay must never see another.

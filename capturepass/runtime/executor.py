@@ -502,10 +502,14 @@ class Executor:
             device = self._device(args)
             shared = model.shared(device)
             # Owner names are unique among open owners: each other candidate's bears its schedule's name.
+            def owner_name(candidate: str | None) -> str:
+                return name if candidate is None else naming.candidate_owner(name, candidate)
+
             captures = types.SimpleNamespace(
                 _capture_program=lambda program, a, r, candidate: self._capture_program(
-                    program, a, r, name if candidate is None else naming.candidate_owner(name, candidate), device,
-                    places, shared),
+                    program, a, r, owner_name(candidate), device, places, shared),
+                _warm_program=lambda program, a, r, candidate: self._capture_program(
+                    program, a, r, owner_name(candidate), device, places, shared, warm_only=True),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             # Its timed replays run graphs of the model's shared pool: not beside another replay of
@@ -524,13 +528,14 @@ class Executor:
 
     def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
                          device: torch.device | None, places: frozenset[int] = frozenset(),
-                         shared: CaptureMemory | None = None) -> tuple[Capture, Any]:
+                         shared: CaptureMemory | None = None, warm_only: bool = False) -> tuple[Capture, Any]:
         """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps
-        one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool."""
+        one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool.
+        With ``warm_only`` it only warms up: ``capture_warmed(args)`` captures it later."""
         owner = GraphOwner(name, len(program.info.lanes), device, captured=True, shared=shared)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
-            out = cap.run(args, real)
+            out = cap.warm(args, real) if warm_only else cap.run(args, real)
         except BaseException:
             owner.close()
             raise

@@ -117,6 +117,7 @@ class CaptureMemory:
         self._pool: Any = None
         self._keeper: torch.cuda.CUDAGraph | None = None
         self._users = 0
+        self._holders: "weakref.WeakSet[Any]" = weakref.WeakSet()  # owners whose graphs may be in the pool
         self.last_stream: Any = None  # the stream the last replay of one of its captures ran on
         self.last_raw: int | None = None  # its handle
         # Output aliases of its captures handed out since their last rescue
@@ -136,35 +137,40 @@ class CaptureMemory:
         """The capture stream and every side stream made so far."""
         return [self.capture_stream, *self._side]
 
-    def acquire_pool(self) -> Any:
-        """The shared pool's handle, for one more owner's graphs."""
+    def acquire_pool(self, owner: Any = None) -> Any:
+        """The shared pool's handle, for one more owner's graphs (``owner``: the owner, whose
+        ``graphs`` :meth:`warms_up_in_pool` looks at)."""
         with self.lock:
             if self._pool is None or self._users == 0:
                 self._pool = torch.cuda.graph_pool_handle()
                 if capture.POOL_WARM_UP_UNSUPPORTED is None:
                     self._keeper = capture.keep_pool(self._pool, self.capture_stream)
             self._users += 1
+            if owner is not None:
+                self._holders.add(owner)
             return self._pool
 
-    def release_pool(self) -> None:
+    def release_pool(self, owner: Any = None) -> None:
         """One owner's graphs are gone."""
         with self.lock:
             self._users = max(0, self._users - 1)
+            if owner is not None:
+                self._holders.discard(owner)
             if self._users == 0:
                 self._keeper = None  # the pool is torch's to free once its graphs are gone
 
     def warms_up_in_pool(self) -> bool:
-        """Whether the warm-up of the capture about to be made (its owner has acquired the pool)
-        runs in the pool: only while no other capture's graphs live there.
+        """Whether a warm-up runs in the pool: only while no graph lives there.
 
-        Another capture's temporaries are free blocks of the pool, which its replays write
-        again. A warm-up's temporaries may take them (nothing replays while it runs), but an
+        A capture's temporaries are free blocks of the pool, which its replays write again.
+        A warm-up's temporaries may take them (nothing replays while it runs), but an
         allocation that outlives the warm-up (an op's cache made on its first call, as many
         kernels' workspaces and tables are) would be overwritten by those replays. So only the
-        first capture's warm-up (or a capture's while the model has no other) runs in the pool;
-        it is where autotuning, cuBLAS and first-call caches allocate. The others run on the
-        caller's stream and the lanes' streams, outside any pool. Where torch cannot route a
-        thread's allocations, none does (logged once).
+        warm-ups before the model's first capture run in the pool (the measured choice warms
+        every candidate of that shape up before it captures any); that is where autotuning,
+        cuBLAS and first-call caches allocate. Later ones run on the caller's stream and the
+        lanes' streams, outside any pool. Where torch cannot route a thread's allocations,
+        none does (logged once).
         """
         if capture.POOL_WARM_UP_UNSUPPORTED is not None:
             global _warned_pool
@@ -172,7 +178,7 @@ class CaptureMemory:
                 _warned_pool = True
                 log.info("capturepass: warm-ups run outside the capture's pool: %s", capture.POOL_WARM_UP_UNSUPPORTED)
             return False
-        return self._users <= 1
+        return not any(o.graphs for o in list(self._holders))
 
     def warm_up(self, pool: Any) -> Any:
         """The context a warm-up in the pool runs in (:meth:`warms_up_in_pool`): on the capture
@@ -370,7 +376,7 @@ class GraphOwner:
         :attr:`capture_stream`; returns the capture stream."""
         if self.pool is None:
             if self.shared is not None:
-                self.pool = self.shared.acquire_pool()
+                self.pool = self.shared.acquire_pool(self)
                 self._holds_pool = True
             else:
                 self.pool = torch.cuda.graph_pool_handle()
@@ -411,7 +417,7 @@ class GraphOwner:
             self.workspaces.release()
             pools.release_owner(self.name)
             if self._holds_pool and self.shared is not None:
-                self.shared.release_pool()
+                self.shared.release_pool(self)
             self._holds_pool = False
             self.pool = None
             self.capture_stream = None

@@ -430,8 +430,10 @@ class Picker:
             executor: captures a program without keeping it (``_capture_program(program, args,
                 real, candidate)`` returns a capture whose ``owner`` it closes to release it, and the
                 warm-up's outputs; ``candidate`` is ``None`` for the cost model's, else the
-                candidate's name, which its owner's name bears); its ``static_positions`` are
-                the parameters, which the record's shape leaves out.
+                candidate's name, which its owner's name bears), or only warms it up
+                (``_warm_program``, same arguments: the capture's ``capture_warmed(args)``
+                captures it); its ``static_positions`` are the parameters, which the record's
+                shape leaves out.
             args: the call's arguments.
             real: the cost model's warm-up is the call (its outputs are the call's results).
             protect: tensors the timed replays write in place at the caller's addresses; restored.
@@ -502,8 +504,11 @@ class Picker:
         caps: list[Any] = []
         kept: list[int] = []
         notes: dict[int, str] = {}
-        # The cost model's candidate first: its warm-up is the call, and its failure is the executor's.
-        cap, out = executor._capture_program(self.candidates[0].program, args, real, None)
+        # Every candidate warms up before any is captured: while no graph lives in the model's
+        # pool, the warm-ups allocate there (``CaptureMemory.warms_up_in_pool``), where the
+        # captures then reuse their blocks. The cost model's first: its warm-up is the call, and
+        # its failure to capture is the executor's.
+        cap, out = executor._warm_program(self.candidates[0].program, args, real, None)
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -518,15 +523,23 @@ class Picker:
                                 "not measured", self.graph, cand.name, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
+                c, _ = executor._warm_program(program, args, False, cand.name)
+                caps.append(c)
+                kept.append(i)
+            caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
+            captured = [(caps[0], 0)]
+            for c, i in zip(caps[1:], kept[1:]):
                 try:
-                    c, _ = executor._capture_program(program, args, False, cand.name)
+                    c.capture_warmed(args)
                 except CaptureFailure as e:
                     notes[i] = f"capture failed: {type(e.error).__name__}"
                     log.info("capturepass: %s graph: schedule candidate %s failed to capture (%s); not measured",
-                             self.graph, cand.name, e)
+                             self.graph, self.candidates[i].name, e)
+                    c.owner.close()
                     continue
-                caps.append(c)
-                kept.append(i)
+                captured.append((c, i))
+            caps[:] = [c for c, _ in captured]
+            kept[:] = [i for _, i in captured]
             saved = [(t, t.clone()) for t in protect]
             try:
                 samples, replays = time_rounds(

@@ -2,8 +2,8 @@
 
 The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
-results are what the call returns. The first capture of a model warms up where
-the capture will run (the capture stream, the model's pool:
+results are what the call returns. While no graph of the model lives in its pool,
+it warms up where the capture will run (the capture stream, the model's pool:
 ``CaptureMemory.warms_up_in_pool``), so that the captures reuse the memory it took;
 the results it returns are copied out of the pool first, which stays the captures'.
 Then every segment is captured into its own
@@ -124,6 +124,7 @@ class Capture:
         self.seg_out: dict[int, list[torch.Tensor]] = {}
         self.uncaptured: set[int] = set()
         self.snapshot: Snapshot | None = None
+        self._warmed: tuple[dict[fx.Node, Any], Any] | None = None  # (values, results) of warm()
 
     # -- the first call ---------------------------------------------------------------------------
     def run(self, args: Sequence[Any], real: bool) -> Any:
@@ -138,11 +139,28 @@ class Capture:
             CaptureFailure: a segment failed to capture (not an error of capturepass's own).
         """
         with self.owner.lock:  # the model's other captures share the pool: not while one of them runs
-            return self._run(args, real)
+            out = self._warm(args, real)
+            self._capture_warmed(args)
+            return out
 
-    def _run(self, args: Sequence[Any], real: bool) -> Any:
+    def warm(self, args: Sequence[Any], real: bool) -> Any:
+        """The warm-up alone (see :meth:`run`); :meth:`capture_warmed` captures it later. The
+        measured choice warms every candidate up before it captures any: while no graph of the
+        model lives in its pool, the warm-ups run there (``CaptureMemory.warms_up_in_pool``)."""
+        with self.owner.lock:
+            return self._warm(args, real)
+
+    def capture_warmed(self, args: Sequence[Any]) -> None:
+        """Captures every segment after :meth:`warm` (with the same ``args``).
+
+        Raises:
+            CaptureFailure: a segment failed to capture.
+        """
+        with self.owner.lock:
+            self._capture_warmed(args)
+
+    def _warm(self, args: Sequence[Any], real: bool) -> Any:
         program, owner = self.program, self.owner
-        device = owner.device
         for i, (node, arg) in enumerate(zip(program.inputs, args)):
             if isinstance(arg, torch.Tensor) and i in self.in_place:
                 self.in_place_ptrs[i] = arg.data_ptr()  # the graphs use the caller's tensor: held by nobody here
@@ -175,6 +193,15 @@ class Capture:
             theirs.update(c.untyped_storage()._cdata for c in program.constants.values()
                           if isinstance(c, torch.Tensor) and c.layout == torch.strided)
             out = outputs.copy_out(out, theirs)
+        self._warmed = (env, out)
+        return out
+
+    def _capture_warmed(self, args: Sequence[Any]) -> None:
+        owner = self.owner
+        device = owner.device
+        assert self._warmed is not None, "capture_warmed() before warm()"
+        env, out = self._warmed
+        self._warmed = None
         torch.cuda.synchronize(device)
         capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
         self._capture(args, env, out)
@@ -185,7 +212,6 @@ class Capture:
             owner.before_close.append(self.outputs.close)
             if owner.shared is not None:
                 self.outputs.group = owner.shared.held_outputs
-        return out
 
     def _overwritten(self, args: Sequence[Any]) -> list[torch.Tensor]:
         """Tensors over the memory a replay writes anew: segment outputs, input and staged buffers.

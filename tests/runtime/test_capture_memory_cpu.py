@@ -63,18 +63,30 @@ def test_a_keeper_holds_each_pool_open_until_its_last_owner_leaves(fake_cuda, mo
     assert kept == [a, b] and b != a and mem._keeper == ("keeper", b)
 
 
-def test_only_a_capture_alone_in_the_pool_warms_up_there(fake_cuda, monkeypatch, caplog):
-    """Another capture's temporaries are free blocks of the pool: a cache an op makes in a later
-    warm-up could take one, and that capture's replays would overwrite it."""
+class _Holder:
+    """Stands in for a capture owner: the graphs it holds in the pool."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, object] = {}
+
+
+def test_warm_ups_run_in_the_pool_only_while_no_graph_lives_there(fake_cuda, monkeypatch, caplog):
+    """A capture's temporaries are free blocks of the pool: a cache an op makes in a later warm-up
+    could take one, and that capture's replays would overwrite it. Candidates that all warm up
+    before any is captured still may."""
     mem = CaptureMemory(torch.device("cuda", 0))
     monkeypatch.setattr(capture, "keep_pool", lambda pool, stream: ("keeper", pool))
     monkeypatch.setattr(capture, "POOL_WARM_UP_UNSUPPORTED", None)
-    mem.acquire_pool()
-    assert mem.warms_up_in_pool()  # the first capture, alone
-    mem.acquire_pool()
-    assert not mem.warms_up_in_pool()  # a second, while the first's graphs live
-    mem.release_pool()
-    assert mem.warms_up_in_pool()  # the first was released
+    first, second = _Holder(), _Holder()
+    mem.acquire_pool(first)
+    assert mem.warms_up_in_pool()
+    mem.acquire_pool(second)
+    assert mem.warms_up_in_pool()  # two candidates warming up, neither captured yet
+    first.graphs[0] = object()
+    assert not mem.warms_up_in_pool()  # the first captured: its temporaries are in the pool
+    first.graphs.clear()
+    mem.release_pool(first)
+    assert mem.warms_up_in_pool() and mem.users == 1
     monkeypatch.setattr(capture, "POOL_WARM_UP_UNSUPPORTED", "this torch cannot")
     monkeypatch.setattr(owner_module, "_warned_pool", False)
     with caplog.at_level(logging.INFO, logger="capturepass"):

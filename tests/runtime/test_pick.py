@@ -205,8 +205,12 @@ class _Owner:
 
 
 class _Cap:
-    def __init__(self, program):
-        self.program, self.owner = program, _Owner()
+    def __init__(self, program, failure=None):
+        self.program, self.owner, self.failure = program, _Owner(), failure
+
+    def capture_warmed(self, args):
+        if self.failure is not None:
+            raise self.failure
 
 
 class _Executor:
@@ -215,10 +219,15 @@ class _Executor:
         self.captured = []
         self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
 
-    def _capture_program(self, program, args, real, candidate):
+    def _warm_program(self, program, args, real, candidate):
         self.captured.append((program, real))
         self.names.append(candidate)
         return _Cap(program), ("warm-up of", program)
+
+    def _capture_program(self, program, args, real, candidate):
+        cap, out = self._warm_program(program, args, real, candidate)
+        cap.capture_warmed(args)
+        return cap, out
 
 
 class _Timer:
@@ -407,14 +416,16 @@ class _FailFirst(_Executor):
         super().__init__()
         self.failing = program
 
-    def _capture_program(self, program, args, real, candidate):
+    def _warm_program(self, program, args, real, candidate):
         from capturepass.runtime.replay import CaptureFailure
 
         if program is self.failing:
             self.failing = None
             self.captured.append((program, real))
-            raise CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
-        return super()._capture_program(program, args, real, candidate)
+            self.names.append(candidate)
+            failure = CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
+            return _Cap(program, failure), ("failed warm-up of", program)
+        return super()._warm_program(program, args, real, candidate)
 
 
 def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog):
@@ -640,3 +651,31 @@ def test_one_lanes_measured_replay_calibrates_the_devices_cost_model(tmp_path, c
                              calibration=store, rooflines=[(1e-6, 1)])
     again.capture(_Executor(), [torch.randn(4, 8)], real=True)
     assert store.model("FakeGPU sm90") == model
+
+
+def test_every_candidate_warms_up_before_any_is_captured(tmp_path, caplog):
+    """So that all of them warm up while no graph lives in the model's pool; a candidate whose
+    capture then fails is left out and released, the others measured."""
+    from capturepass.runtime.replay import CaptureFailure
+
+    events = []
+
+    class Recording(_Executor):
+        def _warm_program(self, program, args, real, candidate):
+            cap, out = super()._warm_program(program, args, real, candidate)
+            name = candidate or "model"
+            events.append(("warm", name))
+            if name == "aux1":
+                cap.failure = CaptureFailure(0, RuntimeError("cannot capture"), None, {}, None)
+            cap.capture_warmed = lambda a, c=cap, n=name: (events.append(("capture", n)), _Cap.capture_warmed(c, a))
+            return cap, out
+
+    p, _, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    ex = Recording()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
+    assert events == [("warm", "model"), ("warm", "one_lane"), ("warm", "aux1"),
+                      ("capture", "model"), ("capture", "one_lane"), ("capture", "aux1")]
+    assert picked[0].choice == "one_lane" and cap.program is cands[1].program
+    assert [c["note"] for c in picked[0].candidates] == [None, None, "capture failed: RuntimeError"]
+    assert any("schedule candidate aux1 failed to capture" in r.getMessage() for r in caplog.records)

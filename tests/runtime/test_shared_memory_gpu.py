@@ -161,14 +161,15 @@ def _in(t: torch.Tensor, segs: list[dict]) -> bool:
 
 
 @torch.no_grad()
-def test_warm_ups_take_their_memory_from_the_models_pool():
-    """A warm-up runs where its capture runs: on the capture stream and the side streams, its
-    allocations in the model's pool. Nothing it frees stays reserved in a stream's own cache
-    (which no capture reuses), and the result it returns does not lie in the pool."""
+@pytest.mark.parametrize("pick", ["measure", "model"])
+def test_warm_ups_take_their_memory_from_the_models_pool(pick):
+    """The warm-ups of a model's first shape (the measured choice warms all its candidates up
+    before it captures any) run where the captures run: on the capture stream and the side
+    streams, their allocations in the model's pool. Nothing they free stays reserved in a
+    stream's own cache (which no capture reuses), and the result returned does not lie in the pool."""
     torch.manual_seed(0)
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
-    # The cost model's schedule alone: one warm-up, the first capture's (later ones stay out of the pool).
-    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True, "pick": "model"})
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True, "pick": pick})
     x = torch.randn(8, 256, device="cuda")
     # torch allocates the CUDA generator's graph seed and offset (outside any pool, on the
     # stream of the capture that registers first) whenever no graph is registered: one is.
