@@ -187,6 +187,9 @@ def worker(args: argparse.Namespace) -> None:
                 results[label]["device_mallocs"] = device_mallocs(dev) - mallocs
                 results[label]["host_ms"] = host_time(call, iters=args.iters, device=dev)
                 results[label]["syncs"] = host_syncs(call, dev)
+                if args.profile:
+                    print(f"profile of {args.model} {args.variant} {label}, {args.iters} calls:\n"
+                          f"{host_profile(call, args.iters)}", file=sys.stderr, flush=True)
             replays = replay_times(args.iters) if cuda and args.variant.startswith("capturepass") else None
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
@@ -240,6 +243,23 @@ def host_time(call, iters: int, device: str) -> float:
     return host
 
 
+def host_profile(call, iters: int, top: int = 30) -> str:
+    """The functions ``iters`` calls spend their host time in (cProfile, by own time): where a
+    variant's host time per call differs from another's, the difference shows here."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        call()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def replay_times(iters: int) -> list[dict]:
     """Each capture capturepass holds in this process, its graphs replayed alone (milliseconds per
     replay), with the schedule chosen for it: the whole call's time less this is the host's share."""
@@ -285,6 +305,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=4, help="processes at once (they compile together, then time one by one)")
     p.add_argument("--procs", type=int, default=1, help="processes per model and variant (median of medians)")
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each variant's calls on the host (cProfile) into its worker log")
     p.add_argument("--out", default=None, help="directory for zoo-bench.json and zoo-bench.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -326,7 +348,8 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,
-               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)]
+               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)] + \
+            (["--profile"] if args.profile else [])
         procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
     start = time.time()
     # Two barriers: all compiled (then they time, one by one), all timed (then they exit).

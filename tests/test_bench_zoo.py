@@ -75,3 +75,14 @@ def test_host_overhead_bench_times_every_layer():
     times = bench.layers("gpt2", 2, 1, iters=2, rounds=1)
     assert list(times) == ["region", "program", "executor", "capturepass", "inductor"]
     assert all(t > 0 for t in times.values())
+
+
+def test_host_profile_names_where_the_calls_spend_their_time():
+    zoo = _load("zoo")
+
+    def slow_part():
+        return sum(range(2000))
+
+    text = zoo.host_profile(lambda: slow_part(), iters=7)
+    line = next(ln for ln in text.splitlines() if "slow_part" in ln)
+    assert line.split()[0] == "7" and "Ordered by: internal time" in text
