@@ -116,9 +116,8 @@ def in_pool(pool: Any, stream: torch.cuda.Stream, after: Sequence[Any] = ()) -> 
     ``after`` (the last replay of graphs sharing the pool, whose temporaries the block's
     allocations may reuse); the current stream waits for ``stream`` at the end.
 
-    Tensors the block allocates and that outlive it stay in the pool: the caller copies
-    out what it hands on (a later replay of another graph of the pool may write memory
-    that was free when the block ran).
+    Tensors the block allocates and that outlive it stay in the pool, which is the graphs'
+    memory: the caller copies out what it hands on.
     """
     assert POOL_WARM_UP_UNSUPPORTED is None, POOL_WARM_UP_UNSUPPORTED
     device = stream.device

@@ -46,12 +46,8 @@ graph, say). A difference raises :class:`~capturepass.errors.ResourceError`
 naming the buffer or the retained object (instead of replaying into freed
 memory). Static inputs need no check: their addresses are part of the key.
 
-Outputs of a replay live in the owner's pool and are overwritten by the next
-replay. They are returned over aliases of that memory, and the next replay (or
-the owner's release) first copies out those the caller still holds
-(``runtime.outputs``): a call whose earlier outputs were dropped copies
-nothing. ``static_outputs=True`` returns them as they are, overwritten by the
-next call (for callers that consume them before it, as engines do).
+Outputs of a replay live in the model's pool: they are returned over aliases copied out only
+when still held at the next replay (``runtime.outputs``), or as they are with ``static_outputs``.
 
 In-place inputs (``runtime.in_place``): inputs the graph writes and slices of larger buffers
 are captured on the caller's own tensor, their addresses in the capture's key; an input that
@@ -549,6 +545,12 @@ class Executor:
         """Captures every size of ``capture_sizes`` (the batch is dim 0 of the first dynamic input),
         largest first: the smaller captures' temporaries then fit in memory the larger ones freed
         in the model's shared pool."""
+        if sizes.batch_dim(self.program) is None:
+            log.warning(
+                "capturepass: capture_sizes given, but the %s has no dynamic batch dimension%s; "
+                "capturing the shapes it is called with instead", self._what, sizes.why_no_batch(self.program, args),
+            )
+            return
         wanted, outside, served = sizes.served(self.program, self.capture_sizes)
         if outside:
             # A call at such a size never reaches this graph: its capture would be wasted, and
@@ -561,20 +563,7 @@ class Executor:
             )
         for size in wanted:
             sized = sizes.args_for_size(self.program, args, size)
-            if sized is None:
-                batch = next((a.shape[0] for i, a in enumerate(args) if i not in self.program.static_inputs
-                              and isinstance(a, torch.Tensor) and a.dim() > 0), None)
-                why = ""
-                if batch in (0, 1):
-                    why = (f" (its first call had batch size {batch}, which Dynamo specializes even with "
-                           "dynamic=True: the first call at another size compiles a graph with a dynamic batch, "
-                           "and that graph captures capture_sizes)")
-                log.warning(
-                    "capturepass: capture_sizes given, but the %s has no dynamic batch dimension%s; "
-                    "capturing the shapes it is called with instead",
-                    self._what, why,
-                )
-                return
+            assert sized is not None  # the graph has a batch dimension
             base = (self._instance(sized), _shape_key(sized, self._dynamic_positions))
             key = capture_key(base, self._places.plan(base, sized, given=args), sized)
             if key not in self._captures and len(self._captures) < self.max_captures:

@@ -55,10 +55,8 @@ class InPlacePlans:
         self._static = frozenset(static_inputs)
         self._written = frozenset(written)
         self._plans: dict[tuple, Plan] = {}
-
-    def get(self, base: tuple) -> Plan | None:
-        """The plan of ``base``, if it has one (the hot path of every call)."""
-        return self._plans.get(base)
+        # The plan of a base, if it has one: every captured call asks, so it is the dict's own method.
+        self.get: Callable[[tuple], Plan | None] = self._plans.get
 
     def positions(self, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
         """Input positions to capture on the caller's tensor: written, or a slice of a larger buffer.

@@ -100,10 +100,10 @@ class CaptureMemory:
     copied out after each replay there is nothing to rescue. Captures of *another* model
     instance (a target and its draft) never share, so they may replay in either order or at once.
 
-    The first capture's warm-up runs in the pool too (:meth:`warms_up_in_pool`), on the
-    capture stream and the side streams, so that its temporaries, autotuning buffers and
+    Warm-ups run in the pool too while no graph lives there (:meth:`warms_up_in_pool`), on
+    the capture stream and the side streams, so that their temporaries, autotuning buffers and
     workspaces are the blocks the captures then take; an empty keeper graph holds the pool open
-    from that warm-up on.
+    from the first warm-up on.
 
     The pool handle is renewed once no capture owner uses it any more (the keeper is dropped
     with it, and torch frees a pool whose graphs are all gone).
@@ -180,10 +180,11 @@ class CaptureMemory:
             return False
         return not any(o.graphs for o in list(self._holders))
 
-    def warm_up(self, pool: Any) -> Any:
-        """The context a warm-up in the pool runs in (:meth:`warms_up_in_pool`): on the capture
-        stream, its allocations in ``pool``, after the last replay of the model's captures."""
-        return capture.in_pool(pool, self.capture_stream, after=(self.last_stream,))
+    def warm_up(self) -> Any:
+        """The context a warm-up in the pool runs in (:meth:`warms_up_in_pool`; the pool
+        acquired): on the capture stream, its allocations in the pool, after the last replay of
+        the model's captures."""
+        return capture.in_pool(self._pool, self.capture_stream, after=(self.last_stream,))
 
     @property
     def users(self) -> int:

@@ -69,9 +69,6 @@ CACHE_FORMAT = 1
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
-# Warned once per file or folder (shared with the calibration's files; tests clear it).
-_warn_once = files.warn_once
-_warned = files._warned
 
 
 class CandidateLike(Protocol):
@@ -244,7 +241,7 @@ def append_record(dump_dir: str | None, record: PickRecord) -> None:
         with open(path, "w") as f:
             json.dump({"picks": entries}, f, indent=1)
     except OSError as e:
-        _warn_once(f"dump:{path}", "capturepass: could not write %s: %s", path, e)
+        files.warn_once(f"dump:{path}", "capturepass: could not write %s: %s", path, e)
 
 
 def load_records(folder: str | None) -> list[dict[str, Any]]:
@@ -315,7 +312,7 @@ class ScheduleCache:
             return None
         if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT or entry.get("key") != key \
                 or not isinstance(entry.get("choice"), str) or not isinstance(entry.get("record"), dict):
-            _warn_once(f"read:{path}", "capturepass: the schedule cache file %s is not a cached choice; "
+            files.warn_once(f"read:{path}", "capturepass: the schedule cache file %s is not a cached choice; "
                        "measuring the candidates again", path)
             return None
         return entry
@@ -587,7 +584,7 @@ class Picker:
             self.cache.put(key, record)
         if self.calibration is not None and one is not None and self.rooflines:
             # One lane's replay is the graph's kernels back to back: a measurement of what the
-            # cost model estimates node by node, for the graphs compiled from now on.
+            # cost model estimates node by node, for the unmeasured schedules compiled from now on.
             try:
                 model = self.calibration.add(dev, key, self.rooflines, medians[one] * 1e-6)  # type: ignore[operator]
             except Exception as e:  # noqa: BLE001 - the call must not fail for want of a calibration

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,11 @@ class CaptureFailure(Exception):
         self.outputs = outputs
         self.env = env
         self.device = device
+
+
+def _storages(values: Iterable[Any]) -> set[int]:
+    """The storages (``_cdata``) of the strided tensors among ``values``."""
+    return {v.untyped_storage()._cdata for v in values if isinstance(v, torch.Tensor) and v.layout == torch.strided}
 
 
 class Capture:
@@ -181,18 +186,14 @@ class Capture:
         if shared is not None:
             owner.begin_capture()  # the warm-up allocates in the pool the capture then uses
         routed = shared is not None and shared.warms_up_in_pool()
-        with shared.warm_up(owner.pool) if routed else contextlib.nullcontext(), context.running(owner):
+        with shared.warm_up() if routed else contextlib.nullcontext(), context.running(owner):
             for p in range(len(program.pieces)):
                 self.eager.run_piece(p, env)
         out = self.eager.result(env)
         if real and routed:
             # The pool is the captures' memory: a result the caller keeps would pin its block
             # there for as long as it lives, past the release of every capture.
-            theirs = {a.untyped_storage()._cdata for a in args
-                      if isinstance(a, torch.Tensor) and a.layout == torch.strided}
-            theirs.update(c.untyped_storage()._cdata for c in program.constants.values()
-                          if isinstance(c, torch.Tensor) and c.layout == torch.strided)
-            out = outputs.copy_out(out, theirs)
+            out = outputs.copy_out(out, _storages([*args, *program.constants.values()]))
         self._warmed = (env, out)
         return out
 
@@ -219,16 +220,8 @@ class Capture:
         A segment output over the caller's memory (a view of a parameter, of an in-place
         input, of a constant) is not: it is returned as it is, as eager returns it.
         """
-        theirs = {
-            a.untyped_storage()._cdata
-            for i, a in enumerate(args)
-            if isinstance(a, torch.Tensor) and a.layout == torch.strided
-            and (i in self.program.static_inputs or i in self.in_place)
-        }
-        theirs.update(
-            c.untyped_storage()._cdata for c in self.program.constants.values()
-            if isinstance(c, torch.Tensor) and c.layout == torch.strided
-        )
+        theirs = _storages([a for i, a in enumerate(args) if i in self.program.static_inputs or i in self.in_place])
+        theirs |= _storages(self.program.constants.values())
         mine = [t for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)]
         mine += [buf for staged in self.seg_in.values() for _, buf in staged]
         mine += list(self.inputs.values())

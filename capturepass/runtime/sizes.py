@@ -74,3 +74,15 @@ def served(program: Program, capture_sizes: Sequence[int]) -> tuple[list[int], l
     inside = [s for s in capture_sizes if lower <= s and (upper is None or s <= upper)]
     outside = sorted(s for s in capture_sizes if s not in inside)
     return sorted(inside, reverse=True), outside, (lower, upper)
+
+
+def why_no_batch(program: Program, args: Sequence[Any]) -> str:
+    """Why a graph called with ``args`` has no dynamic batch, where the call tells (``""``: it does
+    not): Dynamo specializes batch sizes 0 and 1 even with ``dynamic=True``."""
+    batch = next((a.shape[0] for i, a in enumerate(args) if i not in program.static_inputs
+                  and isinstance(a, torch.Tensor) and a.dim() > 0), None)
+    if batch not in (0, 1):
+        return ""
+    return (f" (its first call had batch size {batch}, which Dynamo specializes even with dynamic=True: the "
+            "first call at another size compiles a graph with a dynamic batch, and that graph captures "
+            "capture_sizes)")

@@ -35,7 +35,7 @@ from capturepass.backends.compile import compile_graph, compile_regions
 from capturepass.errors import DumpError, OptionError
 from capturepass.ir import meta
 from capturepass.ir.options import Options
-from capturepass.runtime import pick
+from capturepass.runtime import files, pick
 from capturepass.runtime.pick import PickRecord, Picker, ScheduleCache
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
@@ -366,7 +366,7 @@ def test_corrupt_cache_warns_once_and_measures(tmp_path, caplog, content):
     p.capture(_Executor(), [torch.randn(4, 8)], real=True)
     (path,) = (tmp_path / "cache").iterdir()
     path.write_text(content)
-    pick._warned.clear()
+    files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         for _ in range(2):
             path.write_text(content)
@@ -381,7 +381,7 @@ def test_corrupt_cache_warns_once_and_measures(tmp_path, caplog, content):
 def test_unwritable_cache_warns_once_and_still_chooses(tmp_path, caplog):
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache folder would be")
-    pick._warned.clear()
+    files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         for _ in range(2):
             p, timer, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 120.0, "aux1": 70.0})
