@@ -90,6 +90,16 @@ class DumpError(CapturePassError):
 _DYNAMO_SIGNALS = ("RestartAnalysis", "SkipFrame", "Unsupported", "ShortenTraceback")
 
 
+def is_dynamo_control_flow(exc: BaseException) -> bool:
+    """Whether ``exc`` restarts Dynamo's analysis or skips the frame (not a compile failure)."""
+    try:
+        from torch._dynamo import exc as dynamo_exc
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return False
+    kinds = tuple(k for k in (getattr(dynamo_exc, n, None) for n in ("RestartAnalysis", "SkipFrame")) if isinstance(k, type))
+    return bool(kinds) and isinstance(exc, kinds)
+
+
 def is_dynamo_signal(exc: BaseException) -> bool:
     """Whether ``exc`` is one Dynamo raises to steer its own compile, and must see unwrapped.
 

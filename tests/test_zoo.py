@@ -41,6 +41,8 @@ OPTION_SETS = {
     "default": {},
     "aux1": {"max_aux_lanes": 1},
     "aux4": {"max_aux_lanes": 4},
+    # Each capture segment one Inductor compile with its lanes inline (the host keeps the lanes).
+    "segments": {"regions": "segments"},
 }
 
 

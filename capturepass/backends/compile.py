@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.backends import inline as inline_segments
 from capturepass.backends import inner as inner_compilers
-from capturepass.errors import EmitError, is_dynamo_signal
+from capturepass.errors import EmitError, is_dynamo_control_flow, is_dynamo_signal
 from capturepass.ir import analysis, meta
 from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
-from capturepass.ir.meta import Break, GraphInfo, OwnerId
+from capturepass.ir.meta import Break, CaptureMode, GraphInfo, OwnerId
 from capturepass.ir.options import Options
-from capturepass.ir.plan import Plan
+from capturepass.ir.plan import Plan, RegionPlan, StepKind
 from capturepass.passes import instruments as inst
 from capturepass.passes.base import PassContext
 from capturepass.passes.pipeline import ATEN, FRONT, default_pipeline, position, run_pipeline
@@ -115,7 +116,7 @@ def resolve(options: Options | Mapping[str, Any] | None) -> Options:
     return Options.from_mapping(options)
 
 
-def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
+def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = False) -> Program:
     """Compiles every region of ``plan`` with its inner compiler; the runtime's program.
 
     Args:
@@ -123,37 +124,79 @@ def compile_regions(plan: Plan, eager_fallback: bool = False) -> Program:
         eager_fallback: a region the inner compiler fails on runs its FX graph eagerly instead,
             with a logged warning (for a rebuild at run time, where a compile error would end
             the call; the first compile reports the error instead).
+        inline: compile each run of a capture segment's lane regions once, its lanes inline
+            (``capturepass.backends.inline``); a run that cannot be, or whose compile fails,
+            keeps its lane regions, with the reason logged.
 
     Raises:
         EmitError: an inner compiler failed on a region (Dynamo's own signals pass through).
     """
-    fns: dict[int, Callable[..., Sequence[Any]]] = {}
     title = meta.graph_info(plan.graph).title
-    for region in plan.regions:
-        example = [analysis.fake_value(n) for n in region.inputs]
-        compiler = region.compiler
+    replaced: dict[int, list] = {}
+    info = meta.graph_info(plan.graph)
+    if inline and info.on_cuda and info.cudagraphs != CaptureMode.NONE and len(info.lanes) > 1:
+        # NOTE: on the H200 (torch 2.11) captured replays of inline lanes gave wrong results on
+        # transformers' Mistral and Qwen3 (the same every run; right uncaptured and with one
+        # lane); until that is understood, a captured graph keeps its lane regions.
+        log.warning("capturepass: %s: regions='segments' is not used for a graph captured with more than "
+                    "one lane (captured replays of inline lanes are not yet known to be right); compiled as "
+                    "lane regions", title)
+        inline = False
+    if inline:
+        fused = inline_segments.fuse(plan)
+        for why in fused.kept:
+            log.info("capturepass: %s: %s; compiled as lane regions", title, why)
+        plan, replaced = fused.plan, fused.replaced
+    fns: dict[int, Callable[..., Sequence[Any]]] = {}
+    steps = []
+    for step in plan.steps:
+        if step.kind != StepKind.REGION or step.payload.index not in replaced:
+            steps.append(step)
+            continue
+        region = step.payload
         try:
-            fn = inner_compilers.compile_region(region.graph, example, compiler)
+            with inline_segments.lane_safe_inductor(region):
+                fns[region.index] = _compile_region(region, title, eager_fallback=False)
+            steps.append(step)
         except Exception as exc:
-            if is_dynamo_signal(exc):
-                raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
-            names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
-            what = (f"the {compiler} compiler failed on region {region.index} (lane s{region.lane}: "
-                    f"{names}...): {type(exc).__name__}: {exc}")
-            if not eager_fallback or compiler == "eager":
-                raise EmitError(what) from exc
-            log.warning("capturepass: %s: %s; the region runs its graph eagerly instead", title, what.splitlines()[0])
-            compiler = "eager"
-            fn = inner_compilers.compile_region(region.graph, example, compiler)
-        if compiler != "eager":
-            # NOTE: a compiled region may return another layout than its fake values say, and
-            # each consumer region is compiled for (and asserts) those: keep them exact.
-            exact = ExactLayouts(fn, example, [analysis.fake_value(n) for n in region.outputs],
-                                 f"region {region.index} of the {title}")
-            if exact.needed:
-                fn = exact
-        fns[region.index] = fn
-    return Program(plan, fns)
+            if is_dynamo_control_flow(exc):
+                raise
+            # Inductor's own errors come as Dynamo's formatted errors: a failure of this
+            # compile, which the lane regions may not share.
+            log.warning("capturepass: %s: one compile of %d lane regions failed (%s); compiled as lane "
+                        "regions instead", title, len([s for s in replaced[region.index] if s.kind == StepKind.REGION]),
+                        str(exc).splitlines()[0])
+            steps.extend(replaced[region.index])
+    for step in steps:
+        if step.kind == StepKind.REGION and step.payload.index not in fns:
+            fns[step.payload.index] = _compile_region(step.payload, title, eager_fallback)
+    return Program(Plan(plan.graph, steps), fns)
+
+
+def _compile_region(region: RegionPlan, title: str, eager_fallback: bool) -> Callable[..., Sequence[Any]]:
+    example = [analysis.fake_value(n) for n in region.inputs]
+    compiler = region.compiler
+    try:
+        fn = inner_compilers.compile_region(region.graph, example, compiler)
+    except Exception as exc:
+        if is_dynamo_signal(exc):
+            raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
+        names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
+        what = (f"the {compiler} compiler failed on region {region.index} (lane s{region.lane}: "
+                f"{names}...): {type(exc).__name__}: {exc}")
+        if not eager_fallback or compiler == "eager":
+            raise EmitError(what) from exc
+        log.warning("capturepass: %s: %s; the region runs its graph eagerly instead", title, what.splitlines()[0])
+        compiler = "eager"
+        fn = inner_compilers.compile_region(region.graph, example, compiler)
+    if compiler != "eager":
+        # NOTE: a compiled region may return another layout than its fake values say, and
+        # each consumer region is compiled for (and asserts) those: keep them exact.
+        exact = ExactLayouts(fn, example, [analysis.fake_value(n) for n in region.outputs],
+                             f"region {region.index} of the {title}")
+        if exact.needed:
+            fn = exact
+    return fn
 
 
 def _instruments(
@@ -282,7 +325,7 @@ def compile_graph(
     plan: Plan | None = ctx.artifacts.get("plan")
     program = None
     if plan is not None and regions:
-        program = compile_regions(plan, eager_fallback=bool(not_capturable))
+        program = compile_regions(plan, eager_fallback=bool(not_capturable), inline=opts.regions == "segments")
         ctx.artifacts["program"] = program
         if dumper is not None:
             dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")

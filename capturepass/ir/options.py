@@ -25,7 +25,7 @@ from capturepass.ir.meta import CaptureMode
 
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
-REGION_MODES = ("auto", "lanes")
+REGION_MODES = ("auto", "lanes", "segments")
 # How the schedule of a captured graph is chosen (option ``pick``).
 PICKS = ("measure", "model")
 CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
@@ -105,7 +105,9 @@ class Options:
         regions: ``"auto"``: on a host graph (no CUDA tensor, lanes run in program
             order) each segment is one region, compiled once; on CUDA, one region per lane
             and segment between sync points. ``"lanes"``: the per-lane regions everywhere
-            (to inspect or test the outer program a GPU runs, on the CPU).
+            (to inspect or test the outer program a GPU runs, on the CPU). ``"segments"``:
+            each capture segment compiled once with its lanes inline (one Inductor compile;
+            ``capturepass.backends.inline``), on the host too.
         disable: names of passes to leave out, for bisecting a compile; a pass
             that a later one depends on cannot be left out (``PipelineError``).
         pick: ``"measure"`` (the default): when a CUDA graph is captured for a new

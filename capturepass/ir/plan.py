@@ -47,6 +47,8 @@ class RegionPlan:
         kernels: whether it launches any kernel (views and host math do not).
         groups: the process groups its collectives were traced with (a collective is a
             region of its own; the runtime redirects it to the running owner's communicators).
+        inline: for a segment compiled once with its lanes inline (option ``regions``), the
+            sync points its graph calls (``None`` for a region of one lane).
     """
 
     index: int
@@ -60,6 +62,40 @@ class RegionPlan:
     compiler: str
     kernels: bool = True
     groups: tuple[str, ...] = ()
+    inline: "Inline | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPoint:
+    """One call of ``capturepass::inline_step`` in a segment compiled with its lanes inline.
+
+    It runs the plan's records, waits, releases and retentions that lie between two of the
+    segment's lane regions, then makes the next region's lane current.
+
+    Attributes:
+        steps: the plan steps it runs, in order.
+        lane: the lane the code after it runs on.
+        takes: for each step, how many of the call's read values are its arguments (a release's
+            or a retention's values; the values come first in the call's ``reads``, in order).
+    """
+
+    steps: tuple["Step", ...]
+    lane: int
+    takes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Inline:
+    """The sync points of a segment compiled once with its lanes inline.
+
+    Attributes:
+        key: the number its ``capturepass::inline_step`` calls carry (unique in the process),
+            by which each call checks it runs under its own segment's runner.
+        points: the sync points, by the index the calls carry.
+    """
+
+    key: int
+    points: tuple[SyncPoint, ...]
 
 
 @dataclasses.dataclass

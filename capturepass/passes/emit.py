@@ -194,7 +194,7 @@ def _sym_exprs(val: object) -> list:
     return []
 
 
-def _symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
+def symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
     """Graph inputs that bind a size symbol on their own: a SymInt input that is the symbol,
     else a tensor input with the symbol as a whole size or stride (first found wins)."""
     providers: dict[object, fx.Node] = {}
@@ -210,15 +210,16 @@ def _symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
     return providers
 
 
-def _unbound_symbols(region: _Region, members: set[fx.Node]) -> set:
-    """Size symbols the region's values use that none of its inputs binds by itself.
+def unbound_symbols(nodes: list[fx.Node], members: set[fx.Node]) -> set:
+    """Size symbols the values of ``nodes`` (a region, whose nodes are ``members``) use that
+    none of its inputs binds by itself.
 
     Inductor binds a symbol from an input that is the symbol (a SymInt) or has it as a whole
     size or stride; a region that only sees ``s0*s1`` (a flattened activation cut from the
     graph that reshaped it) cannot recover ``s0`` and ``s1`` and fails to generate code.
     """
     used, bound = set(), set()
-    for node in region.nodes:
+    for node in nodes:
         for expr in _sym_exprs(node.meta.get("val")):
             used |= expr.free_symbols
         for a in node.all_input_nodes:
@@ -267,7 +268,7 @@ def _region_graph(
         return ph
 
     if providers:
-        for symbol in sorted(_unbound_symbols(region, members), key=str):
+        for symbol in sorted(unbound_symbols(region.nodes, members), key=str):
             if symbol in providers and providers[symbol] not in members:
                 arg(providers[symbol])
     for node in region.nodes:
@@ -314,7 +315,7 @@ class Emit(Pass):
                 if src is not None and src is not mine:
                     needed[id(src)].add(a)
         planned: dict[int, RegionPlan] = {}
-        providers = _symbol_providers(gm)
+        providers = symbol_providers(gm)
         for i, region in enumerate(regions):
             rgm, inputs, outputs = _region_graph(region, needed[id(region)], providers)
             kernels = _has_kernel(region)

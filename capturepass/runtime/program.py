@@ -39,8 +39,9 @@ import torch.fx as fx
 
 from capturepass.ir import meta
 from capturepass.ir.meta import EventRole, GraphInfo
-from capturepass.ir.plan import Plan, RegionPlan, Step, StepKind
+from capturepass.ir.plan import Inline, Plan, RegionPlan, Step, StepKind
 from capturepass.runtime import comms, context, naming
+from capturepass.runtime.inline import runner as inline_runner
 from capturepass.runtime.owner import GraphOwner
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class RegionSpec:
         compiler: which inner compiler produced ``fn``.
         kernels: whether it launches any kernel (views and host math do not).
         groups: the process groups its collectives were traced with.
+        inline: the sync points of a segment compiled once with its lanes inline
+            (``capturepass.runtime.inline``), else ``None``.
     """
 
     index: int
@@ -75,6 +78,7 @@ class RegionSpec:
     compiler: str
     kernels: bool = True
     groups: tuple[str, ...] = ()
+    inline: Inline | None = None
 
     @classmethod
     def of(cls, region: RegionPlan, fn: Callable[..., Sequence[Any]]) -> "RegionSpec":
@@ -82,7 +86,7 @@ class RegionSpec:
         return cls(
             index=region.index, lane=region.lane, segment=region.segment, eager=region.eager, fn=fn,
             inputs=region.inputs, outputs=region.outputs, graph=region.graph, compiler=region.compiler,
-            kernels=region.kernels, groups=region.groups,
+            kernels=region.kernels, groups=region.groups, inline=region.inline,
         )
 
 
@@ -289,7 +293,7 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             spec: RegionSpec = step.payload
             if spec.groups:
                 spec = dataclasses.replace(spec, fn=comms.redirected(spec.graph, spec.groups, naming.model_of(owner.name), spec.lane))
-            runner = lanes.region_runner(spec.lane)
+            runner = inline_runner(spec, owner, lanes) if spec.inline is not None else lanes.region_runner(spec.lane)
             if spec.eager and owner.captured:
                 runner = _weak_args(runner, lanes)
             call = graph.call_function(RegionCall(spec, runner), tuple(env[n] for n in spec.inputs))

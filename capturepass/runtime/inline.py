@@ -1,0 +1,147 @@
+"""Segments compiled once with their lanes inline: the op their generated code calls.
+
+With ``regions="segments"`` a capture segment's lane regions are not compiled one
+by one: the backend (``capturepass.backends.inline``) builds one graph of the
+whole segment, in the plan's order, with a ``capturepass::inline_step`` call
+wherever the plan syncs or changes lane, and Inductor compiles it once. At run
+time each call runs the plan's steps of its :class:`~capturepass.ir.plan.SyncPoint`
+(records, waits, releases, retentions) on the bound owner's lanes, and then
+makes the next region's lane the current stream.
+
+That is enough to put the kernels on their lanes because Inductor's generated
+code reads the current stream at every kernel launch (``stream0 =
+get_raw_stream(0)`` before each launch, ``get_raw_stream`` being
+``torch._C._cuda_getCurrentRawStream``), and an extern kernel (a matmul) runs
+on the current stream; the buffers a lane's kernels allocate come from that
+lane's stream, as in a region run under ``torch.cuda.stream``. The op's
+arguments give Inductor the edges that keep each node between its two sync
+points (see the backend module); which value it takes is decided there.
+
+The op finds what to run through this thread's running segment: the runner
+of a bound fused region sets it around the compiled call, and restores the
+stream current at the call's start when the call ends, also on an error.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.fx.node import has_side_effect
+
+from capturepass.errors import ResourceError
+from capturepass.ir import meta
+from capturepass.ir.plan import StepKind, SyncPoint
+
+if TYPE_CHECKING:
+    from capturepass.runtime.lanes import Lanes
+    from capturepass.runtime.owner import GraphOwner
+    from capturepass.runtime.program import RegionSpec
+
+_state = threading.local()
+
+
+@torch.library.custom_op("capturepass::inline_step", mutates_args=("guards",))
+def inline_step(key: int, index: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+    """Runs sync point ``index`` of the fused segment ``key`` on this thread's bound lanes.
+
+    ``reads`` are the values the point releases or retains (the last point also reads every
+    value read on another lane than its own, so that Inductor writes none in place before);
+    ``guards`` are declared written (and never are): what the code before it computed last and
+    what the code after it reads, so that both stay on their side of it.
+    """
+    call = getattr(_state, "call", None)
+    if call is None or call.key != key:
+        raise ResourceError(
+            f"capturepass::inline_step of fused segment {key} ran outside its runner: a segment compiled "
+            "with its lanes inline runs only through the outer program that bound it to an owner")
+    call.step(index, reads)
+
+
+@inline_step.register_fake
+def _(key: int, index: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+    return None
+
+
+# A point that guards nothing is no write to functionalization: without this mark, dead-code
+# elimination would drop it, and with it the lane switch it makes.
+has_side_effect(torch.ops.capturepass.inline_step.default)
+
+
+class _Call:
+    """One running call of a fused segment (the thread's, while its compiled code runs)."""
+
+    __slots__ = ("key", "points", "entry", "streams", "prev")
+
+    def __init__(self, key: int, points: list[list[Callable[[Sequence[torch.Tensor]], None]]],
+                 streams: list[Any] | None) -> None:
+        self.key = key
+        self.points = points
+        self.streams = streams
+        self.entry = torch.cuda.current_stream() if streams is not None else None
+
+    def step(self, index: int, reads: Sequence[torch.Tensor]) -> None:
+        if self.streams is None:
+            for op in self.points[index]:
+                op(reads)
+            return
+        # Lane 0 is the stream current at the call (the capture stream under capture): the
+        # plan's records and waits on it are made with it current, as in the region route.
+        torch.cuda.set_stream(self.entry)
+        for op in self.points[index]:
+            op(reads)
+
+
+def runner(spec: "RegionSpec", owner: "GraphOwner", lanes: "Lanes") -> Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]:
+    """The runner of fused region ``spec`` on ``owner``'s ``lanes``: ``run(fn, args)``."""
+    from capturepass.runtime.lanes import CudaLanes
+
+    streams = lanes.streams if isinstance(lanes, CudaLanes) else None
+    points = [_bind_point(p, owner, lanes, streams) for p in spec.inline.points]
+    key = spec.inline.key
+
+    def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+        call = _Call(key, points, streams)
+        call.prev = getattr(_state, "call", None)
+        _state.call = call
+        try:
+            return fn(*args)
+        finally:
+            _state.call = call.prev
+            if call.entry is not None:
+                torch.cuda.set_stream(call.entry)
+
+    return run
+
+
+def _bind_point(point: SyncPoint, owner: "GraphOwner", lanes: "Lanes",
+                streams: list[Any] | None) -> list[Callable[[Sequence[torch.Tensor]], None]]:
+    """The calls of one sync point against ``lanes``: its steps, then the lane switch."""
+    ops: list[Callable[[Sequence[torch.Tensor]], None]] = []
+    start = 0
+    for step, take in zip(point.steps, point.takes):
+        node = step.payload
+        rec = meta.info(node)
+        lane = step.lane.index
+        if step.kind in (StepKind.RECORD, StepKind.WAIT):
+            handle = lanes.lease_handle(rec.lease)
+            act = lanes.record if step.kind == StepKind.RECORD else lanes.wait
+            ops.append(lambda reads, act=act, handle=handle, lane=lane: act(handle, lane))
+        elif step.kind == StepKind.RELEASE:
+            # The allocator frees a value when its last reference dies: Inductor drops it right
+            # after its last use, which this call is; nothing to run.
+            pass
+        elif step.kind == StepKind.RETAIN:
+            seg = rec.segment.index if rec.segment is not None else -1
+            handles = tuple(owner.resource_handle(r) for r in rec.resources)
+            lo, hi = start, start + take
+            ops.append(lambda reads, seg=seg, handles=handles, lo=lo, hi=hi: owner.retain(seg, handles, *reads[lo:hi]))
+        else:
+            raise ResourceError(f"a sync point of a fused segment cannot run a {step.kind} step")
+        start += take
+    if streams is not None and point.lane != 0:
+        stream = streams[point.lane - 1]
+        ops.append(lambda reads, stream=stream: torch.cuda.set_stream(stream))
+    return ops

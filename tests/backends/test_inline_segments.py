@@ -1,0 +1,198 @@
+"""One Inductor compile per capture segment, its lanes inline (``regions="segments"``).
+
+On the host the lanes run in program order, so what these tests can see is the graph and the
+code Inductor generates: each kernel between the two sync points of its lane (the code after a
+point runs on the lane the point makes current; ``capturepass.runtime.inline``), the plan's
+records and waits all run, nothing is copied to make the edges, and results equal eager. The
+H200 tests (``tests/runtime/test_inline_gpu.py``) run the same route on streams.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+
+import pytest
+import torch
+
+import capturepass
+from capturepass.backends.compile import last_compiled
+from capturepass.errors import ResourceError
+from capturepass.ir import meta
+from capturepass.ir.plan import StepKind
+from capturepass.testing.models import MoEBlock
+
+pytestmark = pytest.mark.slow
+
+L = capturepass.lane
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _compile_and_code(fn, *args, **options):
+    compiled = torch.compile(fn, backend="capturepass", options={"regions": "segments", "verify": True, **options})
+    out, codes = torch._inductor.utils.run_and_get_code(compiled, *args)
+    return compiled, out, codes
+
+
+def _lane_of_lines(code: str, points) -> list[tuple[int, str]]:
+    """Each line of the generated ``call`` with the lane it runs on (0 until the first point)."""
+    body = code[code.index("def call("):]
+    lane, out = 0, []
+    for line in body.splitlines():
+        line = line.strip()
+        m = re.match(r"torch\.ops\.capturepass\.inline_step\.default\(\d+, (\d+),", line)
+        if m:
+            lane = points[int(m.group(1))].lane
+            continue
+        if line and not line.startswith("#"):
+            out.append((lane, line))
+    return out
+
+
+def test_a_node_that_reads_only_graph_inputs_stays_on_its_lane():
+    """The pattern Inductor moves when nothing orders it: ``exp(x)`` on a side lane reads only
+    an input, and unpinned it fuses into the main lane's ``sin(x)`` kernel before the switch."""
+
+    def f(x, w):
+        a = torch.sin(x) * 2
+        with L("aux"):
+            z = torch.exp(x) * 5
+            c = torch.cos(a) + 1
+        return (torch.tanh(c) * 3) @ w, z
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+    _, out, codes = _compile_and_code(f, x, w)
+    torch.testing.assert_close(out, f(x, w))
+    (region,) = last_compiled()[-1].program.regions
+    assert region.inline is not None
+    lines = _lane_of_lines(codes[0], region.inline.points)
+    kernels = {op: {lane for lane, line in lines if re.match(rf"cpp_fused\w*_{op}_", line)}
+               for op in ("sin", "exp", "cos", "tanh")}
+    assert kernels == {"sin": {0}, "exp": {1}, "cos": {1}, "tanh": {0}}, lines
+
+
+def test_a_segment_compiles_once_and_runs_every_sync_of_the_plan():
+    torch.manual_seed(0)
+    model, x = MoEBlock(), torch.randn(16, 64)
+    with torch.no_grad():
+        compiled, out, codes = _compile_and_code(model, x)
+        torch.testing.assert_close(out, model(x))
+        torch.testing.assert_close(compiled(x * 2), model(x * 2))
+    graph = last_compiled()[-1]
+    assert len(meta.graph_info(graph.graph).lanes) > 1
+    (region,) = graph.program.regions
+    assert len(codes) == 1
+    planned = [s.kind for s in graph.plan.steps if s.kind != StepKind.REGION]
+    fused = [s.kind for p in region.inline.points for s in p.steps]
+    assert fused == planned
+    # Every point is in the code once, in order.
+    calls = [int(m) for m in re.findall(r"inline_step\.default\(\d+, (\d+),", codes[0])]
+    assert calls == list(range(len(region.inline.points)))
+
+
+def _launches(code: str) -> collections.Counter:
+    """How many kernel launches of the code compute each op (by the ops in a kernel's name)."""
+    body = code[code.index("def call("):]
+    out: collections.Counter = collections.Counter()
+    for name in re.findall(r"^\s*(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.aten\.\w+)\(", body, re.M):
+        words = set(re.split(r"[_.]", name)) - {"cpp", "fused", "inline", "step", "extern", "kernels", "torch", "ops", "aten", "default"}
+        out.update(w for w in words if not w.isdigit() and not _is_view(w))
+    return out
+
+
+def _is_view(name: str) -> bool:
+    """Whether aten op ``name`` returns a view (a kernel's name lists the views it reads through)."""
+    packet = getattr(torch.ops.aten, name, None)
+    overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    return any(r.alias_info is not None for o in overloads for r in o._schema.returns)
+
+
+@pytest.mark.parametrize("which", ["moe", "chain"])
+def test_the_edges_copy_and_recompute_nothing(which):
+    """The points' declared writes are re-inplaced: no kernel copies a guarded value, and the
+    one compile launches no more kernels than the lane regions compiled one by one (a value
+    that Inductor could not re-inplace would be recomputed or cloned into a kernel of its own)."""
+    torch.manual_seed(0)
+    if which == "moe":
+        fn, args = MoEBlock(), (torch.randn(16, 64),)
+    else:
+        def fn(x, w):
+            a = torch.sin(x) * 2
+            with L("aux"):
+                z = torch.exp(x) * 5
+                c = torch.cos(a) + 1
+            return (torch.tanh(c) * 3) @ w, z + a
+        args = (torch.randn(64, 64), torch.randn(64, 64))
+    with torch.no_grad():
+        _, _, codes = _compile_and_code(fn, *args)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="capturepass", options={"regions": "lanes"})
+        _, region_codes = torch._inductor.utils.run_and_get_code(compiled, *args)
+    (code,) = codes
+    assert not re.search(r"clone|copy_", code[code.index("def call("):]), code
+    assert len(region_codes) > 1
+    fused = _launches(code)
+    regions = sum((_launches(c) for c in region_codes), collections.Counter())
+    extra = {op: n for op, n in fused.items() if n > regions[op]}
+    assert not extra, (extra, fused, regions)
+
+
+def test_a_constant_on_a_side_lane_moves_to_the_start_and_is_ordered():
+    def f(x):
+        s = x.sin()
+        with L("aux"):
+            t = torch.full((64, 64), 2.0) + torch.arange(64.0)
+            y = (t * x) @ t
+        return s + y
+
+    x = torch.randn(64, 64)
+    _, out, codes = _compile_and_code(f, x)
+    torch.testing.assert_close(out, f(x))
+    (region,) = last_compiled()[-1].program.regions
+    assert region.inline is not None
+    assert not re.search(r"clone|copy_", codes[0][codes[0].index("def call("):])
+
+
+def test_random_numbers_on_a_side_lane_keep_the_lane_regions(caplog):
+    def f(x):
+        s = x.sin()
+        with L("aux"):
+            y = torch.rand(64, 64) @ x
+        return s, y
+
+    x = torch.randn(64, 64)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        compiled = torch.compile(f, backend="capturepass", options={"regions": "segments"})
+        s, y = compiled(x)
+    torch.testing.assert_close(s, x.sin())
+    assert y.shape == (64, 64)
+    assert len(last_compiled()[-1].program.regions) > 1
+    assert "draws random numbers: it cannot move; compiled as lane regions" in caplog.text
+
+
+def test_dynamic_sizes():
+    def f(x, w):
+        a = x.sin()
+        with L("aux"):
+            b = (x.cos() @ w).relu()
+        return a.sum(-1, keepdim=True) + b
+
+    compiled = torch.compile(f, backend="capturepass", dynamic=True, options={"regions": "segments", "verify": True})
+    w = torch.randn(32, 32)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 32)
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    assert any(r.inline is not None for r in last_compiled()[-1].program.regions)
+
+
+def test_the_op_refuses_to_run_outside_its_runner():
+    with pytest.raises(ResourceError, match="ran outside its runner"):
+        torch.ops.capturepass.inline_step(12345, 0, [], [torch.empty(0)])
