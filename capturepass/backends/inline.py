@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from capturepass.ir import analysis, hops, meta
 from capturepass.ir.plan import Inline, Plan, RegionPlan, Step, StepKind, SyncPoint
-from capturepass.passes.emit import symbol_providers, unbound_symbols
+from capturepass.passes.emit import RegionBuilder, symbol_providers
 from capturepass.runtime import inline as _registers_inline_step  # noqa: F401  (the op)
 
 log = logging.getLogger("capturepass")
@@ -199,41 +199,12 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     _check_hoist_ordered(run, moved)
     key = next(_keys)
 
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-    modules: dict[str, torch.nn.Module] = {}
-
-    def arg(n: fx.Node) -> fx.Node:
-        if n in env:
-            return env[n]
-        if n in members:
-            raise _KeepRegions(f"%{n.name} is read before it is computed")
-        module = hops.module_attr(n)
-        if module is not None:
-            modules[n.target] = module
-            env[n] = graph.get_attr(n.target)
-            return env[n]
-        ph = graph.placeholder(n.name)
-        ph.meta["val"] = analysis.fake_value(n)
-        env[n] = ph
-        inputs.append(n)
-        return ph
-
-    def copy(node: fx.Node) -> None:
-        for a in node.all_input_nodes:
-            arg(a)
-        new = graph.node_copy(node, arg)
-        new.meta = {k: v for k, v in node.meta.items()
-                    if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack", "seq_nr")}
-        env[node] = new
-
+    b = RegionBuilder(members, lambda n: _KeepRegions(f"%{n.name} is read before it is computed"))
+    graph, env, arg = b.graph, b.env, b.arg
     all_nodes = [n for r in regions for n in r.nodes]
-    for symbol in sorted(unbound_symbols(all_nodes, members), key=str):
-        if symbol in providers and providers[symbol] not in members:
-            arg(providers[symbol])
+    b.bind_sizes(all_nodes, providers)
     for node in hoisted:
-        copy(node)
+        b.copy(node)
     # Every point writes this token: the points keep their order among themselves, and a point
     # that guards nothing else is still a write (functionalization drops an op that writes nothing).
     device = next(v.device for n in all_nodes if isinstance(v := n.meta.get("val"), torch.Tensor))
@@ -310,19 +281,18 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
             lane = region.lane
         for node in region.nodes:
             if node not in env:
-                copy(node)
+                b.copy(node)
                 since.append(node)
     if pending or lane != 0 or crossed:
         point(0, None, crossed)
 
     outputs = [n for n in all_nodes
                if any(u not in members and u not in sync_nodes for u in n.users)]
-    graph.output(tuple(env[n] for n in outputs))
-    gm = fx.GraphModule(modules if modules else torch.nn.Module(), graph)
+    gm = b.finish(outputs)
     first = regions[0]
     return RegionPlan(
         index=first.index, lane=0, segment=first.segment, eager=False, nodes=all_nodes,
-        inputs=inputs, outputs=outputs, graph=gm, compiler="inductor",
+        inputs=b.inputs, outputs=outputs, graph=gm, compiler="inductor",
         kernels=any(r.kernels for r in regions), groups=(),
         inline=Inline(key, tuple(points)) if len(lanes) > 1 or points else None,
     )

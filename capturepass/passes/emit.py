@@ -34,6 +34,7 @@ After (the outer program the plan describes)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -243,44 +244,73 @@ def _region_graph(
     (``providers``): host values, or a tensor read for its size only.
     """
     members = set(region.nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-    modules: dict[str, torch.nn.Module] = {}
+    b = RegionBuilder(members, lambda n: EmitError(f"region on {region.lane}: %{n.name} is used before it is computed"))
+    if providers:
+        b.bind_sizes(region.nodes, providers)
+    for node in region.nodes:
+        b.copy(node)
+    outputs = [n for n in region.nodes if n in needed_outside]
+    return b.finish(outputs), b.inputs, outputs
 
-    def arg(n: fx.Node) -> fx.Node:
-        if n in env:
-            return env[n]
-        if n in members:
-            raise EmitError(f"region on {region.lane}: %{n.name} is used before it is computed")
+
+class RegionBuilder:
+    """Builds a standalone graph from nodes of the annotated graph: values from outside become
+    placeholders (``inputs``, in order), modules named by ``get_attr`` stay on its root.
+
+    Args:
+        members: the nodes the graph computes.
+        early: the error to raise when a member is read before it is copied.
+    """
+
+    _KEEP = ("val", "tensor_meta", "stack_trace", "nn_module_stack", "seq_nr")
+
+    def __init__(self, members: set[fx.Node], early: "Callable[[fx.Node], Exception]") -> None:
+        self.members = members
+        self.early = early
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.inputs: list[fx.Node] = []
+        self.modules: dict[str, torch.nn.Module] = {}
+
+    def arg(self, n: fx.Node) -> fx.Node:
+        """The new graph's node for ``n`` (a placeholder on first use of an outside value)."""
+        if n in self.env:
+            return self.env[n]
+        if n in self.members:
+            raise self.early(n)
         module = hops.module_attr(n)
         if module is not None:
             # A higher-order op (cond, while_loop, invoke_subgraph) names its subgraphs by
             # get_attr and Inductor lowers them from the graph's root module: the module
             # travels with the region, never as a runtime argument (which has no example value).
-            modules[n.target] = module
-            env[n] = graph.get_attr(n.target)
-            return env[n]
-        ph = graph.placeholder(n.name)
+            self.modules[n.target] = module
+            self.env[n] = self.graph.get_attr(n.target)
+            return self.env[n]
+        ph = self.graph.placeholder(n.name)
         ph.meta["val"] = analysis.fake_value(n)
-        env[n] = ph
-        inputs.append(n)
+        self.env[n] = ph
+        self.inputs.append(n)
         return ph
 
-    if providers:
-        for symbol in sorted(unbound_symbols(region.nodes, members), key=str):
-            if symbol in providers and providers[symbol] not in members:
-                arg(providers[symbol])
-    for node in region.nodes:
+    def bind_sizes(self, nodes: list[fx.Node], providers: dict[object, fx.Node]) -> None:
+        """Passes in the graph inputs that bind the size symbols ``nodes`` use and their own
+        inputs do not (see :func:`unbound_symbols`)."""
+        for symbol in sorted(unbound_symbols(nodes, self.members), key=str):
+            if symbol in providers and providers[symbol] not in self.members:
+                self.arg(providers[symbol])
+
+    def copy(self, node: fx.Node) -> None:
+        """Copies ``node`` into the graph."""
         for a in node.all_input_nodes:
-            arg(a)
-        new = graph.node_copy(node, arg)
-        new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack", "seq_nr")}
-        env[node] = new
-    outputs = [n for n in region.nodes if n in needed_outside]
-    graph.output(tuple(env[n] for n in outputs))
-    gm = fx.GraphModule(modules if modules else torch.nn.Module(), graph)
-    return gm, inputs, outputs
+            self.arg(a)
+        new = self.graph.node_copy(node, self.arg)
+        new.meta = {k: v for k, v in node.meta.items() if k in self._KEEP}
+        self.env[node] = new
+
+    def finish(self, outputs: list[fx.Node]) -> fx.GraphModule:
+        """The graph module returning ``outputs`` (a tuple)."""
+        self.graph.output(tuple(self.env[n] for n in outputs))
+        return fx.GraphModule(self.modules if self.modules else torch.nn.Module(), self.graph)
 
 
 class Emit(Pass):
