@@ -43,6 +43,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from capturepass.ir import analysis, hops, meta
 from capturepass.ir.plan import Inline, Plan, RegionPlan, Step, StepKind, SyncPoint
@@ -176,18 +177,35 @@ def _check_hoist_ordered(run: list[Step], hoisted: set[fx.Node]) -> None:
                             f"s{step.payload.lane} does not wait for before %{node.name} reads it")
 
 
-def _root(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node`` lives in, through views and the outputs of ops that
-    return views of an input (``split``, ``unbind``, ``chunk``)."""
-    while True:
-        root = analysis.storage_root(node)
-        parent = root.args[0] if analysis.is_getitem(root) else None
-        target = getattr(parent, "target", None)
-        if isinstance(target, torch._ops.OpOverload) and parent.args and isinstance(parent.args[0], fx.Node) \
-                and any(r.alias_info is not None for r in target._schema.returns):
-            node = parent.args[0]
-            continue
-        return root
+class _Roots:
+    """The node that allocated the storage a value lives in, by the storages of the graph's fake
+    values (through every view, ``_unsafe_view`` and the outputs of ``split`` alike, as
+    Inductor's re-inplacing judges them). A guard on a view would make functionalization
+    regenerate the base from it, which Inductor may recompute in a kernel on another lane.
+    A graph input is its own root: two inputs that share storage stay two guards."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self._first: dict[object, fx.Node] = {}
+        for node in graph.nodes:
+            key = self._storage(node)
+            if key is not None:
+                self._first.setdefault(key, node)
+
+    @staticmethod
+    def _storage(node: fx.Node) -> object | None:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+            return None
+        try:
+            return StorageWeakRef(val.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def __call__(self, node: fx.Node) -> fx.Node:
+        if node.op in ("placeholder", "get_attr"):
+            return node
+        key = self._storage(node)
+        return self._first.get(key, node) if key is not None else analysis.storage_root(node)
 
 
 def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], providers: dict) -> RegionPlan:
@@ -216,6 +234,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     first: list[fx.Node] = list(hoisted)  # guarded by the first point, which they run before
     lane = 0
 
+    _root = _Roots(plan.graph.graph)
     lane_of = {n: (0 if n in moved else r.lane) for r in regions for n in r.nodes}
     # NOTE: Inductor re-inplaces a functional write (scatter, index_put) into its input's
     # buffer when nothing reads that input later in program order; a region compiled alone

@@ -21,7 +21,10 @@ from capturepass.backends.compile import last_compiled
 from capturepass.errors import ResourceError
 from capturepass.ir import meta
 from capturepass.ir.plan import StepKind
+from capturepass.testing import zoo
 from capturepass.testing.models import MoEBlock
+
+from backends.inline_code import lane_violations, order_violations
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +199,46 @@ def test_dynamic_sizes():
 def test_the_op_refuses_to_run_outside_its_runner():
     with pytest.raises(ResourceError, match="ran outside its runner"):
         torch.ops.capturepass.inline_step(12345, 0, [], [torch.empty(0)])
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "mixtral"])
+def test_zoo_code_reads_after_writes_and_frees_nothing_another_lane_uses(name):
+    """On the generated code of transformers decoders (the two whose captured inline replays
+    were wrong on the H200, and an MoE): every cross-lane read is ordered after its write by the
+    plan's events, and no buffer another lane uses is freed before the segment ends."""
+    model, make_inputs = zoo.build(name)
+    compiled = torch.compile(model, backend="capturepass", options={"regions": "segments"})
+    with torch.no_grad():
+        want = zoo.output_tensors(model(**make_inputs(1)))
+        out, codes = torch._inductor.utils.run_and_get_code(lambda: compiled(**make_inputs(1)))
+    got = zoo.output_tensors(out)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **zoo.TOLERANCE["cpu"])
+    fused = [r for r in last_compiled()[-1].program.regions if r.inline is not None]
+    inline_codes = [c for c in codes if "inline_step.default(" in c]
+    assert fused and len(inline_codes) == len(fused)
+    for region, code in zip(fused, inline_codes):
+        assert lane_violations(code, region.inline.points) == []
+        assert order_violations(code, region.inline.points) == []
+
+
+def test_the_code_checks_find_what_they_look_for():
+    """Synthetic code: a buffer written on lane 1 and read on lane 0 with no event between, then
+    freed before the last point."""
+    from capturepass.ir.plan import SyncPoint
+
+    points = [SyncPoint((), 1, ()), SyncPoint((), 0, ()), SyncPoint((), 0, ())]
+    code = """def call(self, args):
+        buf0 = empty_strided_cuda((0, ), (1, ), torch.uint8)
+        torch.ops.capturepass.inline_step.default(7, 0, [], [buf0])
+        buf1 = empty_strided_cuda((4, ), (1, ), torch.float32)
+        triton_poi_fused_sin_0.run(arg0_1, buf1, 4, stream=stream0)
+        torch.ops.capturepass.inline_step.default(7, 1, [], [buf0, buf1])
+        buf2 = empty_strided_cuda((4, ), (1, ), torch.float32)
+        triton_poi_fused_cos_1.run(buf1, buf2, 4, stream=stream0)
+        del buf1
+        torch.ops.capturepass.inline_step.default(7, 2, [], [buf0])
+        return (buf2, )
+"""
+    assert len(order_violations(code, points)) == 1
+    assert lane_violations(code, points) == ["buf1 allocated on s1, used on s[0], freed at line 8 before the last point"]

@@ -1,0 +1,109 @@
+"""Static checks of the code Inductor generated for a segment compiled with its lanes inline.
+
+The code runs each line on the lane the last ``capturepass::inline_step`` call made current
+(its sync point's ``lane``). From the code alone and the points' records and waits:
+
+- :func:`lane_violations`: a buffer used on another lane than the one it was allocated on, and
+  freed before the last point (its block would go back to the allocating lane's stream while
+  the other lane may still use it), or a planned reuse of a buffer (``# reuse``);
+- :func:`order_violations`: a buffer read on a lane that no event orders after the kernel that
+  wrote it (vector clocks over the records and waits).
+
+A kernel's first use of a buffer after its allocation counts as its write.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from capturepass.ir import meta
+from capturepass.ir.plan import StepKind, SyncPoint
+
+_POINT = re.compile(r"torch\.ops\.capturepass\.inline_step\.default\(\d+, (\d+),")
+_ALIAS = re.compile(r"(buf\d+) = reinterpret_tensor\((buf\d+)|(buf\d+) = (buf\d+)\[")
+_REUSE = re.compile(r"(buf\d+) = (buf\d+); del (buf\d+)\s+# reuse")
+_BUF = re.compile(r"\b(buf\d+)\b")
+
+
+def _lines(code: str) -> list[str]:
+    return [line.strip() for line in code[code.index("def call("):].splitlines()]
+
+
+class _Aliases(dict):
+    def base(self, buf: str) -> str:
+        while buf in self:
+            buf = self[buf]
+        return buf
+
+    def take(self, line: str) -> bool:
+        m = _ALIAS.match(line)
+        if m is None:
+            return False
+        a, b = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        self[a] = b
+        return True
+
+
+def lane_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
+    """Buffers used on another lane than their allocating one and freed before the last point."""
+    lines = _lines(code)
+    last = max((i for i, line in enumerate(lines) if _POINT.match(line)), default=-1)
+    lane, alloc, uses, aliases, out = 0, {}, {}, _Aliases(), []
+    for i, line in enumerate(lines):
+        if not line or line.startswith("#"):
+            continue
+        if m := _POINT.match(line):
+            lane = points[int(m.group(1))].lane
+            continue
+        if _REUSE.match(line):
+            out.append(f"reuse: {line}")
+            continue
+        if aliases.take(line):
+            continue
+        if (m := re.match(r"(buf\d+) = ", line)) and m.group(1) not in alloc:
+            alloc[m.group(1)] = lane
+        if m := re.match(r"del (buf\d+)$", line):
+            buf = aliases.base(m.group(1))
+            other = sorted(u for u in uses.get(buf, ()) if u != alloc.get(buf, u))
+            if i < last and other:
+                out.append(f"{buf} allocated on s{alloc[buf]}, used on s{other}, freed at line {i} before the last point")
+            continue
+        for buf in _BUF.findall(line):
+            uses.setdefault(aliases.base(buf), set()).add(lane)
+    return out
+
+
+def order_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
+    """Reads of a buffer on a lane that no event orders after the kernel that wrote it."""
+    lanes = sorted({0} | {p.lane for p in points} | {s.lane.index for p in points for s in p.steps})
+    clock = {a: {b: 0 for b in lanes} for a in lanes}
+    events: dict[object, dict[int, int]] = {}
+    lane, writer, aliases, out = 0, {}, _Aliases(), []
+    for i, line in enumerate(_lines(code)):
+        if not line or line.startswith("#"):
+            continue
+        if m := _POINT.match(line):
+            point = points[int(m.group(1))]
+            for step in point.steps:
+                if step.kind == StepKind.RECORD:
+                    events[meta.info(step.payload).event] = dict(clock[step.lane.index])
+                elif step.kind == StepKind.WAIT and meta.info(step.payload).event in events:
+                    mine = clock[step.lane.index]
+                    for k, v in events[meta.info(step.payload).event].items():
+                        mine[k] = max(mine[k], v)
+            lane = point.lane
+            continue
+        if aliases.take(line) or re.match(r"buf\d+ = empty_strided", line) or line.startswith(("del ", "return")):
+            continue
+        clock[lane][lane] += 1
+        bufs = [aliases.base(b) for b in _BUF.findall(line)]
+        written = {aliases.base(m.group(1)) for m in [re.match(r"(buf\d+) = ", line), re.search(r"out=(buf\d+)", line)] if m}
+        written |= {b for b in bufs if b not in writer}
+        for buf in bufs:
+            wlane, when = writer.get(buf, (None, 0))
+            if buf not in written and wlane is not None and wlane != lane and clock[lane][wlane] < when:
+                out.append(f"line {i} on s{lane} reads {buf}, written on s{wlane} with no event after: {line[:90]}")
+        for buf in written:
+            writer.setdefault(buf, (lane, clock[lane][lane]))
+    return out
