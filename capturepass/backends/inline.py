@@ -219,10 +219,37 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
 
     b = RegionBuilder(members, lambda n: _KeepRegions(f"%{n.name} is read before it is computed"))
     graph, env, arg = b.graph, b.env, b.arg
+    split: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+
+    def copy(node: fx.Node) -> None:
+        # NOTE: Inductor lowers var_mean to one Welford reduction with two outputs; declaring
+        # its mean written made a buffer that depends on itself (KeyError 'opN' in the
+        # scheduler's compute_ancestors, torch 2.13: every layer norm of GPT-2, Phi, ViT...).
+        # With lanes, it is computed as var and mean, two reductions Inductor fuses into one
+        # kernel, each with its own output.
+        if node.target is torch.ops.aten.var_mean.correction and len(lanes) > 1:
+            x = arg(node.args[0])
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            if dims is None:
+                dims = list(range(node.args[0].meta["val"].dim()))
+            keepdim = node.kwargs.get("keepdim", False)
+            var = graph.call_function(torch.ops.aten.var.correction, (x, dims),
+                                      {"correction": node.kwargs.get("correction"), "keepdim": keepdim})
+            mean = graph.call_function(torch.ops.aten.mean.dim, (x, dims, keepdim))
+            for new, val in zip((var, mean), node.meta.get("val", (None, None))):
+                if val is not None:
+                    new.meta["val"] = val
+            split[node] = (var, mean)
+            env[node] = var
+            return
+        if analysis.is_getitem(node) and node.args[0] in split:
+            env[node] = split[node.args[0]][node.args[1]]
+            return
+        b.copy(node)
     all_nodes = [n for r in regions for n in r.nodes]
     b.bind_sizes(all_nodes, providers)
     for node in hoisted:
-        b.copy(node)
+        copy(node)
     # Every point writes this token: the points keep their order among themselves, and a point
     # that guards nothing else is still a write (functionalization drops an op that writes nothing).
     device = next(v.device for n in all_nodes if isinstance(v := n.meta.get("val"), torch.Tensor))
@@ -250,38 +277,43 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
                     crossed.append(root)
 
     def point(next_lane: int, region: RegionPlan | None, hold: Sequence[fx.Node] = ()) -> None:
+        # Guarded (declared written), by storage: what the code since the last point computed
+        # last (values none of it reads again), and what the next region reads from outside.
+        # Two guards of one storage could not be re-inplaced, nor a value both read and guarded.
+        wanted: list[fx.Node] = first[:]
+        first.clear()
+        done = set(since)
+        wanted += [n for n in since if _is_tensor(n) and n.users and not any(u in done for u in n.users)]
+        needed: set[fx.Node] = set()
+        if region is not None:
+            inside = set(region.nodes) - moved
+            for node in region.nodes:
+                for a in node.all_input_nodes:
+                    if a not in inside and _is_tensor(a) and hops.module_attr(a) is None:
+                        wanted.append(a)
+                        needed.add(_root(a))
+        guards: list[fx.Node] = []
+        for n in wanted:
+            root = _root(n)
+            if _is_tensor(root) and root not in guards:
+                guards.append(root)
+        # Read: what a release or a retention takes, and what is held.
+        # NOTE: a release or retention of a storage the next region reads keeps the lane
+        # regions: read by one call and guarded by it, a value is copied; left to the guard
+        # alone (the release not read), Gemma2's segment compiled to wrong results on the host.
         reads: list[fx.Node] = []
         takes: list[int] = []
         for st in pending:
             values = [a for a in st.payload.all_input_nodes if analysis.carries_tensor(a)] \
                 if st.kind in (StepKind.RELEASE, StepKind.RETAIN) else []
+            clash = next((v for v in values if _root(v) in needed), None)
+            if clash is not None:
+                raise _KeepRegions(f"%{clash.name} is both released or retained and read by the next region")
             reads.extend(values)
             takes.append(len(values))
         reads.extend(n for n in hold if n not in reads)
-        # Sinks of the code since the last point (values none of it reads again) and the
-        # storages the next region reads from outside: guarded, by storage (guards that share a
-        # storage could not be re-inplaced). What a release or retention reads is read instead.
-        wanted: list[fx.Node] = first[:]
-        first.clear()
-        done = set(since)
-        wanted += [n for n in since if _is_tensor(n) and n.users and not any(u in done for u in n.users)]
-        clash = None
-        if region is not None:
-            inside = set(region.nodes) - moved
-            for node in region.nodes:
-                for a in node.all_input_nodes:
-                    if a in inside or not _is_tensor(a) or hops.module_attr(a) is not None:
-                        continue
-                    wanted.append(a)
-                    clash = clash or (a if _root(a) in {_root(r) for r in reads} else None)
-        if clash is not None:
-            raise _KeepRegions(f"%{clash.name} is both released or retained and read by the next region")
-        released = {_root(r) for r in reads}
-        guards: list[fx.Node] = []
-        for n in wanted:
-            root = _root(n)
-            if _is_tensor(root) and root not in guards and root not in released:
-                guards.append(root)
+        read_roots = {_root(r) for r in reads}
+        guards = [g for g in guards if g not in read_roots]
         graph.call_function(torch.ops.capturepass.inline_step.default,
                             (key, len(points), [arg(n) for n in reads], [token] + [arg(g) for g in guards]))
         points.append(SyncPoint(tuple(pending), next_lane, tuple(takes)))
@@ -300,7 +332,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
             lane = region.lane
         for node in region.nodes:
             if node not in env:
-                b.copy(node)
+                copy(node)
                 since.append(node)
     if pending or lane != 0 or crossed:
         point(0, None, crossed)
