@@ -221,11 +221,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--procs", type=int, default=3)
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--workloads", nargs="+", default=["moe:16", "moe:256", "attn:0"])
+    p.add_argument("--workloads", nargs="+", default=["moe:16", "moe:256", "attn:0"],
+                   help="NAME:TOKENS each (moe:16; attn's tokens are ignored: attn:0)")
     p.add_argument("--out", default=None)
     p.add_argument("--budget-s", type=float, default=0, help="start no new process after this many seconds")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    for spec in args.workloads:
+        name, colon, tokens = spec.partition(":")
+        if name not in ("moe", "attn") or not colon or not tokens.isdigit():
+            p.error(f"--workloads {spec!r}: expected moe:TOKENS or attn:0")
     if args.child:
         child(args)
         return

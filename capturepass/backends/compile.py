@@ -135,14 +135,16 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
     Raises:
         EmitError: an inner compiler failed on a region (Dynamo's own signals pass through).
     """
-    title = meta.graph_info(plan.graph).title
-    replaced: dict[int, list] = {}
     info = meta.graph_info(plan.graph)
+    title = info.title
+    replaced: dict[int, list] = {}
     if inline and info.on_cuda and info.cudagraphs != CaptureMode.NONE and len(info.lanes) > 1 \
             and not CAPTURED_INLINE_LANES:
         # NOTE: on the H200 (torch 2.11) captured replays of inline lanes gave wrong results on
-        # transformers' Mistral and Qwen3 (the same every run; right uncaptured and with one
-        # lane); until that is understood, a captured graph keeps its lane regions.
+        # transformers' Mistral (every replay) and Qwen3 (the first replay), the same in every
+        # run, and right uncaptured, breakable and as lane regions (docs/one_compile.md;
+        # bench/inline_capture_check.py reproduces it); until that is understood, a captured
+        # graph keeps its lane regions.
         log.warning("capturepass: %s: regions='segments' is not used for a graph captured with more than "
                     "one lane (captured replays of inline lanes are not yet known to be right); compiled as "
                     "lane regions", title)
