@@ -154,3 +154,15 @@ def compiled_since(before: list) -> list:
 
     seen = {id(g) for g in before}  # ``before`` holds them: their ids stay theirs
     return [g for g in last_compiled() if id(g) not in seen]
+
+
+def run_bench(script: str, *args: str, timeout: float = 120) -> "subprocess.CompletedProcess":
+    """Runs ``bench/<script>`` with ``args`` in a fresh interpreter (the repository importable)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, os.path.join(root, "bench", script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)

@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "overlap.py")
+from tests.helpers import run_bench
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
+def _run(*args: str):
+    return run_bench("overlap.py", *args)
 
 
 def test_a_workload_needs_its_tokens():

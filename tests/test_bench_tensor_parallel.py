@@ -12,13 +12,14 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
+from tests.helpers import run_bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "tensor_parallel.py")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
+    return run_bench("tensor_parallel.py", *args)
 
 
 def test_tensor_parallel_help_and_bad_arguments():
