@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from capturepass.backends import inline as inline_segments
 from capturepass.backends import inner as inner_compilers
+from capturepass.backends.inline_check import CodeCapture, findings
 from capturepass.errors import EmitError, is_dynamo_control_flow, is_dynamo_signal
 from capturepass.ir import analysis, meta
 from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
@@ -162,8 +163,16 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
             continue
         region = step.payload
         try:
-            with inline_segments.lane_safe_inductor(region):
-                fns[region.index] = _compile_region(region, title, eager_fallback=False)
+            with inline_segments.lane_safe_inductor(region), CodeCapture() as code:
+                fn = _compile_region(region, title, eager_fallback=False)
+            found = findings(code.codes, region.inline.points) if region.inline is not None else []
+            if found:
+                log.warning("capturepass: %s: one compile of %d lane regions fails its lane checks (%s); compiled "
+                            "as lane regions instead", title,
+                            len([s for s in replaced[region.index] if s.kind == StepKind.REGION]), found[0])
+                steps.extend(replaced[region.index])
+                continue
+            fns[region.index] = fn
             steps.append(step)
         except Exception as exc:
             if is_dynamo_control_flow(exc):

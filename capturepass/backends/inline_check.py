@@ -1,5 +1,11 @@
 """Static checks of the code Inductor generated for a segment compiled with its lanes inline.
 
+The compile driver runs them on every fused compile (``capturepass.backends.compile``): a
+segment whose code fails them keeps its lane regions, with the first finding logged. Inductor
+decides where a value it copies or recomputes runs, and a copy made for a declared write that
+could not be re-inplaced lands on the lane before the point, which no event may order before
+its readers (seen on Phi's layer norm).
+
 The code runs each line on the lane the last ``capturepass::inline_step`` call made current
 (its sync point's ``lane``). From the code alone and the points' records and waits:
 
@@ -107,3 +113,40 @@ def order_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
         for buf in written:
             writer.setdefault(buf, (lane, clock[lane][lane]))
     return out
+
+
+class CodeCapture:
+    """Collects the output code of the Inductor compiles inside the block
+    (``GraphLowering.save_output_code``, which Inductor also calls on a cache hit); ``codes``
+    stays empty where this torch has no such hook."""
+
+    def __init__(self) -> None:
+        self.codes: list[str] = []
+
+    def __enter__(self) -> "CodeCapture":
+        from torch._inductor.graph import GraphLowering
+
+        self._cls = GraphLowering
+        self._prev = getattr(GraphLowering, "save_output_code", None)
+        if hasattr(GraphLowering, "save_output_code"):
+            prev = self._prev
+
+            def save(code: str) -> None:
+                self.codes.append(code)
+                if prev is not None:
+                    prev(code)
+
+            GraphLowering.save_output_code = save
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self._cls, "save_output_code"):
+            self._cls.save_output_code = self._prev
+
+
+def findings(codes: Sequence[str], points: Sequence[SyncPoint]) -> list[str]:
+    """What the checks find in the code of a fused segment (a reason when its code is missing)."""
+    mine = [c for c in codes if "inline_step.default(" in c and "def call(" in c]
+    if len(mine) != 1:
+        return [f"Inductor's generated code could not be read to check it ({len(mine)} candidates)"]
+    return lane_violations(mine[0], points) + order_violations(mine[0], points)
