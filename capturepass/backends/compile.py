@@ -166,23 +166,21 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
             with inline_segments.lane_safe_inductor(region), CodeCapture() as code:
                 fn = _compile_region(region, title, eager_fallback=False)
             found = findings(code.codes, region.inline.points) if region.inline is not None else []
-            if found:
-                log.warning("capturepass: %s: one compile of %d lane regions fails its lane checks (%s); compiled "
-                            "as lane regions instead", title,
-                            len([s for s in replaced[region.index] if s.kind == StepKind.REGION]), found[0])
-                steps.extend(replaced[region.index])
-                continue
-            fns[region.index] = fn
-            steps.append(step)
+            why = f"fails its lane checks ({found[0]})" if found else None
         except Exception as exc:
             if is_dynamo_control_flow(exc):
                 raise
             # Inductor's own errors come as Dynamo's formatted errors: a failure of this
             # compile, which the lane regions may not share.
-            log.warning("capturepass: %s: one compile of %d lane regions failed (%s); compiled as lane "
-                        "regions instead", title, len([s for s in replaced[region.index] if s.kind == StepKind.REGION]),
-                        str(exc).splitlines()[0])
-            steps.extend(replaced[region.index])
+            why = f"failed ({str(exc).splitlines()[0]})"
+        if why is None:
+            fns[region.index] = fn
+            steps.append(step)
+            continue
+        lanes_kept = sum(s.kind == StepKind.REGION for s in replaced[region.index])
+        log.warning("capturepass: %s: one compile of %d lane regions %s; compiled as lane regions instead",
+                    title, lanes_kept, why)
+        steps.extend(replaced[region.index])
     for step in steps:
         if step.kind == StepKind.REGION and step.payload.index not in fns:
             fns[step.payload.index] = _compile_region(step.payload, title, eager_fallback)
