@@ -43,7 +43,15 @@ if TYPE_CHECKING:
 _state = threading.local()
 
 
-@torch.library.custom_op("capturepass::inline_step", mutates_args=("guards",))
+# NOTE: the op reads no data, so any layout does. Without ``flexible_layout`` Inductor holds
+# each guard to its fake value's exact strides, and a guard whose buffer it had already laid
+# out otherwise (a ``clone`` of a permuted tensor, read earlier as contiguous) was written in
+# one layout and read in the other: wrong values on the host (Gemma2's repeated keys), copies
+# on the GPU. Releases that predate the tag hold every custom op to the fake strides anyway.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "flexible_layout", None),) if t is not None)
+
+
+@torch.library.custom_op("capturepass::inline_step", mutates_args=("guards",), tags=_TAGS)
 def inline_step(key: int, index: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
     """Runs sync point ``index`` of the fused segment ``key`` on this thread's bound lanes.
 
