@@ -13,13 +13,16 @@ stream current at its launch).
 Inductor moves and fuses nodes that nothing orders, so the graph gives each
 node an edge to both of its sync points:
 
-- a point *reads* what the code since the previous point computed last (the
-  values no later node of it reads), so those nodes run before it;
-- a point *guards* the storages the next region reads from outside itself: the
-  op declares them written, so every node that reads them after it is ordered
-  after it (functionalization hands those readers the written version), and no
-  reader of the old version moves past it. Nothing is copied: Inductor
-  re-inplaces the declared write (the compile is checked for it in the tests);
+- a point *guards* (the op declares written, by storage) every value the code
+  since the previous point computed that anything after the point reads, and
+  every storage the next region reads from outside itself. A write needs its
+  buffer, so the value is computed before the point (Inductor would otherwise
+  inline it into its readers and compute its buffer wherever a later reader
+  needs it), and every node that reads it after the point is ordered after the
+  point (functionalization hands those readers the written version). Nothing
+  is copied: Inductor re-inplaces the declared write, and the op takes any
+  layout (``flexible_layout``), so no guard is held to other strides. The
+  driver checks the generated code for both (``backends/inline_check.py``);
 - nodes that read no device data (``full``, ``arange``) have no such edge: they
   move to the start of the run, on the main lane, where every side lane is
   ordered after them by the plan's first wait (checked; otherwise the run keeps
@@ -117,6 +120,13 @@ def _is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a view op's value (or an item of one, as ``split``'s)."""
+    if analysis.is_getitem(node):
+        node = node.args[0]
+    return node.op == "call_function" and analysis.aliases_input(node) is not None
+
+
 def fuse(plan: Plan) -> Fused:
     """Replaces each run of two or more lane regions of one capture segment by one region."""
     steps: list[Step] = []
@@ -178,21 +188,34 @@ def _check_hoist_ordered(run: list[Step], hoisted: set[fx.Node]) -> None:
 
 
 class _Roots:
-    """The node that allocated the storage a value lives in, by the storages of the graph's fake
-    values (through every view, ``_unsafe_view`` and the outputs of ``split`` alike, as
-    Inductor's re-inplacing judges them). A guard on a view would make functionalization
-    regenerate the base from it, which Inductor may recompute in a kernel on another lane.
-    A graph input is its own root: two inputs that share storage stay two guards."""
+    """The node that allocated the storage a value lives in, among the nodes of one fused graph
+    (its inputs and members), by the storages of the graph's fake values (through every view,
+    ``_unsafe_view`` and the outputs of ``split`` alike, as Inductor's re-inplacing judges them).
+    A guard on a view would make functionalization regenerate the base from it, which Inductor
+    may recompute in a kernel on another lane.
 
-    def __init__(self, graph: fx.Graph) -> None:
+    Storages that more than one input of the fused graph lives in are ``shared``: a write
+    declared on any of them makes AOT autograd merge those inputs into one synthetic base, which
+    it rebuilds at every call with ``as_strided`` copies that Inductor places on any lane (on the
+    H200 a captured Mistral's segment after a break took such a base, and its first call failed
+    on the base's shape).
+    """
+
+    def __init__(self, nodes: Sequence[fx.Node], inputs: set[fx.Node]) -> None:
         self._first: dict[object, fx.Node] = {}
-        for node in graph.nodes:
-            key = self._storage(node)
-            if key is not None:
-                self._first.setdefault(key, node)
+        seen: dict[object, int] = {}
+        for node in nodes:
+            key = self.storage(node)
+            if key is None:
+                continue
+            self._first.setdefault(key, node)
+            if node in inputs:
+                seen[key] = seen.get(key, 0) + 1
+        self.shared = {key for key, count in seen.items() if count > 1}
 
     @staticmethod
-    def _storage(node: fx.Node) -> object | None:
+    def storage(node: fx.Node) -> object | None:
+        """The storage ``node``'s fake value lives in (``None`` when it has none)."""
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
             return None
@@ -202,10 +225,12 @@ class _Roots:
             return None
 
     def __call__(self, node: fx.Node) -> fx.Node:
-        if node.op in ("placeholder", "get_attr"):
-            return node
-        key = self._storage(node)
+        key = self.storage(node)
         return self._first.get(key, node) if key is not None else analysis.storage_root(node)
+
+    def is_shared(self, node: fx.Node) -> bool:
+        """Whether ``node`` lives in a storage that several inputs of the fused graph live in."""
+        return self.storage(node) in self.shared
 
 
 def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], providers: dict) -> RegionPlan:
@@ -218,8 +243,24 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     key = next(_keys)
 
     b = RegionBuilder(members, lambda n: _KeepRegions(f"%{n.name} is read before it is computed"))
-    graph, env, arg = b.graph, b.env, b.arg
+    graph, env = b.graph, b.env
     split: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
+    points: list[SyncPoint] = []
+    # NOTE: a view taken before a point whose guard covers its storage, and read after it,
+    # makes functionalization rebuild the view from the written base (an as_strided of it,
+    # which Inductor may realise as a copy, on either lane). Views cost nothing: each read
+    # after a point takes its view again, from the base as it is then.
+    epoch: dict[fx.Node, int] = {}
+    retaken: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def arg(n: fx.Node) -> fx.Node:
+        if n not in members or epoch.get(n, len(points)) == len(points) or not _is_view(n):
+            return b.arg(n)
+        k = (n, len(points))
+        if k not in retaken:
+            retaken[k] = graph.node_copy(n, arg)
+            retaken[k].meta = {m: v for m, v in n.meta.items() if m in RegionBuilder._KEEP}
+        return retaken[k]
 
     def copy(node: fx.Node) -> None:
         # NOTE: Inductor lowers var_mean to one Welford reduction with two outputs; declaring
@@ -241,11 +282,13 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
                     new.meta["val"] = val
             split[node] = (var, mean)
             env[node] = var
+            epoch[node] = len(points)
             return
         if analysis.is_getitem(node) and node.args[0] in split:
             env[node] = split[node.args[0]][node.args[1]]
             return
-        b.copy(node)
+        b.copy(node, arg)
+        epoch[node] = len(points)
     all_nodes = [n for r in regions for n in r.nodes]
     b.bind_sizes(all_nodes, providers)
     for node in hoisted:
@@ -255,13 +298,14 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     device = next(v.device for n in all_nodes if isinstance(v := n.meta.get("val"), torch.Tensor))
     token = graph.call_function(torch.ops.aten.empty.memory_format, ([0],), {"dtype": torch.uint8, "device": device})
 
-    points: list[SyncPoint] = []
     pending: list[Step] = []
     since: list[fx.Node] = []
     first: list[fx.Node] = list(hoisted)  # guarded by the first point, which they run before
     lane = 0
 
-    _root = _Roots(plan.graph.graph)
+    inputs = {a for n in all_nodes for a in n.all_input_nodes
+              if a not in members and _is_tensor(a) and hops.module_attr(a) is None}
+    _root = _Roots([n for n in plan.graph.graph.nodes if n in members or n in inputs], inputs)
     lane_of = {n: (0 if n in moved else r.lane) for r in regions for n in r.nodes}
     # NOTE: Inductor re-inplaces a functional write (scatter, index_put) into its input's
     # buffer when nothing reads that input later in program order; a region compiled alone
@@ -283,7 +327,11 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
         wanted: list[fx.Node] = first[:]
         first.clear()
         done = set(since)
-        wanted += [n for n in since if _is_tensor(n) and n.users and not any(u in done for u in n.users)]
+        # NOTE: not only the values nothing after them in the block reads: Inductor inlines a
+        # value into its readers and computes its buffer where a later reader needs it, so a
+        # value read after the point is guarded too, which makes its buffer exist before the
+        # point (Phi's layer norm: the normalised copy moved past the record its reader waits for).
+        wanted += [n for n in since if _is_tensor(n) and any(u not in done for u in n.users)]
         needed: set[fx.Node] = set()
         if region is not None:
             inside = set(region.nodes) - moved
@@ -296,19 +344,25 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
         for n in wanted:
             root = _root(n)
             if _is_tensor(root) and root not in guards:
+                if _root.is_shared(root):
+                    raise _KeepRegions(f"%{n.name} shares its storage with another input of the run and "
+                                       "cannot be guarded")
                 guards.append(root)
         # Read: what a release or a retention takes, and what is held.
-        # NOTE: a release or retention of a storage the next region reads keeps the lane
-        # regions: read by one call and guarded by it, a value is copied; left to the guard
-        # alone (the release not read), Gemma2's segment compiled to wrong results on the host.
+        # NOTE: a value both read and guarded by one call is copied. A release of a storage the
+        # next region reads needs no read: that region's read holds the value past the point
+        # anyway (the allocator frees at the last reference). A retention of one keeps the lane
+        # regions.
         reads: list[fx.Node] = []
         takes: list[int] = []
         for st in pending:
             values = [a for a in st.payload.all_input_nodes if analysis.carries_tensor(a)] \
                 if st.kind in (StepKind.RELEASE, StepKind.RETAIN) else []
+            if st.kind == StepKind.RELEASE:
+                values = [v for v in values if _root(v) not in needed]
             clash = next((v for v in values if _root(v) in needed), None)
             if clash is not None:
-                raise _KeepRegions(f"%{clash.name} is both released or retained and read by the next region")
+                raise _KeepRegions(f"%{clash.name} is both retained and read by the next region")
             reads.extend(values)
             takes.append(len(values))
         reads.extend(n for n in hold if n not in reads)
@@ -339,7 +393,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
 
     outputs = [n for n in all_nodes
                if any(u not in members and u not in sync_nodes for u in n.users)]
-    gm = b.finish(outputs)
+    gm = b.finish(outputs, arg)
     first = regions[0]
     return RegionPlan(
         index=first.index, lane=0, segment=first.segment, eager=False, nodes=all_nodes,

@@ -299,17 +299,19 @@ class RegionBuilder:
             if symbol in providers and providers[symbol] not in self.members:
                 self.arg(providers[symbol])
 
-    def copy(self, node: fx.Node) -> None:
-        """Copies ``node`` into the graph."""
+    def copy(self, node: fx.Node, arg: Callable[[fx.Node], fx.Node] | None = None) -> fx.Node:
+        """Copies ``node`` into the graph (its inputs mapped by ``arg``, :meth:`arg` by default)."""
+        arg = arg or self.arg
         for a in node.all_input_nodes:
-            self.arg(a)
-        new = self.graph.node_copy(node, self.arg)
+            arg(a)
+        new = self.graph.node_copy(node, arg)
         new.meta = {k: v for k, v in node.meta.items() if k in self._KEEP}
         self.env[node] = new
+        return new
 
-    def finish(self, outputs: list[fx.Node]) -> fx.GraphModule:
-        """The graph module returning ``outputs`` (a tuple)."""
-        self.graph.output(tuple(self.env[n] for n in outputs))
+    def finish(self, outputs: list[fx.Node], arg: Callable[[fx.Node], fx.Node] | None = None) -> fx.GraphModule:
+        """The graph module returning ``outputs`` (a tuple; mapped by ``arg``, the copies by default)."""
+        self.graph.output(tuple(arg(n) if arg else self.env[n] for n in outputs))
         return fx.GraphModule(self.modules if self.modules else torch.nn.Module(), self.graph)
 
 
