@@ -53,6 +53,7 @@ import torch.fx as fx
 from capturepass.ir.capabilities import op_of
 from capturepass.ir import analysis
 from capturepass.ir.plan import StepKind
+from capturepass.runtime import inline as _registers_inline_step  # noqa: F401  (the op the probe passes over)
 
 if TYPE_CHECKING:
     from capturepass.runtime.program import Program, RegionSpec
@@ -335,6 +336,9 @@ def first_failing_node(program: "Program", index: int, env: dict[fx.Node, Any],
         clear_cublas_workspaces()  # probes made workspaces inside throwaway pools
 
 
+_INLINE_STEP = torch.ops.capturepass.inline_step.default
+
+
 def _probe(specs: list["RegionSpec"], env: dict[fx.Node, Any], device: torch.device, opaque: bool) -> Culprit | None:
     values = dict(env)
     for spec in specs:
@@ -351,6 +355,10 @@ def _probe(specs: list["RegionSpec"], env: dict[fx.Node, Any], device: torch.dev
                 local[node] = obj
             elif node.op == "output":
                 outs = fx.node.map_arg(node.args[0], local.__getitem__)
+            elif node.target is _INLINE_STEP:
+                # A fused segment's sync point: the probe runs every node on one stream, in
+                # order, and finds the op that fails alone; the lanes play no part in that.
+                local[node] = None
             else:
                 args = fx.node.map_arg(node.args, local.__getitem__)
                 kwargs = fx.node.map_arg(node.kwargs, local.__getitem__)
