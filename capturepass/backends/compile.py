@@ -97,10 +97,6 @@ class CompiledGraph:
         self._executor = weakref.ref(executor)
 
 
-# Whether a graph captured with more than one lane may take the inline route (see
-# compile_regions); off until its captured replays are known to be right.
-CAPTURED_INLINE_LANES = False
-
 _last_compiled: collections.deque[CompiledGraph] = collections.deque(maxlen=32)
 
 
@@ -139,17 +135,6 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
     info = meta.graph_info(plan.graph)
     title = info.title
     replaced: dict[int, list] = {}
-    if inline and info.on_cuda and info.cudagraphs != CaptureMode.NONE and len(info.lanes) > 1 \
-            and not CAPTURED_INLINE_LANES:
-        # NOTE: on the H200 (torch 2.11) captured replays of inline lanes gave wrong results on
-        # transformers' Mistral (every replay) and Qwen3 (the first replay), the same in every
-        # run, and right uncaptured, breakable and as lane regions (docs/one_compile.md;
-        # bench/inline_capture_check.py reproduces it); until that is understood, a captured
-        # graph keeps its lane regions.
-        log.warning("capturepass: %s: regions='segments' is not used for a graph captured with more than "
-                    "one lane (captured replays of inline lanes are not yet known to be right); compiled as "
-                    "lane regions", title)
-        inline = False
     if inline:
         fused = inline_segments.fuse(plan)
         for why in fused.kept:
