@@ -13,7 +13,10 @@ another; compiles run in parallel, timings one process at a time under a file lo
 - ``inductor``: ``torch.compile(model)``;
 - ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``;
 - ``capturepass``: ``torch.compile(model, backend="capturepass")`` (default options);
-- ``capturepass-off``: the same with ``policy="off"`` (one lane).
+- ``capturepass-off``: the same with ``policy="off"`` (one lane);
+- named only: ``capturepass-lanes`` / ``capturepass-segments`` (``regions="lanes"`` /
+  ``"segments"``: one compile per lane region, or per capture segment with its lanes inline),
+  ``capturepass-segments-off`` (segments, one lane).
 
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
 many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
@@ -50,6 +53,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
+# Not run unless named: the two routes side by side, whichever is the default.
+ROUTES = {
+    "capturepass-lanes": {"regions": "lanes"},
+    "capturepass-segments": {"regions": "segments"},
+    "capturepass-segments-off": {"regions": "segments", "policy": "off"},
+}
 
 # Config overrides per zoo model: realistic widths, few layers (the per-layer schedule repeats).
 SIZES: dict[str, dict] = {
@@ -111,7 +120,7 @@ def compiled(model, variant: str):
         return torch.compile(model, mode="reduce-overhead")
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
 
-    opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}}.get(variant, {})
+    opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}, **ROUTES}.get(variant, {})
     return torch.compile(model, backend="capturepass", options=opts)
 
 
@@ -321,7 +330,7 @@ def main() -> None:
     from capturepass.testing import zoo as catalogue
 
     known = SIZES if args.sizes == "real" else [m for m, f in catalogue.FAMILIES.items() if f == "decoder"]
-    unknown = [m for m in models if m not in known] + [v for v in variants if v not in VARIANTS]
+    unknown = [m for m in models if m not in known] + [v for v in variants if v not in VARIANTS and v not in ROUTES]
     if unknown:
         p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(known)}; "
                 f"variants: {', '.join(VARIANTS)})")
