@@ -117,6 +117,13 @@ def resolve(options: Options | Mapping[str, Any] | None) -> Options:
     return Options.from_mapping(options)
 
 
+def inline_route(opts: Options, plan: Plan) -> bool:
+    """Whether ``plan``'s capture segments compile once each, their lanes inline:
+    ``regions="segments"``, or ``"auto"`` on CUDA (on the host, ``"auto"`` already plans one
+    region per segment)."""
+    return opts.regions == "segments" or (opts.regions == "auto" and meta.graph_info(plan.graph).on_cuda)
+
+
 def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = False) -> Program:
     """Compiles every region of ``plan`` with its inner compiler; the runtime's program.
 
@@ -324,7 +331,7 @@ def compile_graph(
     plan: Plan | None = ctx.artifacts.get("plan")
     program = None
     if plan is not None and regions:
-        program = compile_regions(plan, eager_fallback=bool(not_capturable), inline=opts.regions == "segments")
+        program = compile_regions(plan, eager_fallback=bool(not_capturable), inline=inline_route(opts, plan))
         ctx.artifacts["program"] = program
         if dumper is not None:
             dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")

@@ -275,7 +275,7 @@ def _picker(
 
     def compile_plan(plan: Any) -> Any:
         with _tracing(tc):  # a candidate compiled after the compile (a rebuild) needs its shape env
-            return driver.compile_regions(plan, eager_fallback=rebuilt, inline=opts.regions == "segments")
+            return driver.compile_regions(plan, eager_fallback=rebuilt, inline=driver.inline_route(opts, plan))
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
     if len(cands) > 1 and not rebuilt:

@@ -103,11 +103,12 @@ class Options:
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
         regions: ``"auto"``: on a host graph (no CUDA tensor, lanes run in program
-            order) each segment is one region, compiled once; on CUDA, one region per lane
-            and segment between sync points. ``"lanes"``: the per-lane regions everywhere
-            (to inspect or test the outer program a GPU runs, on the CPU). ``"segments"``:
-            each capture segment compiled once with its lanes inline (one Inductor compile;
-            ``capturepass.backends.inline``), on the host too.
+            order) each segment is one region, compiled once; on CUDA, each capture segment
+            compiled once with its lanes inline (one Inductor compile;
+            ``capturepass.backends.inline``), a segment that cannot be keeping one region per
+            lane between sync points, with the reason logged. ``"lanes"``: the per-lane
+            regions everywhere (the region route; on the CPU, to inspect the outer program a
+            GPU runs it by). ``"segments"``: the inline route on the host too.
         disable: names of passes to leave out, for bisecting a compile; a pass
             that a later one depends on cannot be left out (``PipelineError``).
         pick: ``"measure"`` (the default): when a CUDA graph is captured for a new
