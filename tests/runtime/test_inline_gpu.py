@@ -63,12 +63,16 @@ def test_attention_indexer_in_one_compile_equals_eager():
         torch.testing.assert_close(compiled(q, x), model(q, x), **BF16)
 
 
-def _kernel_streams(prof) -> dict[str, set[int]]:
-    out: dict[str, set[int]] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "triton" in ev.name:
-            out.setdefault(ev.name, set()).add(ev.device_resource_id)
-    return out
+def _kernels(call, times: int, tmp_path) -> list[dict]:
+    """The kernel events of the profiler's Chrome trace of ``times`` calls."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(times):
+            call()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
 
 
 @torch.no_grad()
@@ -86,14 +90,7 @@ def test_each_kernel_runs_on_its_lanes_stream(tmp_path):
     for _ in range(2):
         out = compiled(x, w)
     torch.testing.assert_close(out, f(x, w), atol=1e-2, rtol=1e-3)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            compiled(x, w)
-        torch.cuda.synchronize()
-    path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    kernels = _kernels(lambda: compiled(x, w), 5, tmp_path)
     by_op = {op: {e["tid"] for e in kernels if "triton" in e["name"] and op in e["name"].split("_")}
              for op in ("sin", "exp", "tanh")}
     assert all(len(s) == 1 for s in by_op.values()), by_op
@@ -124,15 +121,7 @@ def test_captured_inline_lanes_overlap_in_time(tmp_path):
         torch.testing.assert_close(compiled(x, w), _two_lanes(x, w), atol=1e-2, rtol=1e-3)
     (region,) = last_compiled()[-1].program.regions
     assert region.inline is not None
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            compiled(x, w)
-        torch.cuda.synchronize()
-    path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(path))
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in json.loads(path.read_text())["traceEvents"]
-                     if e.get("cat") == "kernel")
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in _kernels(lambda: compiled(x, w), 10, tmp_path))
     overlapping, end = 0, float("-inf")
     for start, stop in kernels:
         overlapping += start < end
