@@ -42,8 +42,10 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterator, Sequence
+import operator
+from collections.abc import Callable, Iterator, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -149,10 +151,62 @@ def fuse(plan: Plan) -> Fused:
     return Fused(Plan(plan.graph, steps), replaced, kept)
 
 
-def _hoisted(regions: list[RegionPlan], members: set[fx.Node]) -> list[fx.Node]:
-    """The nodes that read no device data, to run first on the main lane (see the module doc)."""
+def _size_source(expr: object, providers: dict, members: set[fx.Node]) -> bool:
+    """Whether the fused graph can compute the size ``expr`` from the inputs that bind its symbols."""
+    if not isinstance(expr, sympy.Expr) or not all(
+            s in providers and providers[s] not in members for s in expr.free_symbols):
+        return False
+    return all(a.is_Integer or a.is_Symbol or isinstance(a, (sympy.Add, sympy.Mul))
+               or (isinstance(a, sympy.Pow) and a.exp.is_Integer and a.exp > 0)
+               for a in sympy.preorder_traversal(expr))
+
+
+def _size_node(graph: fx.Graph, expr: sympy.Expr, leaf: Callable[[sympy.Symbol], fx.Node]) -> object:
+    """Nodes of ``graph`` computing the size ``expr`` (checked by :func:`_size_source`)."""
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        return leaf(expr)
+    if isinstance(expr, sympy.Pow):
+        parts = [expr.base] * int(expr.exp)
+        op = operator.mul
+    else:
+        parts = list(expr.args)
+        op = operator.add if isinstance(expr, sympy.Add) else operator.mul
+    out = _size_node(graph, parts[0], leaf)
+    for part in parts[1:]:
+        out = graph.call_function(op, (out, _size_node(graph, part, leaf)))
+    return out
+
+
+def _hoisted(regions: list[RegionPlan], members: set[fx.Node],
+             providers: dict) -> tuple[list[fx.Node], dict[fx.Node, sympy.Expr]]:
+    """The nodes that read no device data, to run first on the main lane (see the module doc),
+    and the sizes among them that are read from a tensor of the segment, by their expressions
+    (computed again from the inputs that bind their symbols)."""
     out: list[fx.Node] = []
     placed: set[fx.Node] = set()
+    recomputed: dict[fx.Node, sympy.Expr] = {}
+
+    def place_size(a: fx.Node) -> bool:
+        # Host arithmetic on sizes (``2 * s0 * s1``) moves along with what reads it; a size read
+        # from a tensor of the segment (``sym_size``) is computed from the graph's size inputs.
+        if a not in members or a in placed:
+            return True
+        if a.op != "call_function" or analysis.carries_tensor(a):
+            return False
+        if any(analysis.carries_tensor(b) for b in a.all_input_nodes):
+            val = a.meta.get("val")
+            expr = val.node.expr if isinstance(val, torch.SymInt) else None
+            if not _size_source(expr, providers, members):
+                return False
+            recomputed[a] = expr
+        elif not all(place_size(b) for b in a.all_input_nodes):
+            return False
+        out.append(a)
+        placed.add(a)
+        return True
+
     for region in regions:
         for node in region.nodes:
             if node.op != "call_function" or not _is_tensor(node) or analysis.is_getitem(node):
@@ -160,13 +214,13 @@ def _hoisted(regions: list[RegionPlan], members: set[fx.Node]) -> list[fx.Node]:
             inputs = node.all_input_nodes
             if any(analysis.carries_tensor(a) for a in inputs):
                 continue
-            if any(a in members and a not in placed for a in inputs):
+            if not all(place_size(a) for a in inputs):
                 raise _KeepRegions(f"%{node.name} reads no device data but a size computed in the segment")
             if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
                 raise _KeepRegions(f"%{node.name} ({node.target}) draws random numbers: it cannot move")
             out.append(node)
             placed.add(node)
-    return out
+    return out, recomputed
 
 
 def _check_hoist_ordered(run: list[Step], hoisted: set[fx.Node]) -> None:
@@ -237,9 +291,9 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     members = {n for r in regions for n in r.nodes}
     sync_nodes = {s.payload for s in run if s.kind != StepKind.REGION}
     lanes = {r.lane for r in regions}
-    hoisted = _hoisted(regions, members) if len(lanes) > 1 else []
+    hoisted, recomputed = _hoisted(regions, members, providers) if len(lanes) > 1 else ([], {})
     moved = set(hoisted)
-    _check_hoist_ordered(run, moved)
+    _check_hoist_ordered(run, {n for n in moved if _is_tensor(n)})
     key = next(_keys)
 
     b = RegionBuilder(members, lambda n: _KeepRegions(f"%{n.name} is read before it is computed"))
@@ -291,8 +345,20 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
         epoch[node] = len(points)
     all_nodes = [n for r in regions for n in r.nodes]
     b.bind_sizes(all_nodes, providers)
+    def size_input(symbol: sympy.Symbol) -> fx.Node:
+        source = providers[symbol]
+        if isinstance(source.meta.get("val"), torch.SymInt):
+            return b.arg(source)
+        dim = next(d for d, n in enumerate(source.meta["val"].shape)
+                   if isinstance(n, torch.SymInt) and n.node.expr == symbol)
+        return graph.call_function(torch.ops.aten.sym_size.int, (b.arg(source), dim))
+
     for node in hoisted:
-        copy(node)
+        if node in recomputed:
+            env[node] = _size_node(graph, recomputed[node], size_input)
+            epoch[node] = 0
+        else:
+            copy(node)
     # Every point writes this token: the points keep their order among themselves, and a point
     # that guards nothing else is still a write (functionalization drops an op that writes nothing).
     device = next(v.device for n in all_nodes if isinstance(v := n.meta.get("val"), torch.Tensor))

@@ -197,6 +197,45 @@ def test_dynamic_sizes():
     assert any(r.inline is not None for r in last_compiled()[-1].program.regions)
 
 
+def test_a_constant_sized_by_a_tensor_of_the_segment_moves_to_the_start():
+    """``arange(t.numel())`` on a side lane, ``t`` computed in the segment: the size is computed
+    again from the inputs that bind its symbols, and the constant moves to the start with it
+    (before, such a run kept its lane regions: MoE routing under ``dynamic=True``)."""
+    def f(x, w):
+        a = x.sin()
+        with L("aux"):
+            t = (x.cos() @ w).flatten()
+            b = t + torch.arange(t.numel(), dtype=t.dtype, device=t.device)
+        return a.sum() + b
+
+    compiled = torch.compile(f, backend="capturepass", dynamic=True, options={"regions": "segments", "verify": True})
+    w = torch.randn(32, 32)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 32)
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    (region,) = last_compiled()[-1].program.regions
+    assert region.inline is not None and len({p.lane for p in region.inline.points}) == 2
+    nodes = list(region.graph.graph.nodes)
+    first_point = next(i for i, n in enumerate(nodes) if n.target is torch.ops.capturepass.inline_step.default)
+    assert any(n.target is torch.ops.prims.iota.default for n in nodes[:first_point])
+
+
+def test_a_size_read_from_a_tensor_of_the_segment_is_computed_from_the_inputs():
+    """Qwen2-MoE under ``dynamic=True``: the routing's ``empty`` is sized by ``sym_size`` of a
+    view computed in the segment; the fused graph computes that size from the graph's inputs."""
+    model, make_inputs = zoo.build("qwen2_moe")
+    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"regions": "segments"})
+    with torch.no_grad():
+        got = zoo.output_tensors(compiled(**make_inputs(1)))
+        want = zoo.output_tensors(model(**make_inputs(1)))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **zoo.TOLERANCE["cpu"])
+    (region,) = last_compiled()[-1].program.regions
+    assert region.inline is not None
+    sizes = [n for n in region.graph.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert all(n.args[0].op == "placeholder" for n in sizes)
+
+
 def test_the_op_refuses_to_run_outside_its_runner():
     with pytest.raises(ResourceError, match="ran outside its runner"):
         torch.ops.capturepass.inline_step(12345, 0, [], [torch.empty(0)])
