@@ -37,7 +37,7 @@ from capturepass.backends.inline_check import CodeCapture, findings
 from capturepass.errors import EmitError, is_dynamo_control_flow, is_dynamo_signal
 from capturepass.ir import analysis, meta
 from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
-from capturepass.ir.meta import Break, CaptureMode, GraphInfo, OwnerId
+from capturepass.ir.meta import Break, GraphInfo, OwnerId
 from capturepass.ir.options import Options
 from capturepass.ir.plan import Plan, RegionPlan, StepKind
 from capturepass.passes import instruments as inst
