@@ -221,16 +221,26 @@ def test_a_constant_sized_by_a_tensor_of_the_segment_moves_to_the_start():
 
 
 def test_a_size_read_from_a_tensor_of_the_segment_is_computed_from_the_inputs():
-    """Qwen2-MoE under ``dynamic=True``: the routing's ``empty`` is sized by ``sym_size`` of a
-    view computed in the segment; the fused graph computes that size from the graph's inputs."""
-    model, make_inputs = zoo.build("qwen2_moe")
-    compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"regions": "segments"})
-    with torch.no_grad():
-        got = zoo.output_tensors(compiled(**make_inputs(1)))
-        want = zoo.output_tensors(model(**make_inputs(1)))
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], **zoo.TOLERANCE["cpu"])
-    (region,) = last_compiled()[-1].program.regions
+    """MoE routing's shape under ``dynamic=True`` (as in Qwen2-MoE): a buffer sized by
+    ``sym_size`` of a view computed in the segment; the fused graph computes that size from the
+    graph's inputs, and the buffer moves to the start with it."""
+    def f(x, w):
+        a = x.sin()
+        with L("aux"):
+            idx = torch.topk(x @ w, 2).indices.view(-1)
+            ones = torch.ones_like(idx, dtype=x.dtype)
+            counts = torch.zeros(idx.shape[0], dtype=x.dtype).index_add_(0, idx % idx.shape[0], ones)
+        return a.sum() + counts.sum()
+
+    compiled = torch.compile(f, backend="capturepass", dynamic=True, options={"regions": "segments", "verify": True})
+    w = torch.randn(32, 32)
+    for n in (3, 5, 9):
+        x = torch.randn(n, 32)
+        torch.testing.assert_close(compiled(x, w), f(x, w))
+    graph = last_compiled()[-1]
+    read = [n for n in graph.graph.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert read and all(n.args[0].op != "placeholder" for n in read)  # the case: a size of a segment's tensor
+    (region,) = graph.program.regions
     assert region.inline is not None
     sizes = [n for n in region.graph.graph.nodes if n.target is torch.ops.aten.sym_size.int]
     assert all(n.args[0].op == "placeholder" for n in sizes)
