@@ -169,9 +169,9 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
             fns[region.index] = fn
             steps.append(step)
             continue
-        lanes_kept = sum(s.kind == StepKind.REGION for s in replaced[region.index])
+        kept = sum(s.kind == StepKind.REGION for s in replaced[region.index])
         log.warning("capturepass: %s: one compile of %d lane regions %s; compiled as lane regions instead",
-                    title, lanes_kept, why)
+                    title, kept, why)
         steps.extend(replaced[region.index])
     for step in steps:
         if step.kind == StepKind.REGION and step.payload.index not in fns:

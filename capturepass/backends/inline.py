@@ -312,8 +312,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
             return b.arg(n)
         k = (n, len(points))
         if k not in retaken:
-            retaken[k] = graph.node_copy(n, arg)
-            retaken[k].meta = {m: v for m, v in n.meta.items() if m in RegionBuilder._KEEP}
+            retaken[k] = b.duplicate(n, arg)
         return retaken[k]
 
     def copy(node: fx.Node) -> None:
@@ -345,6 +344,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
         epoch[node] = len(points)
     all_nodes = [n for r in regions for n in r.nodes]
     b.bind_sizes(all_nodes, providers)
+
     def size_input(symbol: sympy.Symbol) -> fx.Node:
         source = providers[symbol]
         if isinstance(source.meta.get("val"), torch.SymInt):
@@ -356,7 +356,6 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     for node in hoisted:
         if node in recomputed:
             env[node] = _size_node(graph, recomputed[node], size_input)
-            epoch[node] = 0
         else:
             copy(node)
     # Every point writes this token: the points keep their order among themselves, and a point

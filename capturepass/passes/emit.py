@@ -300,13 +300,16 @@ class RegionBuilder:
                 self.arg(providers[symbol])
 
     def copy(self, node: fx.Node, arg: Callable[[fx.Node], fx.Node] | None = None) -> fx.Node:
-        """Copies ``node`` into the graph (its inputs mapped by ``arg``, :meth:`arg` by default)."""
-        arg = arg or self.arg
+        """Copies ``node`` into the graph as its copy (inputs mapped by ``arg``, :meth:`arg` by default)."""
+        self.env[node] = self.duplicate(node, arg or self.arg)
+        return self.env[node]
+
+    def duplicate(self, node: fx.Node, arg: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        """A new node of the graph computing ``node`` (inputs mapped by ``arg``), not recorded as its copy."""
         for a in node.all_input_nodes:
-            arg(a)
+            arg(a)  # placeholders in the order the inputs are first read
         new = self.graph.node_copy(node, arg)
         new.meta = {k: v for k, v in node.meta.items() if k in self._KEEP}
-        self.env[node] = new
         return new
 
     def finish(self, outputs: list[fx.Node], arg: Callable[[fx.Node], fx.Node] | None = None) -> fx.GraphModule:
