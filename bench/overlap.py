@@ -14,7 +14,10 @@ time per call, CUDA events around many calls):
 - ``graph``: a serial CUDA graph of the model;
 - ``graph2``: a hand-written two-stream CUDA graph (fork, the second branch on a
   side stream, join);
-- ``reduce-overhead``: ``torch.compile(mode="reduce-overhead")``;
+- ``reduce-overhead``: ``torch.compile(mode="reduce-overhead")``; ``reduce-overhead+pass``: the
+  same with ``capturepass.post_grad_pass`` as Inductor's post-grad custom pass (the pass route);
+- ``inductor-graph`` / ``inductor+pass-graph``: ``torch.compile(m)`` without and with the pass,
+  captured into a CUDA graph by the caller (as vLLM's piecewise graphs are), replay alone;
 - ``capturepass``: ``torch.compile(backend="capturepass")``, the whole call
   (input copy, replay, outputs returned over aliases of the pool, copied out only
   when still held at the next call); ``capturepass-static``: the same with
@@ -42,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import capturepass  # noqa: E402
 from capturepass.testing.models import AttnIndexer, MoEBlock  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +132,30 @@ def measure(name: str, t: int, iters: int) -> dict:
     res["err"]["reduce-overhead"] = relerr(ro(*inputs), ref)
     res["ms"]["reduce-overhead"] = timed(lambda: ro(*inputs), iters)
 
+    # The pass route: reduce-overhead with the lanes written into the graph Inductor compiles.
+    with torch._inductor.config.patch(post_grad_custom_post_pass=capturepass.post_grad_pass):
+        rop = torch.compile(m, mode="reduce-overhead")
+        for _ in range(3):
+            rop(*inputs)
+    res["err"]["reduce-overhead+pass"] = relerr(rop(*inputs), ref)
+    res["ms"]["reduce-overhead+pass"] = timed(lambda: rop(*inputs), iters)
+
+    # What vLLM's piecewise CUDA graphs do: the caller captures Inductor's code, here without
+    # and with the pass; replays alone (no host work per call but the launch).
+    for variant, patch in (("inductor-graph", {}),
+                           ("inductor+pass-graph", {"post_grad_custom_post_pass": capturepass.post_grad_pass})):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(patch):
+            ind = torch.compile(m)
+            for _ in range(2):
+                ind(*inputs)
+        holder: list = []
+        gi = capture(lambda: holder.append(ind(*inputs)))
+        gi.replay()
+        res["err"][variant] = relerr(holder[-1], ref)
+        res["ms"][variant] = timed(gi.replay, iters)
+    torch._dynamo.reset()
+
     t0 = time.perf_counter()
     cp = torch.compile(m, backend="capturepass")
     out = cp(*inputs)
@@ -198,7 +226,8 @@ def table(results: list[dict]) -> str:
     for i, row in enumerate(first["rows"]):
         per = {v: [r["rows"][i]["ms"][v] for r in results] for v in row["ms"]}
         med = {v: statistics.median(x) for v, x in per.items()}
-        for v in ("eager", "graph", "graph2", "reduce-overhead", "capturepass", "capturepass-static",
+        for v in ("eager", "graph", "graph2", "reduce-overhead", "reduce-overhead+pass", "inductor-graph",
+                  "inductor+pass-graph", "capturepass", "capturepass-static",
                   "capturepass-replay"):
             err = row["err"].get(v)
             lines.append(

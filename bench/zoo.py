@@ -16,7 +16,9 @@ another; compiles run in parallel, timings one process at a time under a file lo
 - ``capturepass-off``: the same with ``policy="off"`` (one lane);
 - named only: ``capturepass-lanes`` / ``capturepass-segments`` (``regions="lanes"`` /
   ``"segments"``: one compile per lane region, or per capture segment with its lanes inline),
-  ``capturepass-segments-off`` (segments, one lane).
+  ``capturepass-segments-off`` (segments, one lane); ``reduce-overhead+pass``: reduce-overhead
+  with ``capturepass.post_grad_pass`` as Inductor's post-grad custom pass (the pass route: the
+  lanes written into the graph Inductor compiles, captured by PyTorch's cudagraph trees).
 
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
 many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
@@ -58,6 +60,7 @@ ROUTES = {
     "capturepass-lanes": {"regions": "lanes"},
     "capturepass-segments": {"regions": "segments"},
     "capturepass-segments-off": {"regions": "segments", "policy": "off"},
+    "reduce-overhead+pass": None,
 }
 
 # Config overrides per zoo model: realistic widths, few layers (the per-layer schedule repeats).
@@ -119,6 +122,10 @@ def compiled(model, variant: str):
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
+
+    if variant == "reduce-overhead+pass":
+        torch._inductor.config.post_grad_custom_post_pass = capturepass.post_grad_pass
+        return torch.compile(model, mode="reduce-overhead")
 
     opts = {"capturepass-off": {"policy": "off"}, "capturepass-uncaptured": {"cudagraphs": "none"}, **ROUTES}.get(variant, {})
     return torch.compile(model, backend="capturepass", options=opts)

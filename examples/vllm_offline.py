@@ -12,7 +12,8 @@ and capturepass; the README's ``.venv`` has no vLLM)::
 ``--route backend``: vLLM traces the model once with Dynamo and hands the whole
 graph to capturepass (``mode=DYNAMO_TRACE_ONCE``, ``backend="capturepass"``).
 ``--route pass``: vLLM's own compiler (``VLLM_COMPILE``) runs capturepass's
-annotate and verify passes on each piece. Either way it prints the greedy tokens,
+passes on each piece and writes its lanes into the piece Inductor compiles (on
+the CPU only with ``--options '{"regions": "segments"}'``). Either way it prints the greedy tokens,
 equal to those without compilation, and the dump directory capturepass wrote.
 Options reach capturepass through ``CAPTUREPASS_OPTIONS`` (JSON), set here
 from ``--options``. See docs/vllm.md.

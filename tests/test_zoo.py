@@ -114,6 +114,23 @@ def test_zoo_cpu(name: str, options: dict) -> None:
     _check(name, compile_fn, (1, 2), zoo.TOLERANCE["cpu"], f"{name} {opts}")
 
 
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_zoo_cpu_pass_route(name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The pass route: ``backend="inductor"`` with ``capturepass.post_grad_pass`` as Inductor's
+    post-grad custom pass, its lanes written into the graph Inductor compiles
+    (``regions="segments"``, as on the host nothing is written otherwise), equal to eager."""
+    import logging
+
+    import capturepass
+
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
+    with torch._inductor.config.patch(post_grad_custom_post_pass=capturepass.post_grad_pass), \
+            caplog.at_level(logging.INFO, logger="capturepass"):
+        _check(name, lambda m: torch.compile(m, backend="inductor"), (1, 2), zoo.TOLERANCE["cpu"], f"{name} [pass]")
+    written = [r.getMessage() for r in caplog.records if "sync points written into the graph" in r.getMessage()]
+    assert len(written) == 1, [r.getMessage() for r in caplog.records if "post-grad piece" in r.getMessage()]
+
+
 # Decoders of different families (dense, MoE, MLA, GPT-2's Conv1D, sliding-window attention).
 DYNAMIC = ("llama", "qwen2_moe", "deepseek_v3", "gpt2", "gemma3")
 # (batch, tokens) per call: later shapes make Dynamo recompile with dynamic sizes (first the length,

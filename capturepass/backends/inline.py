@@ -129,8 +129,14 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and analysis.aliases_input(node) is not None
 
 
-def fuse(plan: Plan) -> Fused:
-    """Replaces each run of two or more lane regions of one capture segment by one region."""
+def fuse(plan: Plan, unguarded: frozenset[fx.Node] = frozenset()) -> Fused:
+    """Replaces each run of two or more lane regions of one capture segment by one region.
+
+    ``unguarded``: graph inputs no point may declare written (a compile that captures the
+    graph with PyTorch's cudagraph trees records no graph whose non-static inputs are
+    mutated). What reads only them cannot be held after a point by a guard: it moves to the
+    start, on the main lane, as a constant does.
+    """
     steps: list[Step] = []
     replaced: dict[int, list[Step]] = {}
     kept: list[str] = []
@@ -141,7 +147,7 @@ def fuse(plan: Plan) -> Fused:
             steps.extend(run)
             continue
         try:
-            region = _fused_region(plan, run, regions, providers)
+            region = _fused_region(plan, run, regions, providers, unguarded)
         except _KeepRegions as why:
             kept.append(f"regions {regions[0].index}-{regions[-1].index}: {why}")
             steps.extend(run)
@@ -179,13 +185,15 @@ def _size_node(graph: fx.Graph, expr: sympy.Expr, leaf: Callable[[sympy.Symbol],
     return out
 
 
-def _hoisted(regions: list[RegionPlan], members: set[fx.Node],
-             providers: dict) -> tuple[list[fx.Node], dict[fx.Node, sympy.Expr]]:
-    """The nodes that read no device data, to run first on the main lane (see the module doc),
-    and the sizes among them that are read from a tensor of the segment, by their expressions
-    (computed again from the inputs that bind their symbols)."""
+def _hoisted(regions: list[RegionPlan], members: set[fx.Node], providers: dict,
+             unguarded: frozenset[fx.Node] = frozenset()) -> tuple[list[fx.Node], dict[fx.Node, sympy.Expr]]:
+    """The nodes that read no device data but ``unguarded`` inputs and what reads only them, to
+    run first on the main lane (see the module doc), and the sizes among them that are read
+    from a tensor of the segment, by their expressions (computed again from the inputs that
+    bind their symbols)."""
     out: list[fx.Node] = []
     placed: set[fx.Node] = set()
+    free = set(unguarded)  # tensors a hoisted node may read
     recomputed: dict[fx.Node, sympy.Expr] = {}
 
     def place_size(a: fx.Node) -> bool:
@@ -209,10 +217,17 @@ def _hoisted(regions: list[RegionPlan], members: set[fx.Node],
 
     for region in regions:
         for node in region.nodes:
-            if node.op != "call_function" or not _is_tensor(node) or analysis.is_getitem(node):
+            if node.op != "call_function":
                 continue
             inputs = node.all_input_nodes
-            if any(analysis.carries_tensor(a) for a in inputs):
+            if analysis.is_getitem(node) or not _is_tensor(node):
+                if free and inputs and all(a in free for a in inputs if analysis.carries_tensor(a)) \
+                        and any(analysis.carries_tensor(a) for a in inputs):
+                    out.append(node)  # an item of a hoisted node's tuple goes with it
+                    placed.add(node)
+                    free.add(node)
+                continue
+            if any(analysis.carries_tensor(a) and a not in free for a in inputs):
                 continue
             if not all(place_size(a) for a in inputs):
                 raise _KeepRegions(f"%{node.name} reads no device data but a size computed in the segment")
@@ -220,6 +235,8 @@ def _hoisted(regions: list[RegionPlan], members: set[fx.Node],
                 raise _KeepRegions(f"%{node.name} ({node.target}) draws random numbers: it cannot move")
             out.append(node)
             placed.add(node)
+            if unguarded:
+                free.add(node)
     return out, recomputed
 
 
@@ -287,11 +304,12 @@ class _Roots:
         return self.storage(node) in self.shared
 
 
-def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], providers: dict) -> RegionPlan:
+def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], providers: dict,
+                  unguarded: frozenset[fx.Node] = frozenset()) -> RegionPlan:
     members = {n for r in regions for n in r.nodes}
     sync_nodes = {s.payload for s in run if s.kind != StepKind.REGION}
     lanes = {r.lane for r in regions}
-    hoisted, recomputed = _hoisted(regions, members, providers) if len(lanes) > 1 else ([], {})
+    hoisted, recomputed = _hoisted(regions, members, providers, unguarded) if len(lanes) > 1 else ([], {})
     moved = set(hoisted)
     _check_hoist_ordered(run, {n for n in moved if _is_tensor(n)})
     key = next(_keys)
@@ -408,7 +426,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
         guards: list[fx.Node] = []
         for n in wanted:
             root = _root(n)
-            if _is_tensor(root) and root not in guards:
+            if _is_tensor(root) and root not in guards and root not in unguarded:
                 if _root.is_shared(root):
                     raise _KeepRegions(f"%{n.name} shares its storage with another input of the run and "
                                        "cannot be guarded")

@@ -153,3 +153,93 @@ def _bind_point(point: SyncPoint, owner: "GraphOwner", lanes: "Lanes",
         stream = streams[point.lane - 1]
         ops.append(lambda reads, stream=stream: torch.cuda.set_stream(stream))
     return ops
+
+
+# The pass route (``capturepass.post_grad_pass``) writes the lanes into a graph that Inductor
+# compiles for someone else: vLLM's piecewise CUDA graphs, PyTorch's cudagraph trees, a cache
+# that loads the code in another process. No runner binds it, so its calls carry their steps
+# themselves and take their streams and events from this thread's pool.
+RECORD, WAIT = 0, 1
+
+_pool = threading.local()
+
+
+class _LanePool:
+    """This thread's side streams (by device and lane) and events (by slot and capture state)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[tuple[int, int], Any] = {}
+        self.events: dict[tuple[int, bool], Any] = {}
+        self.entry: Any = None
+        self.open = False
+
+    def stream(self, device: int, lane: int) -> Any:
+        if lane == 0:
+            return self.entry
+        key = (device, lane)
+        if key not in self.streams:
+            self.streams[key] = torch.cuda.Stream(device)
+        return self.streams[key]
+
+    def event(self, slot: int) -> Any:
+        # NOTE: an event recorded in a capture is one of its dependency edges; one recorded
+        # eagerly in the meantime must not alias it (as seed 000's did): captured and eager
+        # calls use separate events.
+        key = (slot, torch.cuda.is_current_stream_capturing())
+        if key not in self.events:
+            self.events[key] = torch.cuda.Event()
+        return self.events[key]
+
+
+def _lane_pool() -> _LanePool:
+    pool = getattr(_pool, "lanes", None)
+    if pool is None:
+        pool = _pool.lanes = _LanePool()
+    return pool
+
+
+@torch.library.custom_op("capturepass::lane_step", mutates_args=("guards",), tags=_TAGS)
+def lane_step(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+    """One sync point of a graph whose lanes the pass route wrote in (standalone).
+
+    ``steps`` are ``(kind, lane, slot)`` triples (``RECORD`` or ``WAIT`` event ``slot`` on
+    ``lane``), run in order; then ``lane`` becomes the current stream. Lane 0 is the stream
+    current at the graph's ``first`` point (the capturing stream under capture; its ``last``
+    point makes it current again), side lane
+    ``k`` this thread's ``k``-th pooled stream of the device. ``guards[0]`` is the graph's
+    token, on its device; ``reads`` and ``guards`` order Inductor's nodes around the call
+    (see ``capturepass.backends.inline``) and are not read. On the host, lanes run in program
+    order and the call does nothing.
+    """
+    device = guards[0].device
+    if device.type != "cuda":
+        return
+    pool = _lane_pool()
+    current = torch.cuda.current_stream(device)
+    if first:
+        if pool.open and any(current == s for s in pool.streams.values()):
+            # A call that raised between its points left a side lane current: its entry is
+            # still the one to come back to.
+            current = pool.entry
+        pool.entry = current
+        pool.open = True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for i in range(0, len(steps), 3):
+        kind, on, slot = steps[i], steps[i + 1], steps[i + 2]
+        stream = pool.stream(index, on)
+        event = pool.event(slot)
+        if kind == RECORD:
+            event.record(stream)
+        else:
+            stream.wait_event(event)
+    torch.cuda.set_stream(pool.stream(index, lane))
+    if last:
+        pool.open = False
+
+
+@lane_step.register_fake
+def _(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+    return None
+
+
+has_side_effect(torch.ops.capturepass.lane_step.default)

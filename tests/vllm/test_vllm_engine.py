@@ -112,11 +112,20 @@ def test_qualified_backend_name_without_the_plugin(work, reference):
 
 
 def test_pass_route_gives_mode_0_tokens_and_dumps_each_piece(work, reference):
-    tokens, output = run_engine("pass", work, "cache-pass", "dump-pass")
+    """vLLM's own mode with the pass: each piece is dumped, and with ``regions="segments"`` (on
+    the host lanes are written only when asked) the lanes are written into the pieces vLLM's
+    Inductor compiles, which give mode 0's tokens."""
+    tokens, output = run_engine("pass", work, "cache-pass", "dump-pass",
+                                CAPTUREPASS_OPTIONS='{"regions": "segments"}')
     assert tokens == reference
     pieces = [d for d in pass_files(work / "dump-pass") if d.startswith("post_grad_")]
     assert pieces, pass_files(work / "dump-pass")
+    written = 0
     for piece in pieces:
         files = pass_files(work / "dump-pass" / piece)
-        assert "009_verify.txt" in files and "008_partition.txt" in files, (piece, files)
-        assert "010_emit.txt" not in files  # the pass route leaves code generation to Inductor
+        assert "009_verify.txt" in files and "010_emit.txt" in files and "post_grad.txt" in files, (piece, files)
+        head = (work / "dump-pass" / piece / "post_grad.txt").read_text().splitlines()[0]
+        assert head.startswith(("# lanes written: ", "# left as it was: ")), head
+        written += head.startswith("# lanes written: ")
+    assert written >= 1, "no piece had its lanes written"
+    assert "writes lanes into the pieces Inductor compiles" in output

@@ -16,8 +16,8 @@ Routes (docs/vllm.md):
   ``SerializableCallable`` that vLLM's AOT compile saves and loads.
 - pass: ``compilation_config={"inductor_passes": {"post_grad_custom_post_pass":
   "capturepass.post_grad_pass"}}`` in vLLM's own mode (``VLLM_COMPILE``):
-  :class:`PostGradPass` runs the annotate, verify and dump part of the pipeline
-  on a copy of each piece Inductor compiles, and leaves the piece unchanged.
+  :class:`PostGradPass` runs the pipeline on a copy of each piece Inductor
+  compiles and writes the lanes into the piece (``capturepass.backends.post_grad``).
 
 Options: vLLM passes none to a backend, so they come from the environment,
 ``CAPTUREPASS_OPTIONS`` (a JSON object), ``CAPTUREPASS_DUMP_DIR`` and
@@ -38,7 +38,7 @@ log = logging.getLogger("capturepass")
 
 _lock = threading.Lock()
 _piece_ids = itertools.count()
-_said_unapplied = threading.Event()
+_said = threading.Event()
 
 
 def inductor_lowers_streams() -> tuple[bool, str]:
@@ -58,21 +58,14 @@ def inductor_lowers_streams() -> tuple[bool, str]:
     return True, ""
 
 
-def _say_unapplied() -> None:
-    """Logs once per process why the pass route leaves the graph Inductor compiles unchanged."""
-    if _said_unapplied.is_set():
+def _say_once(message: str, *args: Any) -> None:
+    """Logs, once per process, how the pass route treats the pieces Inductor compiles."""
+    if _said.is_set():
         return
-    _said_unapplied.set()
-    lowers, why = inductor_lowers_streams()
-    if not lowers:
-        reason = why
-    else:
-        reason = ("writing lanes into the graph for Inductor's own stream lowering is not done by this route "
-                  "yet; the backend route (backend=\"capturepass\") applies them")
-    log.warning(
-        "capturepass: the post-grad pass analyses, verifies and dumps each piece, but the pieces Inductor "
-        "compiles keep one stream: %s", reason,
-    )
+    _said.set()
+    log.warning(message, *args)
+
+
 _registered_pass_class = False
 
 
@@ -129,14 +122,19 @@ def _source_digest(*objs: Any) -> str:
 
 
 class PostGradPass:
-    """Inductor's ``CustomGraphPass`` protocol (``__call__(graph)``, ``uuid()``) for vLLM's pass route.
+    """Inductor's ``CustomGraphPass`` protocol (``__call__(graph)``, ``uuid()``) for the pass route.
 
-    On each post-grad graph it runs ``read_hints`` through ``verify`` on a copy,
-    with the options from the environment, and writes the dumps into
-    ``<dump_dir>/post_grad_<pid>_<n>`` when a dump directory is set. The graph
-    Inductor compiles is left as it was: the pass reports what capturepass
-    would do (lanes, events, segments) and checks it, while vLLM and Inductor
-    keep compiling and capturing the piece.
+    Under vLLM's ``inductor_passes`` (``VLLM_COMPILE``) or as
+    ``torch._inductor.config.post_grad_custom_post_pass``: on each post-grad graph it runs
+    the pipeline through ``emit`` on a copy, with the options from the environment, writes
+    the dumps into ``<dump_dir>/post_grad_<pid>_<n>`` when a dump directory is set, and then
+    writes the lanes into the graph Inductor compiles (``capturepass.backends.post_grad``):
+    one graph in the plan's order, a ``capturepass::lane_step`` call at each sync point, so
+    that vLLM's piecewise CUDA graphs and PyTorch's cudagraph trees capture the lanes. A
+    graph whose plan has one lane, or needs capturepass's own runtime (retained storage,
+    external streams, breaks), or ``regions="lanes"``, is left as it was, with the reason
+    logged; on the host (no CUDA tensor) only ``regions="segments"`` writes lanes, which
+    run there in program order.
     """
 
     def __call__(self, graph: Any) -> None:
@@ -144,11 +142,11 @@ class PostGradPass:
         import torch.fx as fx
 
         from capturepass.backends import compile as driver
+        from capturepass.backends import post_grad
         from capturepass.ir import meta
         from capturepass.ir.meta import OwnerId
-        from capturepass.passes.pipeline import ANALYSIS
 
-        _say_unapplied()
+        post_grad.restore_options()
         copy = fx.Graph()
         value_map: dict[fx.Node, fx.Node] = {}
         out = copy.graph_copy(graph, value_map)
@@ -158,36 +156,55 @@ class PostGradPass:
         inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         piece = next(_piece_ids)
         opts = driver.resolve(None)
+        dump_dir = None if opts.dump_dir is None else os.path.join(
+            os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}")
         compiled = driver.compile_graph(
-            gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece), passes=ANALYSIS,
-            dump_dir=None if opts.dump_dir is None else os.path.join(
-                os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}"
-            ),
-            record=False,
+            gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
+            dump_dir=dump_dir, regions=False, record=False,
         )
         gi = meta.graph_info(compiled.graph)
-        log.info(
-            "capturepass: post-grad piece %d: %d lane(s), %d segment(s) (graph left to Inductor)",
-            piece, len(gi.lanes), len(gi.segments),
-        )
+        if opts.regions == "lanes":
+            why = 'regions="lanes" asks for lane regions, which only the backend route compiles'
+            applied = post_grad.Applied(0, 0, why)
+        elif not gi.on_cuda and opts.regions != "segments":
+            applied = post_grad.Applied(0, 0, 'a host graph runs its lanes in program order '
+                                              '(regions="segments" writes them anyway)')
+        else:
+            applied = post_grad.apply_lanes(graph, value_map, compiled.plan)
+        if applied.lanes:
+            _say_once("capturepass: the post-grad pass writes lanes into the pieces Inductor compiles; "
+                      "Inductor's lane-blind options (%s) are off while it compiles such a piece",
+                      ", ".join(post_grad.lane_blind_options()))
+            log.info("capturepass: post-grad piece %d: %d lanes, %d sync points written into the graph",
+                     piece, applied.lanes, applied.points)
+        else:
+            log.info("capturepass: post-grad piece %d: %d lane(s), %d segment(s); the graph is left as it "
+                     "was: %s", piece, len(gi.lanes), len(gi.segments), applied.why)
+        if dump_dir is not None:
+            with open(os.path.join(dump_dir, "post_grad.txt"), "w") as f:
+                f.write(f"# {'lanes written: ' + str(applied.lanes) if applied.lanes else 'left as it was: ' + applied.why}\n")
+                f.write(str(graph))
 
     @staticmethod
     def passes() -> list[Any]:
-        """The ATen-stage passes this pass runs: ``ANALYSIS``, every one up to ``verify`` (no ``emit``)."""
+        """The ATen-stage passes this pass runs (``ATEN``, through ``emit``)."""
         from capturepass.ir.capabilities import REGISTRY
-        from capturepass.passes.pipeline import ANALYSIS, default_pipeline
+        from capturepass.passes.pipeline import ATEN, default_pipeline
 
-        return default_pipeline(REGISTRY.key(), passes=ANALYSIS)
+        return default_pipeline(REGISTRY.key(), passes=ATEN)
 
     def uuid(self) -> str:
-        """A digest of the passes' sources, the capability registry, the options and this class."""
+        """A digest of the passes' sources, the capability registry, the options, this class and
+        the modules that write the lanes into the graph (and the ops it calls)."""
+        from capturepass.backends import inline, post_grad
         from capturepass.ir.options import Options
         from capturepass.passes.pipeline import pipeline_uuid
+        from capturepass.runtime import inline as ops
 
         digest = hashlib.sha256()
         digest.update(pipeline_uuid(self.passes()).encode())
         digest.update(Options.from_mapping(None).key().encode())
-        digest.update(_source_digest(PostGradPass).encode())
+        digest.update(_source_digest(PostGradPass, inline, post_grad, ops).encode())
         return digest.hexdigest()
 
     def is_applicable_for_range(self, compile_range: Any) -> bool:

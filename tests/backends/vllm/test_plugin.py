@@ -20,6 +20,16 @@ from capturepass.errors import OptionError
 from capturepass.ir.options import Options
 
 
+@pytest.fixture(autouse=True)
+def _inductor_options_back():
+    """A pass called outside a compile leaves Inductor's lane-blind options off until the next
+    graph it sees (within a compile, Dynamo's end restores them)."""
+    yield
+    from capturepass.backends import post_grad
+
+    post_grad.restore_options()
+
+
 def test_options_from_the_environment(monkeypatch):
     monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"policy": "off", "capture_sizes": [4, 8]}')
     opts = Options.from_mapping(None)
@@ -78,7 +88,7 @@ def _post_grad_graph():
     return make_fx(f, tracing_mode="fake")(*args)
 
 
-def test_post_grad_pass_dumps_and_leaves_the_graph(tmp_path, monkeypatch):
+def test_post_grad_pass_dumps_and_leaves_a_host_graph(tmp_path, monkeypatch):
     monkeypatch.setenv("CAPTUREPASS_DUMP_DIR", str(tmp_path))
     gm = _post_grad_graph()
     before = gm.code
@@ -88,9 +98,84 @@ def test_post_grad_pass_dumps_and_leaves_the_graph(tmp_path, monkeypatch):
     assert [dict(n.meta) for n in gm.graph.nodes] == metas
     (piece,) = [p for p in tmp_path.iterdir() if p.name.startswith("post_grad_")]
     names = sorted(p.name for p in piece.iterdir())
-    assert "009_verify.txt" in names and "003_assign_streams.txt" in names
-    assert not any("emit" in n for n in names)
+    assert "009_verify.txt" in names and "003_assign_streams.txt" in names and "010_emit.txt" in names
     assert "lane=s1" in (piece / "009_verify.txt").read_text()  # two independent matmuls, two lanes
+    said = (piece / "post_grad.txt").read_text().splitlines()[0]
+    assert said == '# left as it was: a host graph runs its lanes in program order (regions="segments" writes them anyway)'
+
+
+def _lane_steps(graph):
+    return [n for n in graph.nodes if n.target is torch.ops.capturepass.lane_step.default]
+
+
+def test_post_grad_pass_writes_the_lanes_into_the_graph(tmp_path, monkeypatch, caplog):
+    """With ``regions="segments"`` on the host: the graph Inductor would compile is the plan's
+    order with a ``lane_step`` at each sync point, which carries its records and waits; it
+    computes what the graph computed."""
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
+    monkeypatch.setenv("CAPTUREPASS_DUMP_DIR", str(tmp_path))
+    gm = _post_grad_graph()
+    args = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16))
+    want = gm(*args)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        capturepass.post_grad_pass(gm.graph)
+    gm.recompile()
+    # Inductor lowers a post-grad graph by its nodes' fake values: the rewrite's own nodes have theirs.
+    assert [n.name for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta] == []
+    calls = _lane_steps(gm.graph)
+    assert len(calls) >= 2
+    flags = [(n.args[0], n.args[1]) for n in calls]
+    assert flags == [(True, False)] + [(False, False)] * (len(calls) - 2) + [(False, True)]
+    steps = [n.args[2] for n in calls]
+    assert all(len(s) % 3 == 0 and set(s[0::3]) <= {0, 1} for s in steps)
+    records = [tuple(s[i + 1: i + 3]) for s in steps for i in range(0, len(s), 3) if s[i] == 0]
+    waits = [s[i + 2] for s in steps for i in range(0, len(s), 3) if s[i] == 1]
+    assert records and sorted(waits) == sorted(slot for _, slot in records)  # each event waited once
+    assert {n.args[3] for n in calls} == {0, 1} and calls[-1].args[3] == 0
+    torch.testing.assert_close(gm(*args), want)
+    (piece,) = [p for p in tmp_path.iterdir() if p.name.startswith("post_grad_")]
+    text = (piece / "post_grad.txt").read_text()
+    assert text.startswith("# lanes written: 2\n") and "capturepass.lane_step" in text
+    assert any("2 lanes" in r.getMessage() and "sync points written" in r.getMessage() for r in caplog.records)
+
+
+def test_post_grad_pass_guards_no_input_under_inductors_cudagraphs(monkeypatch):
+    """Under ``mode="reduce-overhead"`` a graph that writes an input Inductor does not know as
+    static is not captured: no sync point declares one written, and what reads only inputs runs
+    first, on the main lane."""
+    from capturepass.backends import post_grad
+
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments"}')
+    gm = _post_grad_graph()
+    args = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16))
+    want = gm(*args)
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert post_grad.unguarded_inputs(3) == {0, 1, 2}  # no tracing context: none known static
+        capturepass.post_grad_pass(gm.graph)
+    gm.recompile()
+    calls = _lane_steps(gm.graph)
+    assert calls
+    assert not [g for n in calls for g in n.args[5] if g.op == "placeholder"]
+    torch.testing.assert_close(gm(*args), want)
+
+
+def test_pass_route_under_torch_compile_restores_inductors_options(monkeypatch, caplog):
+    """Plain ``torch.compile`` with the pass as Inductor's post-grad custom pass: equal to eager,
+    the lanes written once, and Inductor's lane-blind options back as they were after the compile."""
+    from capturepass.testing.models import MoEBlock
+
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
+    model = MoEBlock().eval()
+    before = {k: getattr(torch._inductor.config, k) for k in ("allow_buffer_reuse", "inplace_buffers")}
+    torch._dynamo.reset()
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="capturepass"), \
+            torch._inductor.config.patch(post_grad_custom_post_pass=capturepass.post_grad_pass):
+        compiled = torch.compile(model, backend="inductor")
+        for seed in range(3):
+            x = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(compiled(x), model(x))
+    assert {k: getattr(torch._inductor.config, k) for k in before} == before
+    assert len([r for r in caplog.records if "sync points written" in r.getMessage()]) == 1
 
 
 def test_post_grad_pass_uuid_follows_options(monkeypatch):
@@ -131,15 +216,15 @@ def test_aot_compile_saves_and_loads(tmp_path):
     assert out.stdout.split() == ["CapturePassFunction", "True", "equal"]
 
 
-def test_post_grad_pass_says_once_why_the_pieces_keep_one_stream(caplog, monkeypatch):
-    monkeypatch.setattr(vllm_plugin, "_said_unapplied", threading.Event())
-    lowers, why = vllm_plugin.inductor_lowers_streams()
+def test_post_grad_pass_says_once_that_it_writes_lanes(caplog, monkeypatch):
+    monkeypatch.setattr(vllm_plugin, "_said", threading.Event())
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments"}')
+    lowers, _why = vllm_plugin.inductor_lowers_streams()
     from torch._inductor.graph import GraphLowering
 
     assert lowers == hasattr(GraphLowering, "_get_node_stream")
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         capturepass.post_grad_pass(_post_grad_graph().graph)
         capturepass.post_grad_pass(_post_grad_graph().graph)
-    said = [r.getMessage() for r in caplog.records if "keep one stream" in r.getMessage()]
-    assert len(said) == 1
-    assert (why in said[0]) if not lowers else ("backend=\"capturepass\"" in said[0])
+    said = [r.getMessage() for r in caplog.records if "writes lanes into the pieces" in r.getMessage()]
+    assert len(said) == 1 and "allow_buffer_reuse" in said[0]

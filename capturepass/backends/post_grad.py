@@ -1,0 +1,221 @@
+"""The pass route's rewrite: a post-grad graph's lanes written into the graph Inductor compiles.
+
+``capturepass.post_grad_pass`` runs inside someone else's Inductor compile (vLLM's
+``inductor_passes``, or ``torch._inductor.config.post_grad_custom_post_pass``): it cannot
+split the graph into regions or bind a runtime to it. What it can do is what the inline
+route does inside one capture segment (``capturepass.backends.inline``): rebuild the graph
+in the plan's order with a sync call wherever the plan syncs or changes lane, and let
+Inductor compile that. The calls here are ``capturepass::lane_step``, which carry their
+records and waits as data and take their streams and events from the running thread's pool
+(``capturepass.runtime.inline``): the compiled code runs wherever the compiler's caller puts
+it (vLLM's piecewise CUDA graphs, PyTorch's cudagraph trees, a cache that loads it in another
+process) with nothing of capturepass's to bind.
+
+A graph is rewritten only when its whole plan is one capture segment that fuses into one
+region of more than one lane, with no step that needs capturepass's runtime (a retention of
+captured storage, an external stream, a break); otherwise it is left as it was, and
+:func:`apply_lanes` says why.
+
+Inductor's buffer reuse, in-place buffers and reordering passes do not know lanes (a buffer
+freed by one lane's kernel, handed by the generated code to another lane's, races). A pass
+cannot patch Inductor's options around the one compile it runs in: :func:`lane_safe_options`
+turns them off from the rewrite until the next graph the pass sees or the end of Dynamo's
+compile, which restore them (a compile runs its post-grad passes and its code generation in
+one call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from capturepass.backends import inline as inline_segments
+from capturepass.ir import meta
+from capturepass.ir.plan import Plan, RegionPlan, StepKind, SyncPoint
+from capturepass.runtime import inline as lane_ops
+
+log = logging.getLogger("capturepass")
+
+_saved_options: dict[str, Any] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """What :func:`apply_lanes` did: ``lanes`` written (0 when the graph was left as it was),
+    the number of sync ``points``, and ``why`` a graph was left."""
+
+    lanes: int
+    points: int
+    why: str = ""
+
+
+def restore_options() -> None:
+    """Inductor's options as they were before the last rewrite turned its lane-blind ones off."""
+    config = torch._inductor.config
+    for key, value in _saved_options.items():
+        setattr(config, key, value)
+    _saved_options.clear()
+
+
+def _restore_at_end(_args: object) -> None:
+    restore_options()
+
+
+def lane_blind_options() -> list[str]:
+    """Inductor's options that place work by buffer identity or move nodes, blind to lanes."""
+    config = torch._inductor.config
+    return [key for key in inline_segments._LANE_BLIND if hasattr(config, key)]
+
+
+def lane_safe_options() -> None:
+    """Turns off Inductor's lane-blind options for the compile running now; they are restored
+    by the next graph's pass (:func:`restore_options`) or at the end of Dynamo's compile,
+    whichever comes first."""
+    config = torch._inductor.config
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    # Looked for at every rewrite: ``torch._dynamo.reset()`` clears the callbacks.
+    if _restore_at_end not in getattr(handler, "end_callbacks", [_restore_at_end]):
+        handler.register_end_callback(_restore_at_end)
+    for key in lane_blind_options():
+        if key not in _saved_options:
+            _saved_options[key] = getattr(config, key)
+            setattr(config, key, False)
+
+
+def unguarded_inputs(count: int) -> set[int]:
+    """Positions of the graph's inputs that no sync point may declare written: under Inductor's
+    own CUDA graphs (``mode="reduce-overhead"``), which skip a graph that mutates an input that
+    is not static (a parameter's address is; the cudagraph trees only allow those), every input
+    that Inductor does not know as static."""
+    config = torch._inductor.config
+    if not config.triton.cudagraphs:
+        return set()
+    if not getattr(config.triton, "cudagraph_trees", False):
+        return set(range(count))
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None) if context is not None else None
+    static = set(getattr(metadata, "static_input_indices", None) or ())
+    return {i for i in range(count) if i not in static}
+
+
+def _steps(point: SyncPoint, slots: dict[Any, int]) -> list[int]:
+    """The ``(kind, lane, slot)`` triples of ``point``'s records and waits (an event slot per
+    lease, numbered in ``slots``); a step that needs capturepass's runtime raises
+    ``_KeepRegions``."""
+    out: list[int] = []
+    for step in point.steps:
+        rec = meta.info(step.payload)
+        if step.kind in (StepKind.RECORD, StepKind.WAIT):
+            kind = lane_ops.RECORD if step.kind == StepKind.RECORD else lane_ops.WAIT
+            out += [kind, step.lane.index, slots.setdefault(rec.lease, len(slots))]
+        elif step.kind == StepKind.RELEASE:
+            continue  # the value is read by the call; the allocator frees it after its last use
+        else:
+            raise inline_segments._KeepRegions(
+                f"its plan has a {step.kind} step (%{step.payload.name}), which needs capturepass's runtime")
+    return out
+
+
+def _standalone(region: RegionPlan) -> None:
+    """Makes ``region``'s ``inline_step`` calls ``lane_step`` calls that carry their steps."""
+    points = region.inline.points
+    slots: dict[Any, int] = {}
+    calls = [n for n in region.graph.graph.nodes if n.target is torch.ops.capturepass.inline_step.default]
+    for node in calls:
+        _key, index, reads, guards = node.args
+        point = points[index]
+        node.target = torch.ops.capturepass.lane_step.default
+        node.args = (index == 0, index == len(points) - 1, _steps(point, slots), point.lane, reads, guards)
+    region.graph.recompile()
+
+
+def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan) -> Applied:
+    """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.
+
+    Args:
+        graph: the graph Inductor compiles (changed in place when the lanes are written).
+        value_map: ``graph``'s nodes to their copies in ``plan.graph``, the copy the pipeline
+            annotated.
+        plan: what ``emit`` planned for the copy.
+
+    Returns:
+        what was done; ``lanes == 0`` with ``why`` when the graph is left as it was.
+    """
+    lanes = {r.lane for r in plan.regions}
+    if len(lanes) < 2:
+        return Applied(0, 0, "its plan has one lane")
+    placeholders = graph.find_nodes(op="placeholder")
+    fused = inline_segments.fuse(plan, frozenset(value_map[placeholders[i]] for i in unguarded_inputs(len(placeholders))))
+    if fused.kept:
+        return Applied(0, 0, fused.kept[0])
+    regions = fused.plan.regions
+    if len(fused.plan.steps) != 1 or len(regions) != 1 or regions[0].inline is None:
+        kinds = sorted({str(s.kind) for s in fused.plan.steps if s.kind != StepKind.REGION})
+        return Applied(0, 0, f"its plan does not fuse into one region of one capture segment "
+                             f"({len(regions)} regions{'; steps ' + ', '.join(kinds) if kinds else ''})")
+    region = regions[0]
+    try:
+        _standalone(region)
+    except inline_segments._KeepRegions as why:
+        return Applied(0, 0, str(why))
+    original = {copy: node for node, copy in value_map.items()}
+    inputs = []
+    for node in region.inputs:
+        source = original.get(node)
+        if source is None or source.op not in ("placeholder", "get_attr"):
+            return Applied(0, 0, f"%{node.name}, an input of the fused graph, is not one of the graph's inputs")
+        inputs.append(source)
+    _splice(graph, value_map, original, region, inputs)
+    lane_safe_options()
+    return Applied(len(lanes), len(region.inline.points))
+
+
+def _fill_values(nodes: list[fx.Node], inputs: list[fx.Node]) -> None:
+    """Gives each node the rewrite made (a size computed again from the inputs that bind its
+    symbols) its fake value: Inductor lowers a post-grad graph by its nodes' ``meta["val"]``."""
+    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in inputs])
+    context = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    for node in nodes:
+        if "val" in node.meta or node.op != "call_function":
+            continue
+        args, kwargs = tree_map(lambda a: a.meta["val"] if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+        with context:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _splice(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], original: dict[fx.Node, fx.Node],
+            region: RegionPlan, inputs: list[fx.Node]) -> None:
+    """Replaces ``graph``'s computation by ``region``'s graph, which reads ``inputs``."""
+    output = graph.output_node()
+    body = region.graph.graph
+    env: dict[fx.Node, fx.Node] = dict(zip(body.find_nodes(op="placeholder"), inputs))
+    results: list[fx.Node] = []
+    with graph.inserting_before(output):
+        for node in body.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                results = [env[n] for n in node.args[0]]
+                continue
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    provided = dict(zip(region.outputs, results))
+
+    def result(n: Any) -> Any:
+        if not isinstance(n, fx.Node):
+            return n
+        copy = value_map[n]
+        if copy in provided:
+            return provided[copy]
+        return original[copy]  # an input returned as it is
+
+    _fill_values([env[n] for n in body.nodes if n in env], inputs)
+    old = [n for n in graph.nodes if n.op not in ("placeholder", "output") and n not in env.values()]
+    output.args = tree_map(result, output.args)
+    for node in reversed(old):
+        graph.erase_node(node)

@@ -1,0 +1,107 @@
+"""The pass route on a GPU: ``capturepass.post_grad_pass`` as Inductor's post-grad custom pass
+under plain ``torch.compile`` writes the lanes into the graph Inductor compiles, and the lanes
+run, uncaptured, under PyTorch's cudagraph trees and in a CUDA graph the caller captures (as
+vLLM's piecewise graphs are)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import capturepass
+from capturepass.testing.models import MoEBlock
+
+pytestmark = pytest.mark.gpu
+
+BF16 = dict(atol=3e-2, rtol=3e-2)
+
+
+@pytest.fixture(autouse=True)
+def _pass_route(monkeypatch):
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"verify": true}')
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=capturepass.post_grad_pass, fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+def _written(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "sync points written" in r.getMessage()]
+
+
+def _two_branches(x, w):
+    # Two chains of matmuls that read only ``x``, one hinted onto a side lane.
+    a = torch.sin(x)
+    with capturepass.lane("aux"):
+        z = torch.exp(x) * 5
+        for _ in range(4):
+            z = z @ w
+    for _ in range(4):
+        a = a @ w
+    return torch.tanh(a + z)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_pass_route_moe_block_equals_eager(mode, caplog):
+    """Uncaptured and under cudagraph trees: lanes written, three calls with new inputs equal
+    eager, the caller's stream current after each, and no cudagraph skipped."""
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, mode=mode)
+    caller = torch.cuda.current_stream()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), **BF16)
+            assert torch.cuda.current_stream() == caller
+    assert len(_written(caplog)) == 1, [r.getMessage() for r in caplog.records]
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def _overlapping(kernels: list[dict]) -> int:
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    overlapping, end = 0, float("-inf")
+    for start, stop in spans:
+        overlapping += start < end
+        end = max(end, stop)
+    return overlapping
+
+
+@torch.no_grad()
+def test_pass_route_lanes_overlap_in_a_captured_graph(tmp_path, caplog):
+    """The compiled function captured into a CUDA graph by its caller (as vLLM captures its
+    pieces): replays equal eager with new inputs, and kernels of the two lanes overlap in time."""
+    import json
+
+    w = torch.randn(512, 512, device="cuda") / 23
+    x = torch.randn(512, 512, device="cuda")
+    compiled = torch.compile(_two_branches)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        compiled(x, w)  # compile and warm up, uncaptured
+    assert len(_written(caplog)) == 1, [r.getMessage() for r in caplog.records]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        compiled(x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn(512, 512, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(out, _two_branches(x, w), atol=1e-2, rtol=1e-3)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    assert len(kernels) >= 10 * 8 and _overlapping(kernels) >= 1, (len(kernels), _overlapping(kernels))
