@@ -166,3 +166,40 @@ def run_bench(script: str, *args: str, timeout: float = 120) -> "subprocess.Comp
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, os.path.join(root, "bench", script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def two_lanes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Two chains of matmuls that read only ``x``, one hinted onto the lane ``aux``."""
+    import capturepass
+
+    a = torch.sin(x)
+    with capturepass.lane("aux"):
+        z = torch.exp(x) * 5
+        for _ in range(4):
+            z = z @ w
+    for _ in range(4):
+        a = a @ w
+    return torch.tanh(a + z)
+
+
+def profiled_kernels(call: Callable[[], object], times: int, tmp_path: Any) -> list[dict]:
+    """The kernel events of the profiler's Chrome trace of ``times`` calls (on a GPU)."""
+    import json
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(times):
+            call()
+        torch.cuda.synchronize()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def overlapping(kernels: list[dict]) -> int:
+    """How many kernels start before an earlier-started one has ended (on one stream, none do)."""
+    count, end = 0, float("-inf")
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels):
+        count += start < end
+        end = max(end, stop)
+    return count

@@ -127,11 +127,16 @@ def _standalone(region: RegionPlan) -> None:
     points = region.inline.points
     slots: dict[Any, int] = {}
     calls = [n for n in region.graph.graph.nodes if n.target is torch.ops.capturepass.inline_step.default]
+    graph = region.graph.graph
     for node in calls:
         _key, index, reads, guards = node.args
         point = points[index]
-        node.target = torch.ops.capturepass.lane_step.default
-        node.args = (index == 0, index == len(points) - 1, _steps(point, slots), point.lane, reads, guards)
+        with graph.inserting_before(node):
+            call = graph.call_function(
+                torch.ops.capturepass.lane_step.default,
+                (index == 0, index == len(points) - 1, _steps(point, slots), point.lane, reads, guards))
+        call.meta = dict(node.meta)
+        graph.erase_node(node)
     region.graph.recompile()
 
 

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 import capturepass
 from capturepass.testing.models import MoEBlock
+from tests.helpers import overlapping, profiled_kernels, two_lanes
 
 pytestmark = pytest.mark.gpu
 
@@ -33,18 +34,6 @@ def _written(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "sync points written" in r.getMessage()]
 
 
-def _two_branches(x, w):
-    # Two chains of matmuls that read only ``x``, one hinted onto a side lane.
-    a = torch.sin(x)
-    with capturepass.lane("aux"):
-        z = torch.exp(x) * 5
-        for _ in range(4):
-            z = z @ w
-    for _ in range(4):
-        a = a @ w
-    return torch.tanh(a + z)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_pass_route_moe_block_equals_eager(mode, caplog):
@@ -63,24 +52,13 @@ def test_pass_route_moe_block_equals_eager(mode, caplog):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-def _overlapping(kernels: list[dict]) -> int:
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
-    overlapping, end = 0, float("-inf")
-    for start, stop in spans:
-        overlapping += start < end
-        end = max(end, stop)
-    return overlapping
-
-
 @torch.no_grad()
 def test_pass_route_lanes_overlap_in_a_captured_graph(tmp_path, caplog):
     """The compiled function captured into a CUDA graph by its caller (as vLLM captures its
     pieces): replays equal eager with new inputs, and kernels of the two lanes overlap in time."""
-    import json
-
     w = torch.randn(512, 512, device="cuda") / 23
     x = torch.randn(512, 512, device="cuda")
-    compiled = torch.compile(_two_branches)
+    compiled = torch.compile(two_lanes)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         compiled(x, w)  # compile and warm up, uncaptured
     assert len(_written(caplog)) == 1, [r.getMessage() for r in caplog.records]
@@ -95,13 +73,6 @@ def test_pass_route_lanes_overlap_in_a_captured_graph(tmp_path, caplog):
     for _ in range(3):
         x.copy_(torch.randn(512, 512, device="cuda"))
         graph.replay()
-        torch.testing.assert_close(out, _two_branches(x, w), atol=1e-2, rtol=1e-3)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(path))
-    kernels = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-    assert len(kernels) >= 10 * 8 and _overlapping(kernels) >= 1, (len(kernels), _overlapping(kernels))
+        torch.testing.assert_close(out, two_lanes(x, w), atol=1e-2, rtol=1e-3)
+    kernels = profiled_kernels(graph.replay, 10, tmp_path)
+    assert len(kernels) >= 10 * 8 and overlapping(kernels) >= 1, (len(kernels), overlapping(kernels))

@@ -8,8 +8,6 @@ stream is the caller's again after a call.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -17,11 +15,11 @@ import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.ir import meta
 from capturepass.testing.models import AttnIndexer, MoEBlock
+from tests.helpers import overlapping, profiled_kernels, two_lanes
 
 pytestmark = pytest.mark.gpu
 
 BF16 = dict(atol=3e-2, rtol=3e-2)
-L = capturepass.lane
 
 
 @pytest.fixture(autouse=True)
@@ -63,18 +61,6 @@ def test_attention_indexer_in_one_compile_equals_eager():
         torch.testing.assert_close(compiled(q, x), model(q, x), **BF16)
 
 
-def _kernels(call, times: int, tmp_path) -> list[dict]:
-    """The kernel events of the profiler's Chrome trace of ``times`` calls."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(times):
-            call()
-        torch.cuda.synchronize()
-    path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(path))
-    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("cat") == "kernel"]
-
-
 @torch.no_grad()
 def test_each_kernel_runs_on_its_lanes_stream(tmp_path):
     """Uncaptured, so that the profiler sees each launch: ``exp(x)`` written on a side lane reads
@@ -82,7 +68,7 @@ def test_each_kernel_runs_on_its_lanes_stream(tmp_path):
     it); its kernel runs on another stream than ``sin``'s and ``tanh``'s. (Uncaptured, the host
     issues each lane's kernels after the other's: no overlap in time is asserted here.)"""
 
-    f = _two_lanes
+    f = two_lanes
     # Matmuls of a few blocks each: two of them fit on the GPU at once.
     x = torch.randn(512, 512, device="cuda")
     w = torch.randn(512, 512, device="cuda") / 23
@@ -90,22 +76,11 @@ def test_each_kernel_runs_on_its_lanes_stream(tmp_path):
     for _ in range(2):
         out = compiled(x, w)
     torch.testing.assert_close(out, f(x, w), atol=1e-2, rtol=1e-3)
-    kernels = _kernels(lambda: compiled(x, w), 5, tmp_path)
+    kernels = profiled_kernels(lambda: compiled(x, w), 5, tmp_path)
     by_op = {op: {e["tid"] for e in kernels if "triton" in e["name"] and op in e["name"].split("_")}
              for op in ("sin", "exp", "tanh")}
     assert all(len(s) == 1 for s in by_op.values()), by_op
     assert by_op["exp"] != by_op["sin"] and by_op["sin"] == by_op["tanh"], by_op
-
-
-def _two_lanes(x, w):
-    a = torch.sin(x)
-    with L("aux"):
-        z = torch.exp(x) * 5
-        for _ in range(4):
-            z = z @ w
-    for _ in range(4):
-        a = a @ w
-    return torch.tanh(a + z)
 
 
 @torch.no_grad()
@@ -114,16 +89,12 @@ def test_captured_inline_lanes_overlap_in_time(tmp_path):
     before another has ended (on one stream kernels run one after the other, so two that
     overlap in time ran on two lanes), and the result equals eager with new inputs."""
     w = torch.randn(512, 512, device="cuda") / 23
-    compiled = torch.compile(_two_lanes, backend="capturepass",
+    compiled = torch.compile(two_lanes, backend="capturepass",
                              options={"regions": "segments", "pick": "model"})
     for _ in range(3):
         x = torch.randn(512, 512, device="cuda")
-        torch.testing.assert_close(compiled(x, w), _two_lanes(x, w), atol=1e-2, rtol=1e-3)
+        torch.testing.assert_close(compiled(x, w), two_lanes(x, w), atol=1e-2, rtol=1e-3)
     (region,) = last_compiled()[-1].program.regions
     assert region.inline is not None
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in _kernels(lambda: compiled(x, w), 10, tmp_path))
-    overlapping, end = 0, float("-inf")
-    for start, stop in kernels:
-        overlapping += start < end
-        end = max(end, stop)
-    assert len(kernels) >= 10 * 8 and overlapping >= 1, (len(kernels), overlapping)
+    kernels = profiled_kernels(lambda: compiled(x, w), 10, tmp_path)
+    assert len(kernels) >= 10 * 8 and overlapping(kernels) >= 1, (len(kernels), overlapping(kernels))
