@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from capturepass.ir import meta
 from capturepass.ir.plan import StepKind, SyncPoint
 
-_POINT = re.compile(r"torch\.ops\.capturepass\.inline_step\.default\(\d+, (\d+),")
+# A sync point's call: ``inline_step`` carries its point's index; ``lane_step`` (the pass route's)
+# does not, and its calls come in the points' order (each writes the token the next one writes).
+_POINT = re.compile(r"torch\.ops\.capturepass\.(?:inline_step\.default\(\d+, (\d+),|lane_step\.default\()")
 _ALIAS = re.compile(r"(buf\d+) = reinterpret_tensor\((buf\d+)|(buf\d+) = (buf\d+)\[")
 _REUSE = re.compile(r"(buf\d+) = (buf\d+); del (buf\d+)\s+# reuse")
 _BUF = re.compile(r"\b(buf\d+)\b")
@@ -34,6 +36,15 @@ _BUF = re.compile(r"\b(buf\d+)\b")
 
 def _lines(code: str) -> list[str]:
     return [line.strip() for line in code[code.index("def call("):].splitlines()]
+
+
+def _points(lines: list[str]) -> dict[int, int]:
+    """The sync points' calls: line number to point index."""
+    out: dict[int, int] = {}
+    for i, line in enumerate(lines):
+        if m := _POINT.match(line):
+            out[i] = int(m.group(1)) if m.group(1) is not None else len(out)
+    return out
 
 
 class _Aliases(dict):
@@ -54,13 +65,14 @@ class _Aliases(dict):
 def lane_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
     """Buffers used on another lane than their allocating one and freed before the last point."""
     lines = _lines(code)
-    last = max((i for i, line in enumerate(lines) if _POINT.match(line)), default=-1)
+    at = _points(lines)
+    last = max(at, default=-1)
     lane, alloc, uses, aliases, out = 0, {}, {}, _Aliases(), []
     for i, line in enumerate(lines):
         if not line or line.startswith("#"):
             continue
-        if m := _POINT.match(line):
-            lane = points[int(m.group(1))].lane
+        if i in at:
+            lane = points[at[i]].lane
             continue
         if _REUSE.match(line):
             out.append(f"reuse: {line}")
@@ -86,11 +98,13 @@ def order_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
     clock = {a: {b: 0 for b in lanes} for a in lanes}
     events: dict[object, dict[int, int]] = {}
     lane, writer, aliases, out = 0, {}, _Aliases(), []
-    for i, line in enumerate(_lines(code)):
+    lines = _lines(code)
+    at = _points(lines)
+    for i, line in enumerate(lines):
         if not line or line.startswith("#"):
             continue
-        if m := _POINT.match(line):
-            point = points[int(m.group(1))]
+        if i in at:
+            point = points[at[i]]
             for step in point.steps:
                 if step.kind == StepKind.RECORD:
                     events[meta.info(step.payload).event] = dict(clock[step.lane.index])
@@ -144,9 +158,13 @@ class CodeCapture:
             self._cls.save_output_code = self._prev
 
 
-def findings(codes: Sequence[str], points: Sequence[SyncPoint]) -> list[str]:
-    """What the checks find in the code of a fused segment (a reason when its code is missing)."""
-    mine = [c for c in codes if "inline_step.default(" in c and "def call(" in c]
+def findings(codes: Sequence[str], points: Sequence[SyncPoint], op: str = "inline_step") -> list[str]:
+    """What the checks find in the code of a fused segment whose sync calls are ``op``'s (a
+    reason when its code is missing, or holds another number of them than ``points``)."""
+    mine = [c for c in codes if f"{op}.default(" in c and "def call(" in c]
     if len(mine) != 1:
         return [f"Inductor's generated code could not be read to check it ({len(mine)} candidates)"]
+    calls = len(_points(_lines(mine[0])))
+    if calls != len(points):
+        return [f"Inductor's generated code calls {calls} of the {len(points)} sync points"]
     return lane_violations(mine[0], points) + order_violations(mine[0], points)

@@ -21,7 +21,9 @@ freed by one lane's kernel, handed by the generated code to another lane's, race
 cannot patch Inductor's options around the one compile it runs in: :func:`lane_safe_options`
 turns them off from the rewrite until the next graph the pass sees or the end of Dynamo's
 compile, which restore them (a compile runs its post-grad passes and its code generation in
-one call).
+one call). The code Inductor then generates is checked as the inline route's is
+(``backends/inline_check.py``): a finding fails the compile with a ``VerificationError``, since
+nothing can be compiled again from inside it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from capturepass.backends import inline as inline_segments
+from capturepass.errors import VerificationError
 from capturepass.ir import meta
 from capturepass.ir.plan import Plan, RegionPlan, StepKind, SyncPoint
 from capturepass.runtime import inline as lane_ops
@@ -56,11 +59,56 @@ class Applied:
 
 
 def restore_options() -> None:
-    """Inductor's options as they were before the last rewrite turned its lane-blind ones off."""
+    """Inductor's options as they were before the last rewrite turned its lane-blind ones off,
+    and no check of generated code pending."""
     config = torch._inductor.config
     for key, value in _saved_options.items():
         setattr(config, key, value)
     _saved_options.clear()
+    _uncheck()
+
+
+class _CodeCheck:
+    """The lane checks (``backends/inline_check.py``) of the code Inductor generates for the graph
+    just rewritten: ``GraphLowering.save_output_code`` is called with it within the same compile.
+    A finding is an error: the code would run with a race, and the compile cannot go back."""
+
+    def __init__(self, points: tuple[SyncPoint, ...], title: str) -> None:
+        from torch._inductor.graph import GraphLowering
+
+        self.points, self.title = points, title
+        self.prev = GraphLowering.save_output_code
+
+    def __call__(self, code: str) -> None:
+        from capturepass.backends.inline_check import findings
+
+        if self.prev is not None:
+            self.prev(code)
+        if "lane_step.default(" not in code:
+            return
+        _uncheck()
+        found = findings([code], self.points, op="lane_step")
+        if found:
+            raise VerificationError(
+                "lane-check", self.title, f"capturepass: {self.title}: Inductor's code for the lanes written into it fails the lane checks "
+                f"({found[0]}); compile it with {{\"policy\": \"off\"}} in CAPTUREPASS_OPTIONS, or through the "
+                "backend route (backend=\"capturepass\"), which falls back to lane regions")
+
+
+def _check_code(points: tuple[SyncPoint, ...], title: str) -> None:
+    from torch._inductor.graph import GraphLowering
+
+    _uncheck()
+    if hasattr(GraphLowering, "save_output_code"):
+        GraphLowering.save_output_code = _CodeCheck(points, title)
+
+
+def _uncheck() -> None:
+    from torch._inductor.graph import GraphLowering
+
+    hook = getattr(GraphLowering, "save_output_code", None)
+    if isinstance(hook, _CodeCheck):
+        GraphLowering.save_output_code = hook.prev
 
 
 def _restore_at_end(_args: object) -> None:
@@ -140,7 +188,7 @@ def _standalone(region: RegionPlan) -> None:
     region.graph.recompile()
 
 
-def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan) -> Applied:
+def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, title: str = "post-grad graph") -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.
 
     Args:
@@ -148,6 +196,7 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan) 
         value_map: ``graph``'s nodes to their copies in ``plan.graph``, the copy the pipeline
             annotated.
         plan: what ``emit`` planned for the copy.
+        title: the graph's name in messages.
 
     Returns:
         what was done; ``lanes == 0`` with ``why`` when the graph is left as it was.
@@ -178,6 +227,7 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan) 
         inputs.append(source)
     _splice(graph, value_map, original, region, inputs)
     lane_safe_options()
+    _check_code(region.inline.points, title)
     return Applied(len(lanes), len(region.inline.points))
 
 

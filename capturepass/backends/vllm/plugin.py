@@ -170,7 +170,7 @@ class PostGradPass:
             applied = post_grad.Applied(0, 0, 'a host graph runs its lanes in program order '
                                               '(regions="segments" writes them anyway)')
         else:
-            applied = post_grad.apply_lanes(graph, value_map, compiled.plan)
+            applied = post_grad.apply_lanes(graph, value_map, compiled.plan, f"post-grad piece {piece}")
         if applied.lanes:
             _say_once("capturepass: the post-grad pass writes lanes into the pieces Inductor compiles; "
                       "Inductor's lane-blind options (%s) are off while it compiles such a piece",

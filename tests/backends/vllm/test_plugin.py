@@ -228,3 +228,43 @@ def test_post_grad_pass_says_once_that_it_writes_lanes(caplog, monkeypatch):
         capturepass.post_grad_pass(_post_grad_graph().graph)
     said = [r.getMessage() for r in caplog.records if "writes lanes into the pieces" in r.getMessage()]
     assert len(said) == 1 and "allow_buffer_reuse" in said[0]
+
+
+def test_pass_route_checks_the_code_inductor_generates(monkeypatch):
+    """The lane checks run on the code of every graph whose lanes were written; with Inductor's
+    buffer reuse left on (lane-blind: a buffer freed on one lane is handed to another), they find
+    the reuse and the compile fails, naming the piece, instead of running a race."""
+    from capturepass.backends import inline_check, post_grad
+    from capturepass.errors import VerificationError
+    from capturepass.testing.models import MoEBlock
+
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments"}')
+    checked = []
+    real = inline_check.findings
+
+    def spy(codes, points, op="inline_step"):
+        found = real(codes, points, op)
+        checked.append((op, len(points), found))
+        return found
+
+    monkeypatch.setattr(inline_check, "findings", spy)
+    model = MoEBlock().eval()
+    x = torch.randn(16, 64)
+    patch = torch._inductor.config.patch(post_grad_custom_post_pass=capturepass.post_grad_pass,
+                                         fx_graph_cache=False)
+    torch._dynamo.reset()
+    with torch.no_grad(), patch:
+        torch.testing.assert_close(torch.compile(model, backend="inductor")(x), model(x))
+    assert [(op, found) for op, _n, found in checked] == [("lane_step", [])]
+
+    checked.clear()
+    monkeypatch.setattr(post_grad, "lane_blind_options", lambda: [])
+    torch._dynamo.reset()
+    with torch.no_grad(), patch, pytest.raises(Exception) as info:
+        torch.compile(model, backend="inductor")(x)
+    exc = info.value  # under Dynamo's and Inductor's wrappers
+    while not isinstance(exc, VerificationError) and getattr(exc, "inner_exception", None) is not None:
+        exc = exc.inner_exception
+    assert isinstance(exc, VerificationError), repr(info.value)
+    assert "fails the lane checks (reuse: " in str(exc) and "post-grad piece" in str(exc)
+    assert checked and checked[0][2]
