@@ -60,10 +60,10 @@ log = logging.getLogger("capturepass")
 _keys = itertools.count()
 _SYNC_STEPS = (StepKind.RECORD, StepKind.WAIT, StepKind.RELEASE, StepKind.RETAIN)
 # Inductor options that place work by buffer identity or move nodes, blind to lanes.
-_LANE_BLIND = ("allow_buffer_reuse", "inplace_buffers", "reorder_for_peak_memory", "reorder_for_locality")
+LANE_BLIND = ("allow_buffer_reuse", "inplace_buffers", "reorder_for_peak_memory", "reorder_for_locality")
 
 
-class _KeepRegions(Exception):
+class KeepRegions(Exception):
     """A run that must keep its lane regions (the message says why)."""
 
 
@@ -148,7 +148,7 @@ def fuse(plan: Plan, unguarded: frozenset[fx.Node] = frozenset()) -> Fused:
             continue
         try:
             region = _fused_region(plan, run, regions, providers, unguarded)
-        except _KeepRegions as why:
+        except KeepRegions as why:
             kept.append(f"regions {regions[0].index}-{regions[-1].index}: {why}")
             steps.extend(run)
             continue
@@ -230,9 +230,9 @@ def _hoisted(regions: list[RegionPlan], members: set[fx.Node], providers: dict,
             if any(analysis.carries_tensor(a) and a not in free for a in inputs):
                 continue
             if not all(place_size(a) for a in inputs):
-                raise _KeepRegions(f"%{node.name} reads no device data but a size computed in the segment")
+                raise KeepRegions(f"%{node.name} reads no device data but a size computed in the segment")
             if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
-                raise _KeepRegions(f"%{node.name} ({node.target}) draws random numbers: it cannot move")
+                raise KeepRegions(f"%{node.name} ({node.target}) draws random numbers: it cannot move")
             out.append(node)
             placed.add(node)
             if unguarded:
@@ -253,7 +253,7 @@ def _check_hoist_ordered(run: list[Step], hoisted: set[fx.Node]) -> None:
             for node in step.payload.nodes:
                 for a in node.all_input_nodes:
                     if a in hoisted:
-                        raise _KeepRegions(
+                        raise KeepRegions(
                             f"%{a.name} (no device input) would move to the main lane, which lane "
                             f"s{step.payload.lane} does not wait for before %{node.name} reads it")
 
@@ -314,7 +314,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
     _check_hoist_ordered(run, {n for n in moved if _is_tensor(n)})
     key = next(_keys)
 
-    b = RegionBuilder(members, lambda n: _KeepRegions(f"%{n.name} is read before it is computed"))
+    b = RegionBuilder(members, lambda n: KeepRegions(f"%{n.name} is read before it is computed"))
     graph, env = b.graph, b.env
     split: dict[fx.Node, tuple[fx.Node, fx.Node]] = {}
     points: list[SyncPoint] = []
@@ -428,7 +428,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
             root = _root(n)
             if _is_tensor(root) and root not in guards and root not in unguarded:
                 if _root.is_shared(root):
-                    raise _KeepRegions(f"%{n.name} shares its storage with another input of the run and "
+                    raise KeepRegions(f"%{n.name} shares its storage with another input of the run and "
                                        "cannot be guarded")
                 guards.append(root)
         # Read: what a release or a retention takes, and what is held.
@@ -445,7 +445,7 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
                 values = [v for v in values if _root(v) not in needed]
             clash = next((v for v in values if _root(v) in needed), None)
             if clash is not None:
-                raise _KeepRegions(f"%{clash.name} is both retained and read by the next region")
+                raise KeepRegions(f"%{clash.name} is both retained and read by the next region")
             reads.extend(values)
             takes.append(len(values))
         reads.extend(n for n in hold if n not in reads)
@@ -495,5 +495,5 @@ def lane_safe_inductor(region: RegionPlan) -> Iterator[None]:
         yield
         return
     config = torch._inductor.config
-    with config.patch({k: False for k in _LANE_BLIND if hasattr(config, k)}):
+    with config.patch({k: False for k in LANE_BLIND if hasattr(config, k)}):
         yield

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from typing import Any
 
 import torch
@@ -42,8 +41,6 @@ from capturepass.errors import VerificationError
 from capturepass.ir import meta
 from capturepass.ir.plan import Plan, RegionPlan, StepKind, SyncPoint
 from capturepass.runtime import inline as lane_ops
-
-log = logging.getLogger("capturepass")
 
 _saved_options: dict[str, Any] = {}
 
@@ -90,9 +87,10 @@ class _CodeCheck:
         found = findings([code], self.points, op="lane_step")
         if found:
             raise VerificationError(
-                "lane-check", self.title, f"capturepass: {self.title}: Inductor's code for the lanes written into it fails the lane checks "
-                f"({found[0]}); compile it with {{\"policy\": \"off\"}} in CAPTUREPASS_OPTIONS, or through the "
-                "backend route (backend=\"capturepass\"), which falls back to lane regions")
+                "lane-check", self.title,
+                f"capturepass: {self.title}: Inductor's code for the lanes written into it fails the lane "
+                f"checks ({found[0]}); compile it with {{\"policy\": \"off\"}} in CAPTUREPASS_OPTIONS, or "
+                "through the backend route (backend=\"capturepass\"), which falls back to lane regions")
 
 
 def _check_code(points: tuple[SyncPoint, ...], title: str) -> None:
@@ -118,7 +116,7 @@ def _restore_at_end(_args: object) -> None:
 def lane_blind_options() -> list[str]:
     """Inductor's options that place work by buffer identity or move nodes, blind to lanes."""
     config = torch._inductor.config
-    return [key for key in inline_segments._LANE_BLIND if hasattr(config, key)]
+    return [key for key in inline_segments.LANE_BLIND if hasattr(config, key)]
 
 
 def lane_safe_options() -> None:
@@ -155,7 +153,7 @@ def unguarded_inputs(count: int) -> set[int]:
 def _steps(point: SyncPoint, slots: dict[Any, int]) -> list[int]:
     """The ``(kind, lane, slot)`` triples of ``point``'s records and waits (an event slot per
     lease, numbered in ``slots``); a step that needs capturepass's runtime raises
-    ``_KeepRegions``."""
+    ``KeepRegions``."""
     out: list[int] = []
     for step in point.steps:
         rec = meta.info(step.payload)
@@ -165,7 +163,7 @@ def _steps(point: SyncPoint, slots: dict[Any, int]) -> list[int]:
         elif step.kind == StepKind.RELEASE:
             continue  # the value is read by the call; the allocator frees it after its last use
         else:
-            raise inline_segments._KeepRegions(
+            raise inline_segments.KeepRegions(
                 f"its plan has a {step.kind} step (%{step.payload.name}), which needs capturepass's runtime")
     return out
 
@@ -188,7 +186,8 @@ def _standalone(region: RegionPlan) -> None:
     region.graph.recompile()
 
 
-def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, title: str = "post-grad graph") -> Applied:
+def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan,
+                title: str = "post-grad graph") -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.
 
     Args:
@@ -205,7 +204,8 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
     if len(lanes) < 2:
         return Applied(0, 0, "its plan has one lane")
     placeholders = graph.find_nodes(op="placeholder")
-    fused = inline_segments.fuse(plan, frozenset(value_map[placeholders[i]] for i in unguarded_inputs(len(placeholders))))
+    unguarded = frozenset(value_map[placeholders[i]] for i in unguarded_inputs(len(placeholders)))
+    fused = inline_segments.fuse(plan, unguarded)
     if fused.kept:
         return Applied(0, 0, fused.kept[0])
     regions = fused.plan.regions
@@ -216,7 +216,7 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
     region = regions[0]
     try:
         _standalone(region)
-    except inline_segments._KeepRegions as why:
+    except inline_segments.KeepRegions as why:
         return Applied(0, 0, str(why))
     original = {copy: node for node, copy in value_map.items()}
     inputs = []
@@ -225,6 +225,10 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
         if source is None or source.op not in ("placeholder", "get_attr"):
             return Applied(0, 0, f"%{node.name}, an input of the fused graph, is not one of the graph's inputs")
         inputs.append(source)
+    provided = set(region.outputs)
+    for node in graph.output_node().all_input_nodes:
+        if value_map[node] not in provided and node.op not in ("placeholder", "get_attr"):
+            return Applied(0, 0, f"%{node.name}, an output of the graph, is not computed by the fused graph")
     _splice(graph, value_map, original, region, inputs)
     lane_safe_options()
     _check_code(region.inline.points, title)

@@ -1,4 +1,4 @@
-"""Segments compiled once with their lanes inline: the op their generated code calls.
+"""Segments compiled once with their lanes inline: the ops their generated code calls.
 
 With ``regions="segments"`` a capture segment's lane regions are not compiled one
 by one: the backend (``capturepass.backends.inline``) builds one graph of the
@@ -20,6 +20,10 @@ points (see the backend module); which value it takes is decided there.
 The op finds what to run through this thread's running segment: the runner
 of a bound fused region sets it around the compiled call, and restores the
 stream current at the call's start when the call ends, also on an error.
+
+The pass route writes the same kind of graph into a compile that is not capturepass's
+(``capturepass.backends.post_grad``); its calls are ``capturepass::lane_step``, which carry
+their records and waits and need no runner (below).
 """
 
 from __future__ import annotations
@@ -165,11 +169,13 @@ _pool = threading.local()
 
 
 class _LanePool:
-    """This thread's side streams (by device and lane) and events (by slot and capture state)."""
+    """This thread's side streams (by device and lane) and events (by device, slot and capture
+    state). Graphs share them: a graph issues every wait of its records before its last point
+    returns, so the next graph's record of a slot cannot overtake a wait of this one's."""
 
     def __init__(self) -> None:
         self.streams: dict[tuple[int, int], Any] = {}
-        self.events: dict[tuple[int, bool], Any] = {}
+        self.events: dict[tuple[int, int, bool], Any] = {}
         self.entry: Any = None
         self.open = False
 
@@ -181,11 +187,11 @@ class _LanePool:
             self.streams[key] = torch.cuda.Stream(device)
         return self.streams[key]
 
-    def event(self, slot: int) -> Any:
+    def event(self, device: int, slot: int) -> Any:
         # NOTE: an event recorded in a capture is one of its dependency edges; one recorded
         # eagerly in the meantime must not alias it (as seed 000's did): captured and eager
         # calls use separate events.
-        key = (slot, torch.cuda.is_current_stream_capturing())
+        key = (device, slot, torch.cuda.is_current_stream_capturing())
         if key not in self.events:
             self.events[key] = torch.cuda.Event()
         return self.events[key]
@@ -199,14 +205,15 @@ def _lane_pool() -> _LanePool:
 
 
 @torch.library.custom_op("capturepass::lane_step", mutates_args=("guards",), tags=_TAGS)
-def lane_step(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+def lane_step(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor],
+              guards: list[torch.Tensor]) -> None:
     """One sync point of a graph whose lanes the pass route wrote in (standalone).
 
     ``steps`` are ``(kind, lane, slot)`` triples (``RECORD`` or ``WAIT`` event ``slot`` on
     ``lane``), run in order; then ``lane`` becomes the current stream. Lane 0 is the stream
     current at the graph's ``first`` point (the capturing stream under capture; its ``last``
-    point makes it current again), side lane
-    ``k`` this thread's ``k``-th pooled stream of the device. ``guards[0]`` is the graph's
+    point makes it current again), side lane ``k`` this thread's ``k``-th pooled stream of the
+    device. ``guards[0]`` is the graph's
     token, on its device; ``reads`` and ``guards`` order Inductor's nodes around the call
     (see ``capturepass.backends.inline``) and are not read. On the host, lanes run in program
     order and the call does nothing.
@@ -227,7 +234,7 @@ def lane_step(first: bool, last: bool, steps: list[int], lane: int, reads: list[
     for i in range(0, len(steps), 3):
         kind, on, slot = steps[i], steps[i + 1], steps[i + 2]
         stream = pool.stream(index, on)
-        event = pool.event(slot)
+        event = pool.event(index, slot)
         if kind == RECORD:
             event.record(stream)
         else:
@@ -238,7 +245,8 @@ def lane_step(first: bool, last: bool, steps: list[int], lane: int, reads: list[
 
 
 @lane_step.register_fake
-def _(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor], guards: list[torch.Tensor]) -> None:
+def _(first: bool, last: bool, steps: list[int], lane: int, reads: list[torch.Tensor],
+      guards: list[torch.Tensor]) -> None:
     return None
 
 
