@@ -315,13 +315,23 @@ def _device_model(opts: Options, examples: list[Any]) -> cost.DeviceModel | None
 
     A captured graph's schedule is measured, and its cached choice names a candidate derived by
     the nominal model: deriving them from a model that changes with every measurement would make
-    a cached name mean another schedule (or miss the cache). ``pick="model"`` keeps the nominal
-    model everywhere: reproducible schedules.
+    a cached name mean another schedule (or miss the cache).
     """
-    if opts.pick != "measure" or opts.cudagraphs not in (CaptureMode.NONE, CaptureMode.BREAKABLE):
+    if opts.cudagraphs not in (CaptureMode.NONE, CaptureMode.BREAKABLE):
         return None
-    device = next((x.device for x in examples if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
-    if device is None:
+    return calibrated_model(opts, cuda_device(examples))
+
+
+def cuda_device(examples: list[Any]) -> torch.device | None:
+    """The device of the first CUDA tensor among ``examples``."""
+    return next((x.device for x in examples if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
+
+
+def calibrated_model(opts: Options, device: torch.device | None) -> cost.DeviceModel | None:
+    """The cost model calibrated on CUDA ``device`` (``None`` when nothing was measured there yet,
+    for no device, or with ``pick="model"``, which keeps the nominal model everywhere:
+    reproducible schedules)."""
+    if opts.pick != "measure" or device is None:
         return None
     return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).model(pick.device_name(device))
 

@@ -112,6 +112,12 @@ def test_compiles_read_the_model_only_for_schedules_nothing_measures(tmp_path, m
     assert model(cudagraphs="none") == fitted and model(cudagraphs="breakable") == fitted
     assert model() is None and model(cudagraphs="monolithic") is None
     assert model(cudagraphs="none", pick="model") is None
+    # The pass route's schedules are never measured, captured or not: the calibrated model.
+    opts = Options.from_mapping({"pick_cache_dir": str(tmp_path)})
+    assert dynamo.calibrated_model(opts, dynamo.cuda_device(cuda)) == fitted
+    assert dynamo.calibrated_model(opts, None) is None
+    assert dynamo.calibrated_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), "pick": "model"}),
+                                   dynamo.cuda_device(cuda)) is None
     monkeypatch.undo()
     assert dynamo._device_model(Options.from_mapping({"pick_cache_dir": str(tmp_path), "cudagraphs": "none"}),
                                 [torch.empty(2)]) is None

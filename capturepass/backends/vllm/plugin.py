@@ -26,6 +26,7 @@ Options: vLLM passes none to a backend, so they come from the environment,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import itertools
@@ -142,8 +143,8 @@ class PostGradPass:
         import torch.fx as fx
 
         from capturepass.backends import compile as driver
-        from capturepass.backends import post_grad
-        from capturepass.ir import meta
+        from capturepass.backends import dynamo, post_grad
+        from capturepass.ir import cost, meta
         from capturepass.ir.meta import OwnerId
 
         post_grad.restore_options()
@@ -158,11 +159,17 @@ class PostGradPass:
         opts = driver.resolve(None)
         dump_dir = None if opts.dump_dir is None else os.path.join(
             os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}")
-        compiled = driver.compile_graph(
-            gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
-            dump_dir=dump_dir, regions=False, record=False,
-        )
+        # Nothing measures this route's schedules: the device's calibrated cost model, where
+        # the backend route's measured choices made one, prices them.
+        device_model = dynamo.calibrated_model(opts, dynamo.cuda_device(inputs))
+        with cost.device_model(device_model) if device_model is not None else contextlib.nullcontext():
+            compiled = driver.compile_graph(
+                gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
+                dump_dir=dump_dir, regions=False, record=False,
+            )
         gi = meta.graph_info(compiled.graph)
+        if device_model is not None:
+            log.info("capturepass: post-grad piece %d: %s", piece, device_model.describe())
         if opts.regions == "lanes":
             why = 'regions="lanes" asks for lane regions, which only the backend route compiles'
             applied = post_grad.Applied(0, 0, why)
@@ -194,17 +201,26 @@ class PostGradPass:
         return default_pipeline(REGISTRY.key(), passes=ATEN)
 
     def uuid(self) -> str:
-        """A digest of the passes' sources, the capability registry, the options, this class and
-        the modules that write the lanes into the graph (and the ops it calls)."""
+        """A digest of the passes' sources, the capability registry, the options, this class,
+        the modules that write the lanes into the graph (and the ops it calls), and the current
+        CUDA device's calibrated cost model, which prices the schedules."""
+        import torch
+
         from capturepass.backends import inline, post_grad
         from capturepass.ir.options import Options
         from capturepass.passes.pipeline import pipeline_uuid
         from capturepass.runtime import inline as ops
 
+        opts = Options.from_mapping(None)
         digest = hashlib.sha256()
         digest.update(pipeline_uuid(self.passes()).encode())
-        digest.update(Options.from_mapping(None).key().encode())
+        digest.update(opts.key().encode())
         digest.update(_source_digest(PostGradPass, inline, post_grad, ops).encode())
+        if torch.cuda.is_available():
+            from capturepass.backends import dynamo
+
+            model = dynamo.calibrated_model(opts, torch.device("cuda", torch.cuda.current_device()))
+            digest.update((model.describe() if model is not None else "nominal").encode())
         return digest.hexdigest()
 
     def is_applicable_for_range(self, compile_range: Any) -> bool:

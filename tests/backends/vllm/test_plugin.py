@@ -268,3 +268,45 @@ def test_pass_route_checks_the_code_inductor_generates(monkeypatch):
     assert isinstance(exc, VerificationError), repr(info.value)
     assert "fails the lane checks (reuse: " in str(exc) and "post-grad piece" in str(exc)
     assert checked and checked[0][2]
+
+
+def test_post_grad_pass_schedules_with_the_devices_calibrated_model(monkeypatch, caplog):
+    """Nothing measures the pass route's schedules: the device's calibrated cost model (made by
+    the backend route's measured choices) prices them when there is one."""
+    from capturepass.backends import compile as driver
+    from capturepass.backends import dynamo
+    from capturepass.ir import cost
+
+    fitted = cost.DeviceModel(name="FakeGPU sm90", scale=0.25, launch_floor_s=2e-6, samples=3)
+    monkeypatch.setattr(dynamo, "calibrated_model", lambda opts, device: fitted)
+    seen = []
+    real = driver.compile_graph
+
+    def spy(*args, **kwargs):
+        seen.append(cost.current_model())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "compile_graph", spy)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        capturepass.post_grad_pass(_post_grad_graph().graph)
+    assert seen == [fitted]
+    assert any("post-grad piece" in r.getMessage() and fitted.describe() in r.getMessage() for r in caplog.records)
+    assert cost.current_model() is cost.NOMINAL
+
+
+def test_post_grad_pass_uuid_follows_the_devices_calibrated_model(monkeypatch):
+    """The calibrated model changes the schedules the pass writes: Inductor's cache must not serve
+    a piece compiled under another one."""
+    from capturepass.backends import dynamo
+    from capturepass.ir import cost
+
+    monkeypatch.delenv("CAPTUREPASS_OPTIONS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    models = {"now": None}
+    monkeypatch.setattr(dynamo, "calibrated_model", lambda opts, device: models["now"])
+    nominal = capturepass.post_grad_pass.uuid()
+    models["now"] = cost.DeviceModel(name="FakeGPU sm90", scale=0.25, launch_floor_s=2e-6, samples=3)
+    calibrated = capturepass.post_grad_pass.uuid()
+    models["now"] = cost.DeviceModel(name="FakeGPU sm90", scale=0.5, launch_floor_s=2e-6, samples=4)
+    assert len({nominal, calibrated, capturepass.post_grad_pass.uuid()}) == 3
