@@ -131,6 +131,31 @@ def test_zoo_cpu_pass_route(name: str, monkeypatch: pytest.MonkeyPatch, caplog: 
     assert len(written) == 1, [r.getMessage() for r in caplog.records if "post-grad piece" in r.getMessage()]
 
 
+@pytest.mark.parametrize("name", ("llama", "qwen2_moe"))
+def test_zoo_cpu_pass_route_guarding_no_input(name: str, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The pass route as under ``mode="reduce-overhead"`` (Inductor's CUDA graphs on; on the host
+    Inductor does not capture, but the pass declares no non-static input written and moves what
+    reads only such inputs to the start): equal to eager, lanes written."""
+    import logging
+
+    import capturepass
+    from capturepass.backends import post_grad
+
+    unguarded: list[set[int]] = []
+    real = post_grad.unguarded_inputs
+    monkeypatch.setattr(post_grad, "unguarded_inputs", lambda n: unguarded.append(real(n)) or unguarded[-1])
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
+    with torch._inductor.config.patch({"post_grad_custom_post_pass": capturepass.post_grad_pass,
+                                       "triton.cudagraphs": True}), \
+            caplog.at_level(logging.INFO, logger="capturepass"):
+        _check(name, lambda m: torch.compile(m, backend="inductor"), (1, 2), zoo.TOLERANCE["cpu"],
+               f"{name} [pass, no input guarded]")
+    assert len(unguarded) == 1 and unguarded[0], unguarded  # the token ids at least
+    written = [r.getMessage() for r in caplog.records if "sync points written into the graph" in r.getMessage()]
+    assert len(written) == 1, [r.getMessage() for r in caplog.records if "post-grad piece" in r.getMessage()]
+
+
 # Decoders of different families (dense, MoE, MLA, GPT-2's Conv1D, sliding-window attention).
 DYNAMIC = ("llama", "qwen2_moe", "deepseek_v3", "gpt2", "gemma3")
 # (batch, tokens) per call: later shapes make Dynamo recompile with dynamic sizes (first the length,
