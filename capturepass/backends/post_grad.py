@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map
 from capturepass.backends import inline as inline_segments
 from capturepass.errors import VerificationError
 from capturepass.ir import meta
+from capturepass.ir.options import Options
 from capturepass.ir.plan import Plan, RegionPlan, StepKind, SyncPoint
 from capturepass.runtime import inline as lane_ops
 
@@ -186,7 +187,7 @@ def _standalone(region: RegionPlan) -> None:
     region.graph.recompile()
 
 
-def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan,
+def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, opts: Options,
                 title: str = "post-grad graph") -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.
 
@@ -195,11 +196,17 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan,
         value_map: ``graph``'s nodes to their copies in ``plan.graph``, the copy the pipeline
             annotated.
         plan: what ``emit`` planned for the copy.
+        opts: the graph's options (``regions``: ``"lanes"`` is the backend route's, and a host
+            graph, whose lanes run in program order, is written only with ``"segments"``).
         title: the graph's name in messages.
 
     Returns:
         what was done; ``lanes == 0`` with ``why`` when the graph is left as it was.
     """
+    if opts.regions == "lanes":
+        return Applied(0, 0, 'regions="lanes" asks for lane regions, which only the backend route compiles')
+    if not meta.graph_info(plan.graph).on_cuda and opts.regions != "segments":
+        return Applied(0, 0, 'a host graph runs its lanes in program order (regions="segments" writes them anyway)')
     lanes = {r.lane for r in plan.regions}
     if len(lanes) < 2:
         return Applied(0, 0, "its plan has one lane")

@@ -3,9 +3,10 @@
 ``PIPELINE`` is the one literal list of passes, in order; the sub-pipelines
 are named lists of it: ``FRONT`` (the Dynamo-stage passes), ``ATEN`` (the
 ATen-stage passes through ``emit``) and ``ANALYSIS`` (``ATEN`` without ``emit``:
-annotate, verify and dump, where no plan is wanted). ``build_pipeline`` checks the named constraints when a pipeline is made:
-every ``requires`` of a pass is ``ensure``-d by an earlier pass, and every
-Dynamo-stage pass comes before every ATen-stage pass. Disabling a pass by name
+annotate, verify and dump, where no plan is wanted). ``build_pipeline`` checks the
+named constraints when a pipeline is made: every ``requires`` of a pass is
+``ensure``-d by an earlier pass, and every Dynamo-stage pass comes before every
+ATen-stage pass. Disabling a pass by name
 (for bisecting; option ``disable``) is checked the same way: disabling a pass
 that a later one depends on is an error.
 

@@ -170,27 +170,23 @@ class PostGradPass:
         gi = meta.graph_info(compiled.graph)
         if device_model is not None:
             log.info("capturepass: post-grad piece %d: %s", piece, device_model.describe())
-        if opts.regions == "lanes":
-            why = 'regions="lanes" asks for lane regions, which only the backend route compiles'
-            applied = post_grad.Applied(0, 0, why)
-        elif not gi.on_cuda and opts.regions != "segments":
-            applied = post_grad.Applied(0, 0, 'a host graph runs its lanes in program order '
-                                              '(regions="segments" writes them anyway)')
-        else:
-            applied = post_grad.apply_lanes(graph, value_map, compiled.plan, f"post-grad piece {piece}")
+        applied = post_grad.apply_lanes(graph, value_map, compiled.plan, opts, f"post-grad piece {piece}")
         if applied.lanes:
-            _say_once("capturepass: the post-grad pass writes lanes into the pieces Inductor compiles; "
-                      "Inductor's lane-blind options (%s) are off while it compiles such a piece",
-                      ", ".join(post_grad.lane_blind_options()))
+            lowers, why = inductor_lowers_streams()
+            _say_once("capturepass: the post-grad pass writes lanes into the pieces Inductor compiles, as "
+                      "capturepass::lane_step calls (%s); Inductor's lane-blind options (%s) are off while it "
+                      "compiles such a piece",
+                      "this torch's Inductor also lowers user streams itself, which the pass does not use yet"
+                      if lowers else why, ", ".join(post_grad.lane_blind_options()))
             log.info("capturepass: post-grad piece %d: %d lanes, %d sync points written into the graph",
                      piece, applied.lanes, applied.points)
         else:
             log.info("capturepass: post-grad piece %d: %d lane(s), %d segment(s); the graph is left as it "
                      "was: %s", piece, len(gi.lanes), len(gi.segments), applied.why)
         if dump_dir is not None:
+            head = f"lanes written: {applied.lanes}" if applied.lanes else f"left as it was: {applied.why}"
             with open(os.path.join(dump_dir, "post_grad.txt"), "w") as f:
-                f.write(f"# {'lanes written: ' + str(applied.lanes) if applied.lanes else 'left as it was: ' + applied.why}\n")
-                f.write(str(graph))
+                f.write(f"# {head}\n{graph}")
 
     @staticmethod
     def passes() -> list[Any]:
