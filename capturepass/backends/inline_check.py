@@ -16,6 +16,11 @@ The code runs each line on the lane the last ``capturepass::inline_step`` call m
   wrote it (vector clocks over the records and waits).
 
 A kernel's first use of a buffer after its allocation counts as its write.
+
+Under Inductor's own CUDA graphs (``mode="reduce-overhead"``, with ``graph_partition``) the
+generated ``call`` calls the graph's pieces as functions (``self.partitions[N](...)``), each
+captured apart: the checks read each piece's body where ``call`` calls it, and sync points in
+more than one piece are a finding (an event recorded in one capture orders nothing in another).
 """
 
 from __future__ import annotations
@@ -34,8 +39,46 @@ _REUSE = re.compile(r"(buf\d+) = (buf\d+); del (buf\d+)\s+# reuse")
 _BUF = re.compile(r"\b(buf\d+)\b")
 
 
+_PARTITION_DEF = re.compile(r"def (partition_\d+)\(args\):$")
+_PARTITION_CALL = re.compile(r".* = self\.partitions\[(\d+)\]\(partition\d+_args\)$")
+
+
+def _partitions(code: str) -> dict[str, list[str]]:
+    """The bodies of the functions Inductor made of the graph's pieces it captures one by one
+    under its CUDA graphs (``config.graph_partition``: ``def partition_N(args):``), by name."""
+    bodies: dict[str, list[str]] = {}
+    name, indent = None, 0
+    for line in code.splitlines():
+        stripped = line.strip()
+        if name is not None and stripped and len(line) - len(line.lstrip()) <= indent:
+            name = None
+        if m := _PARTITION_DEF.match(stripped):
+            name, indent = m.group(1), len(line) - len(line.lstrip())
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(stripped)
+    return bodies
+
+
+def _expanded(code: str) -> list[tuple[str, str | None]]:
+    """The lines ``call`` runs, in order, each with the partition it runs in (``None``: ``call``
+    itself): a partition's call (``self.partitions[N](partitionN_args)``) is replaced by its body,
+    whose buffers bear the names ``call`` gives them."""
+    bodies = _partitions(code)
+    out: list[tuple[str, str | None]] = []
+    for line in code[code.index("def call("):].splitlines():
+        line = line.strip()
+        m = _PARTITION_CALL.match(line)
+        if m is not None and f"partition_{m.group(1)}" in bodies:
+            name = f"partition_{m.group(1)}"
+            out.extend((body, name) for body in bodies[name])
+        else:
+            out.append((line, None))
+    return out
+
+
 def _lines(code: str) -> list[str]:
-    return [line.strip() for line in code[code.index("def call("):].splitlines()]
+    return [line for line, _ in _expanded(code)]
 
 
 def _points(lines: list[str]) -> dict[int, int]:
@@ -167,4 +210,10 @@ def findings(codes: Sequence[str], points: Sequence[SyncPoint], op: str = "inlin
     calls = len(_points(_lines(mine[0])))
     if calls != len(points):
         return [f"Inductor's generated code calls {calls} of the {len(points)} sync points"]
+    pieces = {piece for line, piece in _expanded(mine[0]) if _POINT.match(line)}
+    if len(pieces) > 1:
+        # Under Inductor's CUDA graphs each partition is captured on its own: an event recorded
+        # in one capture cannot order work in another.
+        return [f"Inductor's generated code splits the sync points over {len(pieces)} pieces it captures "
+                f"apart ({', '.join(sorted(p or 'call' for p in pieces))})"]
     return lane_violations(mine[0], points) + order_violations(mine[0], points)

@@ -364,6 +364,65 @@ def test_the_code_checks_find_what_they_look_for():
     assert lane_violations(code, points) == ["buf1 allocated on s1, used on s[0], freed at line 8 before the last point"]
 
 
+_FIRST_PIECE = """
+def partition_0(args):
+    arg0_1, = args
+    args.clear()
+    buf0 = empty_strided_cuda((0, ), (1, ), torch.uint8)
+    torch.ops.capturepass.lane_step.default(True, False, [], 1, [], [buf0])
+    buf1 = empty_strided_cuda((4, ), (1, ), torch.float32)
+    triton_poi_fused_sin_0.run(arg0_1, buf1, 4, stream=stream0)
+    torch.ops.capturepass.lane_step.default(False, False, [0, 1, 0], 0, [], [buf0, buf1])
+    buf2 = empty_strided_cuda((4, ), (1, ), torch.float32)
+    triton_poi_fused_cos_1.run(READ, buf2, 4, stream=stream0)
+"""
+_LAST_POINT = """    torch.ops.capturepass.lane_step.default(False, True, [], 0, [buf1], [buf0])
+"""
+_RUNNER = """    return (buf0, buf1, buf2, )
+
+
+class Runner:
+    def __init__(self, partitions):
+        self.partitions = partitions
+
+    def call(self, args):
+        arg0_1, = args
+        args.clear()
+        partition0_args = [arg0_1, ]
+        del arg0_1
+        (buf0, buf1, buf2, ) = self.partitions[0](partition0_args)
+        del partition0_args
+CALLS        return (buf2, )
+
+
+runner = Runner(partitions=[PARTITIONS])
+call = runner.call
+"""
+
+
+def test_the_code_checks_read_the_pieces_inductor_captures_apart():
+    """Under Inductor's CUDA graphs (``mode="reduce-overhead"``) the code is partitioned: ``call``
+    calls ``self.partitions[N]``, whose bodies hold the sync calls (the layout of
+    ``torch/_inductor/codegen/wrapper.py``). The checks follow the calls into them; points split
+    over two partitions, each captured on its own, are a finding."""
+    from capturepass.backends.inline_check import findings
+    from capturepass.ir.plan import SyncPoint
+
+    points = [SyncPoint((), 1, ()), SyncPoint((), 0, ()), SyncPoint((), 0, ())]
+    one = (_FIRST_PIECE + _LAST_POINT + _RUNNER).replace("CALLS", "").replace("PARTITIONS", "partition_0,")
+    assert findings([one.replace("READ", "arg0_1")], points, op="lane_step") == []
+    # Lane 0 reads what lane 1 wrote, and no point waits for it: seen inside the partition.
+    assert findings([one.replace("READ", "buf1")], points, op="lane_step") == [
+        "line 13 on s0 reads buf1, written on s1 with no event after: "
+        "triton_poi_fused_cos_1.run(buf1, buf2, 4, stream=stream0)"]
+    second = "\n\ndef partition_1(args):\n    buf0, buf1 = args\n    args.clear()\n" + _LAST_POINT + "    return ()\n"
+    calls = "        partition1_args = [buf0, buf1]\n        () = self.partitions[1](partition1_args)\n"
+    split = (_FIRST_PIECE + _RUNNER.replace("\n\nclass", second + "\n\nclass")).replace("CALLS", calls)
+    split = split.replace("PARTITIONS", "partition_0, partition_1").replace("READ", "arg0_1")
+    assert findings([split], points, op="lane_step") == [
+        "Inductor's generated code splits the sync points over 2 pieces it captures apart (partition_0, partition_1)"]
+
+
 def test_a_fused_segment_whose_code_fails_the_lane_checks_keeps_its_lane_regions(caplog, monkeypatch):
     """The driver's answer to a finding (the checks stand in for a miscompile here: the ones they
     found, on Phi and on the H200, are fixed): the lane regions, compiled one by one, equal to
