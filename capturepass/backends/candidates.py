@@ -1,23 +1,32 @@
 """Schedule candidates of one graph: the cost model's, and the cheaper ones derived from it.
 
 The runtime measures these as captured graphs and keeps the fastest per shape
-(:mod:`capturepass.runtime.pick`). Derived at compile time from the graph as it was
-before the passes, each by running the passes again with other scheduling options
-(never the inner compiler: a candidate's regions are compiled when it is first
-measured, so a compile costs the passes once more per candidate, and Inductor only
-for the candidates that run):
+(:mod:`capturepass.runtime.pick`). Two kinds:
 
-- ``model``: the cost model's schedule (the graph's own; always first);
-- ``one_lane``: every kernel on the main lane (``policy="off"``, ``max_aux_lanes=0``);
-- ``auxK``: at most ``K`` auxiliary lanes, for each ``K`` below what the cost model
-  used (policy ``auto`` only: hinted lanes beyond ``K`` would fold with a warning);
-- ``merged``: the cost model's schedule with every lane whose estimated busy time is
-  below :data:`SHORT_FRACTION` of the busiest lane's put back on the main lane
-  (``merge_lanes_below_us``).
+- ``model``: the cost model's schedule (the graph's own, always first), and ``one_lane``:
+  every kernel on the main lane (``policy="off"``, ``max_aux_lanes=0``). Each is a program of
+  its own: ``one_lane`` is derived at compile time by running the passes again, and its
+  regions are compiled (once more through the inner compiler) before the first capture.
+- **lane maps of the cost model's program**, compiled once for all: the same program run with
+  some lanes merged onto the stream of another (:attr:`Candidate.lane_map`; the owner that
+  captures it gives merged lanes one stream). Merging is always correct: the program issues
+  its kernels in a topological order, so work put on one stream runs in an order its
+  dependencies allow, and the waits between lanes stay where they were. Their names:
 
-Candidates that assign every kernel to the same lane as an earlier one are one
-candidate (the earlier name is kept). A graph whose cost model used one lane has
-one candidate, and nothing is measured.
+  - ``auxK``: the ``K`` busiest auxiliary lanes (by the cost model) keep a stream each, the
+    others run on the main stream, for each ``K`` below what the cost model used (policy
+    ``auto`` only);
+  - ``merged``: every lane whose estimated busy time is below :data:`SHORT_FRACTION` of the
+    busiest lane's runs on the main stream.
+
+  A map that puts every lane on the main stream is no candidate: on the H200 the cost model's
+  program run that way took 10 to 27% longer than ``one_lane``'s own compile (Llama and
+  Qwen2-MoE decoders, decode and prefill; BENCHMARKS.md): its sync points bound Inductor's
+  fusion and its buffers are not reused across lanes.
+
+Candidates that put every kernel on the same stream as an earlier one of their kind are one
+candidate (the earlier name is kept). A graph whose cost model used one lane has one
+candidate, and nothing is measured.
 """
 
 from __future__ import annotations
@@ -47,10 +56,12 @@ class Candidate:
     Attributes:
         name: ``model``, ``one_lane``, ``auxK`` or ``merged``.
         overrides: the options it was compiled with, beside the graph's own.
-        lanes: how many lanes it uses.
+        lanes: how many streams it runs on.
         estimate_us: the cost model's makespan of its schedule (records and waits included).
-        graph: its annotated graph.
-        plan: what ``emit`` planned for it.
+        graph: its annotated graph (a lane map's: the cost model's).
+        plan: what ``emit`` planned for it (a lane map's: the cost model's).
+        lane_map: for a candidate that runs the cost model's program with lanes merged, the
+            stream of each of its lanes (``0`` the main one); ``None`` for a program of its own.
     """
 
     name: str
@@ -62,6 +73,7 @@ class Candidate:
     _program: Any = None
     _compile: Callable[[Any], Any] | None = None
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    lane_map: tuple[int, ...] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -82,13 +94,16 @@ class Candidate:
             return self._program
 
 
-def assignment(gm: fx.GraphModule) -> tuple[int, tuple[tuple[str, int], ...]]:
-    """The lane count and every kernel's lane: two candidates with equal ones are one schedule."""
+def assignment(gm: fx.GraphModule, lane_map: Sequence[int] | None = None) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """The stream count and every kernel's stream (its lane, through ``lane_map`` when given):
+    two candidates with equal ones are one schedule."""
     lanes = []
     for node in gm.graph.nodes:
         if meta.effect_of(node) is meta.Effect.COMPUTE:
-            lanes.append((node.name, meta.lane_of(node).index))
-    return len(meta.graph_info(gm).lanes), tuple(lanes)
+            lane = meta.lane_of(node).index
+            lanes.append((node.name, lane_map[lane] if lane_map is not None else lane))
+    count = len(set(lane_map)) if lane_map is not None else len(meta.graph_info(gm).lanes)
+    return count, tuple(lanes)
 
 
 def lane_busy_us(gm: fx.GraphModule) -> dict[int, float]:
@@ -107,10 +122,11 @@ def lane_busy_us(gm: fx.GraphModule) -> dict[int, float]:
 SYNC_US = 0.01
 
 
-def estimate_us(gm: fx.GraphModule) -> float:
+def estimate_us(gm: fx.GraphModule, lane_map: Sequence[int] | None = None) -> float:
     """The cost model's makespan of an annotated graph on per-lane clocks (the schedule
     ``capturepass show`` simulates from the dump): kernels take their roofline time, a wait
-    starts its lane no earlier than its event's record, a break runs after everything before it."""
+    starts its lane no earlier than its event's record, a break runs after everything before it.
+    With ``lane_map``, lanes it merges share a clock (one stream)."""
     clocks: dict[int, float] = {0: 0.0}
     stamps: dict[Any, float] = {}
     for node in gm.graph.nodes:
@@ -119,6 +135,8 @@ def estimate_us(gm: fx.GraphModule) -> float:
             continue
         rec = meta.info(node)
         lane = meta.lane_of(node).index
+        if lane_map is not None:
+            lane = lane_map[lane]
         clocks.setdefault(lane, 0.0)
         if effect is meta.Effect.WAIT and rec.event in stamps:
             clocks[lane] = max(clocks[lane], stamps[rec.event])
@@ -134,19 +152,33 @@ def estimate_us(gm: fx.GraphModule) -> float:
 
 
 def variants(model: fx.GraphModule, opts: Options) -> list[tuple[str, dict[str, Any]]]:
-    """The derived candidates' names and option overrides, given the cost model's graph."""
+    """The candidates with programs of their own beside the cost model's: names and option
+    overrides, given the cost model's graph."""
+    if len(meta.graph_info(model).lanes) < 2:
+        return []
+    return [("one_lane", {"policy": "off", "max_aux_lanes": 0})]
+
+
+def lane_maps(model: fx.GraphModule, opts: Options) -> list[tuple[str, tuple[int, ...]]]:
+    """The candidates that run the cost model's program with lanes merged: names and lane maps
+    (each lane's stream: ``0`` the main one, then ``1..K`` in the order of the lanes kept)."""
     lanes = len(meta.graph_info(model).lanes)
     if lanes < 2:
         return []
-    out: list[tuple[str, dict[str, Any]]] = [("one_lane", {"policy": "off", "max_aux_lanes": 0})]
-    if opts.policy == "auto":
-        out += [(f"aux{k}", {"max_aux_lanes": k}) for k in range(lanes - 2, 0, -1)]
     busy = lane_busy_us(model)
-    aux = [us for i, us in busy.items() if i != MAIN_LANE.index]
+    aux = sorted((i for i in range(lanes) if i != MAIN_LANE.index), key=lambda i: (-busy.get(i, 0.0), i))
+
+    def keeping(kept: Sequence[int]) -> tuple[int, ...]:
+        streams = {lane: k for k, lane in enumerate(sorted(kept), start=1)}
+        return tuple(streams.get(i, 0) for i in range(lanes))
+
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if opts.policy == "auto":
+        out += [(f"aux{k}", keeping(aux[:k])) for k in range(lanes - 2, 0, -1)]
     threshold = SHORT_FRACTION * max(busy.values(), default=0.0)
-    if any(us < threshold for us in aux):
-        out.append(("merged", {"merge_lanes_below_us": round(threshold, 6)}))
-    return out
+    if any(busy.get(i, 0.0) < threshold for i in aux):
+        out.append(("merged", keeping([i for i in aux if busy.get(i, 0.0) >= threshold])))
+    return [(name, lane_map) for name, lane_map in out if max(lane_map) > 0]
 
 
 def derive(
@@ -154,7 +186,8 @@ def derive(
     plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]],
     compile_plan: Callable[[Any], Any],
 ) -> list[Candidate]:
-    """The schedule candidates of a graph, deduplicated by lane assignment, the cost model's first.
+    """The schedule candidates of a graph, deduplicated by the stream of each kernel, the cost
+    model's first, then those with programs of their own, then the cost model's lane maps.
 
     Args:
         model: the cost model's annotated graph.
@@ -168,14 +201,22 @@ def derive(
     first = Candidate("model", {}, len(meta.graph_info(model).lanes), estimate_us(model), model, model_plan,
                       model_program, compile_plan)
     out = [first]
-    seen = {assignment(model): first.name}
+    own = {assignment(model): first.name}
     for name, overrides in variants(model, opts):
         gm, plan = plan_with(overrides)
         sig = assignment(gm)
-        if sig in seen:
+        if sig in own:
             continue
-        seen[sig] = name
+        own[sig] = name
         out.append(Candidate(name, overrides, sig[0], estimate_us(gm), gm, plan, None, compile_plan))
+    mapped = {assignment(model): first.name}
+    for name, lane_map in lane_maps(model, opts):
+        sig = assignment(model, lane_map)
+        if sig in mapped:
+            continue
+        mapped[sig] = name
+        out.append(Candidate(name, {}, sig[0], estimate_us(model, lane_map), model, model_plan, model_program,
+                             compile_plan, lane_map=lane_map))
     return out
 
 

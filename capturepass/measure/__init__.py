@@ -233,6 +233,8 @@ def _mark_streams(executors: Sequence[Any]) -> None:
                 continue
             devices.add(owner.device.index or 0)
             for i, stream in enumerate(owner.streams):
+                if stream is None:
+                    continue  # a lane merged onto the caller's stream
                 with torch.profiler.record_function(f"{PREFIX}marker:{owner.device.index or 0}:{key}:{i + 1}"):
                     with torch.cuda.stream(stream):
                         torch.zeros(1, device=owner.device)

@@ -502,10 +502,11 @@ class Executor:
                 return name if candidate is None else naming.candidate_owner(name, candidate)
 
             captures = types.SimpleNamespace(
-                _capture_program=lambda program, a, r, candidate: self._capture_program(
-                    program, a, r, owner_name(candidate), device, places, shared),
-                _warm_program=lambda program, a, r, candidate: self._capture_program(
-                    program, a, r, owner_name(candidate), device, places, shared, warm_only=True),
+                _capture_program=lambda program, a, r, candidate, lane_map=None: self._capture_program(
+                    program, a, r, owner_name(candidate), device, places, shared, lane_map=lane_map),
+                _warm_program=lambda program, a, r, candidate, lane_map=None: self._capture_program(
+                    program, a, r, owner_name(candidate), device, places, shared, warm_only=True,
+                    lane_map=lane_map),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             # Its timed replays run graphs of the model's shared pool: not beside another replay of
@@ -524,11 +525,13 @@ class Executor:
 
     def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
                          device: torch.device | None, places: frozenset[int] = frozenset(),
-                         shared: CaptureMemory | None = None, warm_only: bool = False) -> tuple[Capture, Any]:
+                         shared: CaptureMemory | None = None, warm_only: bool = False,
+                         lane_map: Sequence[int] | None = None) -> tuple[Capture, Any]:
         """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps
         one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool.
-        With ``warm_only`` it only warms up: ``capture_warmed(args)`` captures it later."""
-        owner = GraphOwner(name, len(program.info.lanes), device, captured=True, shared=shared)
+        With ``warm_only`` it only warms up: ``capture_warmed(args)`` captures it later.
+        ``lane_map``: the owner's stream of each lane (``GraphOwner``; ``None``: one each)."""
+        owner = GraphOwner(name, len(program.info.lanes), device, captured=True, shared=shared, lane_map=lane_map)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
             out = cap.warm(args, real) if warm_only else cap.run(args, real)

@@ -153,7 +153,8 @@ def _bind_point(point: SyncPoint, owner: "GraphOwner", lanes: "Lanes",
         else:
             raise ResourceError(f"a sync point of a fused segment cannot run a {step.kind} step")
         start += take
-    if streams is not None and point.lane != 0:
+    if streams is not None and point.lane != 0 and streams[point.lane - 1] is not None:
+        # A lane merged onto the caller's stream stays there (the point began with it current).
         stream = streams[point.lane - 1]
         ops.append(lambda reads, stream=stream: torch.cuda.set_stream(stream))
     return ops

@@ -114,13 +114,15 @@ class CudaLanes(Lanes):
     """Lanes on CUDA streams, with events leased from the pool for one owner and scope.
 
     Args:
-        streams: the owner's auxiliary streams (index ``i - 1`` is lane ``i``).
+        streams: the owner's auxiliary streams (index ``i - 1`` is lane ``i``; ``None``: a lane
+            merged onto the caller's stream, whose records and waits are made there).
         owner: the owner's name (the pool's lease key).
         scope: ``"eager"`` or ``"capture:<n>"``.
         pool: the event pool.
     """
 
-    def __init__(self, streams: list[torch.cuda.Stream], owner: str, scope: str, pool: EventPool = POOL) -> None:
+    def __init__(self, streams: list[torch.cuda.Stream | None], owner: str, scope: str,
+                 pool: EventPool = POOL) -> None:
         super().__init__()
         self.streams = streams
         self.owner = owner
@@ -130,12 +132,14 @@ class CudaLanes(Lanes):
         self._external: dict[tuple[str, bool], torch.cuda.Event] = {}
 
     def _stream(self, lane: int) -> torch.cuda.Stream:
-        return torch.cuda.current_stream() if lane == 0 else self.streams[lane - 1]
+        # The outer program and the sync points run with lane 0's stream current.
+        stream = self.streams[lane - 1] if lane else None
+        return torch.cuda.current_stream() if stream is None else stream
 
     def region_runner(self, lane: int) -> Runner:
-        if lane == 0:
+        stream = self.streams[lane - 1] if lane else None
+        if stream is None:
             return _call
-        stream = self.streams[lane - 1]
 
         def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
             with torch.cuda.stream(stream):
@@ -181,7 +185,8 @@ class CudaLanes(Lanes):
 
     def synchronize(self) -> None:
         for s in self.streams:
-            s.synchronize()
+            if s is not None:
+                s.synchronize()
         torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -247,6 +247,11 @@ class GraphOwner:
         captured: whether its segments are captured (CPU: simulated for bookkeeping).
         shared: the pool and streams it shares with the other capture owners of its model
             (``None``: its own).
+        lane_map: the stream each lane runs on, by lane (``lane_map[i]``: ``0`` the caller's
+            stream, ``k`` the ``k``-th side stream); ``None`` gives every lane its own. A
+            schedule candidate derived from another's program runs that program with lanes
+            merged onto fewer streams (``backends.candidates``): correct as it stands, since
+            the program issues its kernels in a topological order and its waits stay.
 
     Attributes:
         name: its name, as given.
@@ -255,6 +260,8 @@ class GraphOwner:
         pool: the private memory pool of its graphs.
         capture_stream: the stream its segments were captured on (an engine that
             captures more graphs into ``pool`` should use it too).
+        streams: the stream of each lane 1..n-1 (index ``i - 1`` is lane ``i``), or ``None`` for
+            a lane its ``lane_map`` puts on the caller's stream.
         workspaces: its scratch storage, a slot per lane (locked while capturing).
         profiling: it belongs to a profiling capture and is released at its end.
         before_close: callables ``close()`` runs first (copying out held outputs).
@@ -262,7 +269,7 @@ class GraphOwner:
     """
 
     def __init__(self, name: str, num_lanes: int, device: torch.device | None, captured: bool,
-                 shared: CaptureMemory | None = None) -> None:
+                 shared: CaptureMemory | None = None, lane_map: Sequence[int] | None = None) -> None:
         with _lock:
             # NOTE: leases, channels and workspaces are keyed by the name, and closing an owner
             # releases every lease of its name: two open owners of one name would share them.
@@ -279,10 +286,19 @@ class GraphOwner:
         self.captured = captured
         self.shared = shared if self.device is not None else None
         self.lock = self.shared.lock if self.shared is not None else threading.RLock()
-        if self.shared is not None:
-            self.streams: list[torch.cuda.Stream] = self.shared.side_streams(num_lanes - 1)
+        self.lane_map = tuple(lane_map) if lane_map is not None else tuple(range(max(num_lanes, 1)))
+        if len(self.lane_map) != max(num_lanes, 1) or self.lane_map[0] != 0:
+            raise CapturePassError(f"owner {name}: lane map {list(self.lane_map)} does not map {num_lanes} lane(s) "
+                                   "with lane 0 on the caller's stream")
+        side = max(self.lane_map)
+        if self.device is None:
+            sides: list[torch.cuda.Stream] = []
+        elif self.shared is not None:
+            sides = self.shared.side_streams(side)
         else:
-            self.streams = [torch.cuda.Stream(self.device) for _ in range(num_lanes - 1)] if self.device is not None else []
+            sides = [torch.cuda.Stream(self.device) for _ in range(side)]
+        self.streams: list[torch.cuda.Stream | None] = (
+            [sides[k - 1] if k else None for k in self.lane_map[1:]] if self.device is not None else [])
         self._holds_pool = False
         self.last_stream: Any = None  # see order_after_last (when it has memory of its own)
         self.last_raw: int | None = None
@@ -322,9 +338,18 @@ class GraphOwner:
     def lane_of_stream(self, stream: Any) -> int:
         """The lane a stream is, for this owner (0 when it is not one of the owner's streams)."""
         for i, s in enumerate(self.streams):
-            if s == stream:
+            if s is not None and s == stream:
                 return i + 1
         return 0
+
+    @property
+    def side_streams(self) -> list[torch.cuda.Stream]:
+        """Its lanes' streams other than the caller's, each once."""
+        out: list[torch.cuda.Stream] = []
+        for s in self.streams:
+            if s is not None and all(s != o for o in out):
+                out.append(s)
+        return out
 
     # -- retention and resources ----------------------------------------------------------------
     def retain(self, segment: int, resources: tuple[int, ...], *objs: Any) -> None:
@@ -390,7 +415,7 @@ class GraphOwner:
     def synchronize(self) -> None:
         """Waits for every lane of this owner."""
         if self.device is not None:
-            for s in self.streams:
+            for s in self.side_streams:
                 s.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -5,8 +5,10 @@ edge by a constant; on a real GPU a schedule it prefers can be slower than one l
 (a branch too short to pay for its fork and join, kernels that contend for the same
 multiprocessors). So when a CUDA graph is captured for a new shape (option
 ``pick="measure"``, the default), :class:`Picker` captures every schedule candidate
-the backend derived (``capturepass.backends.candidates``: the cost model's, one lane,
-fewer lanes, short lanes merged back) into its own owner, replays each a few times
+the backend derived (``capturepass.backends.candidates``: the cost model's and one lane,
+each compiled; fewer lanes, short lanes merged back and every lane on one stream, as lane
+maps of the cost model's program, whose owner puts merged lanes on one stream) into its
+own owner, replays each a few times
 interleaved (CUDA events around each candidate's segment replays; warm-up rounds
 first, then as many timed rounds as ``pick_budget_ms`` allows, at least one), keeps
 the one with the lowest median (a candidate within :data:`TIE` of the fastest with
@@ -65,7 +67,7 @@ MAX_ROUNDS = 25
 # A candidate with fewer lanes within this fraction of the fastest median wins.
 TIE = 0.01
 # Bumped when what a cached choice means changes (candidate names, what is timed).
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
@@ -77,6 +79,9 @@ class CandidateLike(Protocol):
     name: str
     lanes: int
     estimate_us: float
+    # The stream of each lane when it runs another candidate's program with lanes merged
+    # (``None`` or absent: a program of its own).
+    lane_map: tuple[int, ...] | None
 
     @property
     def program(self) -> Any:
@@ -124,9 +129,12 @@ def time_rounds(
     return samples, replays
 
 
-def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = TIE) -> int:
+def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = TIE,
+           mapped: Sequence[bool] = ()) -> int:
     """The index of the chosen candidate: the fastest median, except that a candidate with fewer
-    lanes within ``tie`` (a fraction) of it wins (fewer lanes, then the faster, then the first).
+    lanes within ``tie`` (a fraction) of it wins (fewer lanes, then a program of its own over a
+    lane map of another's (``mapped``: its buffers are reused across lanes, so it holds less
+    memory), then the faster, then the first).
 
     Raises:
         ValueError: no candidate has a median.
@@ -136,7 +144,7 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
         raise ValueError("no candidate was measured")
     best = min(medians[i] for i in valid)  # type: ignore[type-var]
     close = [i for i in valid if medians[i] <= best * (1.0 + tie)]  # type: ignore[operator]
-    return min(close, key=lambda i: (lanes[i], medians[i], i))
+    return min(close, key=lambda i: (lanes[i], bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
 
 
 def replay_round(caps: Sequence[Any], order: Sequence[int]) -> list[float]:
@@ -468,7 +476,8 @@ class Picker:
                         self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return self._measure(executor, args, real, protect, shape, dev, key)
         try:
-            cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name)
+            cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name,
+                                                 lane_map=getattr(cand, "lane_map", None))
         except CaptureFailure as first:
             if index == 0:
                 raise  # the cost model's program: the executor makes the op a break
@@ -520,7 +529,7 @@ class Picker:
                                 "not measured", self.graph, cand.name, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
-                c, _ = executor._warm_program(program, args, False, cand.name)
+                c, _ = executor._warm_program(program, args, False, cand.name, lane_map=getattr(cand, "lane_map", None))
                 caps.append(c)
                 kept.append(i)
             caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
@@ -561,7 +570,7 @@ class Picker:
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6
         lanes = [c.lanes for c in self.candidates]
-        chosen = choose(medians, lanes)
+        chosen = choose(medians, lanes, mapped=[getattr(c, "lane_map", None) is not None for c in self.candidates])
         for j, i in enumerate(kept):
             if i != chosen:
                 caps[j].owner.close()

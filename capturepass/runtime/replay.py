@@ -269,7 +269,7 @@ class Capture:
                 owner.graphs[piece.segment] = graph
                 owner.capturing = piece.segment
                 try:
-                    with capture.segment(graph, owner.pool, stream, owner.streams):
+                    with capture.segment(graph, owner.pool, stream, owner.side_streams):
                         bound.run_piece(p, env)
                 except CapturePassError:
                     owner.graphs.pop(piece.segment, None)

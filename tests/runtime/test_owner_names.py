@@ -319,3 +319,24 @@ def test_capture_owners_on_cuda_are_named_per_model_and_shape(tmp_path, capsys):
                      rf"{g}\.m0\.c1 \(capture of (6, )?f32\[6,8\]\)$", out, re.M), out
     assert re.search(rf"^    model {g}\.m1: {g}\.m1\.c0 \(capture of (4, )?f32\[4,8\]\)$", out, re.M), out
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("lane_map, why", [((1, 0, 0), "lane 0"), ((0, 1), "3 lane(s)")])
+def test_a_lane_map_that_moves_lane_0_or_misses_a_lane_is_refused_naming_the_owner(lane_map, why):
+    """Lane 0 is the caller's stream by definition (the capture stream under capture); a map
+    must say where each of the graph's lanes runs."""
+    with pytest.raises(CapturePassError, match=rf"owner g9\.m0\.c0\.serial: lane map .* {re.escape(why)}"):
+        GraphOwner("g9.m0.c0.serial", 3, None, captured=True, lane_map=lane_map)
+
+
+def test_a_lane_map_on_the_host_keeps_the_map_and_no_streams():
+    owner = GraphOwner("g9.m0.c0.aux1", 3, None, captured=True, lane_map=(0, 1, 0))
+    try:
+        assert owner.lane_map == (0, 1, 0) and owner.streams == [] and owner.side_streams == []
+    finally:
+        owner.close()
+    plain = GraphOwner("g9.m0.c0", 3, None, captured=True)
+    try:
+        assert plain.lane_map == (0, 1, 2)
+    finally:
+        plain.close()

@@ -57,10 +57,12 @@ def _check_record(record, ex):
     medians = [c["measured_us"] for c in record.candidates]
     assert all(m is not None and m > 0 for m in medians), record.candidates
     lanes = [c["lanes"] for c in record.candidates]
-    assert record.candidates[pick.choose(medians, lanes)]["name"] == record.choice
+    mapped = [c.lane_map is not None for c in ex._picker.candidates]
+    assert record.candidates[pick.choose(medians, lanes, mapped=mapped)]["name"] == record.choice
     (cap,) = ex._captures.values()
     chosen = next(c for c in ex._picker.candidates if c.name == record.choice)
-    assert cap.program is chosen.program and len(cap.program.info.lanes) == chosen.lanes
+    assert cap.program is chosen.program and len(set(cap.owner.lane_map)) == chosen.lanes
+    assert cap.owner.lane_map == (chosen.lane_map or tuple(range(len(cap.program.info.lanes))))
     assert not cap.owner.closed
     # The cost model's owner is the shape's (gN.m0.c0); another candidate's bears its name.
     assert cap.owner.name.endswith(".m0.c0" if record.choice == "model" else f".m0.c0.{record.choice}")
@@ -125,6 +127,40 @@ def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatc
     assert len(cap.program.info.lanes) == 1
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("choice", ["aux1", "serial"])
+def test_a_lane_map_chosen_by_the_timer_runs_the_models_program_and_equals_eager(choice, tmp_path, monkeypatch):
+    """A candidate that merges lanes captures the cost model's program (no compile of its own)
+    with merged lanes on one stream: equal to eager over three calls with new inputs. ``serial``
+    (every lane on the caller's stream, the strongest merge; no default candidate, added here):
+    no two kernels of a replay overlap."""
+    from capturepass.backends import candidates
+    from tests.helpers import overlapping, profiled_kernels
+
+    maps = candidates.lane_maps
+    monkeypatch.setattr(candidates, "lane_maps", lambda model, opts: [
+        *maps(model, opts), ("serial", (0,) * len(meta.graph_info(model).lanes))])
+    monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {choice: 1e-6}))
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path), "verify": True})
+    for _ in range(3):
+        x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    names = [c.name for c in ex._picker.candidates]
+    assert names[:2] == ["model", "one_lane"] and choice in names, names
+    (record,) = ex._picker.records
+    assert record.choice == choice
+    (cap,) = ex._captures.values()
+    chosen = ex._picker.candidates[names.index(choice)]
+    assert cap.program is ex._picker.candidates[0].program and cap.owner.lane_map == chosen.lane_map
+    assert len(cap.owner.side_streams) == chosen.lanes - 1
+    if choice == "serial":
+        kernels = profiled_kernels(lambda: compiled(x), 5, tmp_path)
+        assert len(kernels) >= 5 * 4 and overlapping(kernels) == 0, (len(kernels), overlapping(kernels))
+
+
 def _with_timer(init, fixed):
     """``Picker.__init__`` with a timer that gives the named candidates a fixed time (seconds)
     and every other candidate the real replay's time."""
@@ -134,8 +170,9 @@ def _with_timer(init, fixed):
 
         def measure(caps, order):
             real = pick.replay_round(caps, order)
-            names = [next(c.name for c in self.candidates if c.compiled and c.program is caps[i].program)
-                     for i in order]
+            # The cost model's owner is the shape's; another candidate's bears its name.
+            names = [next((c.name for c in self.candidates[1:] if caps[i].owner.name.endswith(f".{c.name}")),
+                          "model") for i in order]
             return [fixed.get(n, t) for n, t in zip(names, real)]
 
         self.measure_round = measure
