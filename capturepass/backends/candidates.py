@@ -151,12 +151,16 @@ def estimate_us(gm: fx.GraphModule, lane_map: Sequence[int] | None = None) -> fl
     return max(clocks.values())
 
 
+# The options of the one-lane candidate's compile.
+ONE_LANE_OVERRIDES: dict[str, Any] = {"policy": "off", "max_aux_lanes": 0}
+
+
 def variants(model: fx.GraphModule, opts: Options) -> list[tuple[str, dict[str, Any]]]:
     """The candidates with programs of their own beside the cost model's: names and option
     overrides, given the cost model's graph."""
     if len(meta.graph_info(model).lanes) < 2:
         return []
-    return [("one_lane", {"policy": "off", "max_aux_lanes": 0})]
+    return [("one_lane", dict(ONE_LANE_OVERRIDES))]
 
 
 def lane_maps(model: fx.GraphModule, opts: Options) -> list[tuple[str, tuple[int, ...]]]:

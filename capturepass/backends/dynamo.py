@@ -168,11 +168,16 @@ def _aten_compiler(
         device_model = _device_model(graph_opts, examples)
         if device_model is not None:
             log.info("capturepass: %s graph: %s", kind, device_model.describe())
+        # An earlier process's measured choice for this graph and its one shape.
+        hint_key, hinted = _cached_choice(kind, pristine, graph_opts, examples)
+        compile_opts = opts
+        if hinted == ONE_LANE:
+            compile_opts = dataclasses.replace(opts, **candidates.ONE_LANE_OVERRIDES)
 
         def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str], record: bool) -> CompiledGraph:
             with cost.device_model(device_model):
                 compiled = driver.compile_graph(
-                    graph, examples, opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
+                    graph, examples, compile_opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
                     not_capturable=not_capturable, record=record,
                 )
             if device_model is not None:
@@ -191,6 +196,9 @@ def _aten_compiler(
             return new.graph, new.plan
 
         compiled = run_passes(gm, {}, True)
+        if hinted == ONE_LANE:
+            meta.add_decision(compiled.graph, "schedule one_lane from the schedule cache (measured fastest by an "
+                                              "earlier process for this graph and shape): compiled with one lane")
         gi = meta.graph_info(gm)
         log.info(
             "capturepass: compiled %s: %d lane(s), %d segment(s), %d region(s)",
@@ -218,7 +226,7 @@ def _aten_compiler(
                 scope = _tracing(tc) if _tracing_context() is not tc else contextlib.nullcontext()
                 with scope, cost.device_model(device_model):
                     new = _picker(kind, compiled, pristine, graph_opts, plan_with, tc, dump_dir, on_cuda=gi.on_cuda,
-                                  breaks=breaks)
+                                  breaks=breaks, hint_key=hint_key, hinted=hinted)
                 if new is not None:
                     # A capture failure rebuilds the graph with a break: derive its candidates again.
                     new.renew = lambda program: make_picker() if program is compiled.program else None
@@ -246,13 +254,17 @@ def _aten_compiler(
 def _picker(
     kind: str, compiled: CompiledGraph, pristine: fx.GraphModule, opts: Options,
     plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]], tc: Any, dump_dir: str | None,
-    *, on_cuda: bool, breaks: Mapping[str, str] | None = None,
+    *, on_cuda: bool, breaks: Mapping[str, str] | None = None, hint_key: str | None = None,
+    hinted: str | None = None,
 ) -> Picker | None:
     """The measured lane choice of a captured CUDA graph, or ``None``: not captured on CUDA (nothing
     to measure), ``pick="model"``, or a cost model's schedule with no cheaper alternative (one lane).
 
     ``breaks``: the nodes a rebuild made breaks (after a capture failed on them), which the
-    candidates (derived by ``plan_with``) have too; part of the cache key.
+    candidates (derived by ``plan_with``) have too; part of the cache key. ``hint_key``: the
+    key of a graph of one shape before its schedule (:func:`_cached_choice`), under which the
+    choice is kept too; ``hinted``: the choice found there at compile time (the candidates with
+    programs of their own other than that one are then compiled only if a capture needs them).
     """
     if not on_cuda or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
         return None
@@ -278,7 +290,7 @@ def _picker(
             return driver.compile_regions(plan, eager_fallback=rebuilt, inline=driver.inline_route(opts, plan))
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
-    if len(cands) > 1 and not rebuilt:
+    if len(cands) > 1 and not rebuilt and hinted is None:
         # NOTE: compiled now, inside the compile: torch 2.11's Inductor failed on every region
         # compiled at the first capture instead ("Attempting to use FunctionalTensor on its own",
         # although the compile's tracing context is re-entered), so a candidate left for later
@@ -305,7 +317,45 @@ def _picker(
     cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
     key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
     return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick,
-                  calibration=CalibrationStore(cache.directory), rooflines=calibration.rooflines(compiled.graph.graph))
+                  calibration=CalibrationStore(cache.directory), rooflines=calibration.rooflines(compiled.graph.graph),
+                  hint_key=None if rebuilt else hint_key)
+
+
+ONE_LANE = "one_lane"
+
+
+def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
+                   examples: list[Any]) -> tuple[str | None, str | None]:
+    """The key under which a measured choice of this graph is kept for its compile, and the choice
+    an earlier process made, if any.
+
+    Only for a graph of one shape (no symbolic size among ``examples``), captured on CUDA with
+    ``pick="measure"``: its one capture shape is known at compile time, so the compile can
+    build only what that choice captures. A cached ``one_lane`` compiles the graph with one lane
+    (one Inductor compile instead of the cost model's and one lane's); another choice leaves
+    ``one_lane``'s compile to a capture that needs it. Returns ``(None, None)`` otherwise.
+    """
+    if pristine is None or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
+        return None, None
+    device = cuda_device(examples)
+    if device is None or any(_symbolic(x) for x in examples):
+        return None, None
+    hint_key = candidates.graph_key(pristine, opts, ())
+    cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
+    entry = cache.get(ScheduleCache.key(pick.device_name(device), hint_key, pick.shape_text(examples)))
+    if entry is None:
+        return hint_key, None
+    log.info("capturepass: %s graph: schedule %s from the schedule cache (an earlier process measured this graph "
+             "and shape); %s", kind, entry["choice"],
+             "compiled with one lane alone" if entry["choice"] == ONE_LANE else
+             "one_lane is compiled only if a capture needs it")
+    return hint_key, entry["choice"]
+
+
+def _symbolic(x: Any) -> bool:
+    if isinstance(x, torch.SymInt):
+        return True
+    return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))
 
 
 def _device_model(opts: Options, examples: list[Any]) -> cost.DeviceModel | None:

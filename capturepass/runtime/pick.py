@@ -380,6 +380,9 @@ class Picker:
             device's cost model (``runtime.calibration``; ``None``: nowhere).
         rooflines: the graph's nominal kernel rooflines (``calibration.rooflines``), the
             sample's estimate side.
+        hint_key: for a graph of one shape, the hash of the graph before its schedule under which
+            each measured choice is kept too, where the next compile of the graph looks it up
+            before compiling anything (``backends.dynamo``); ``None``: not kept so.
 
     Attributes:
         renew: given the program a rebuild made (a capture failed on an op, now a break), the
@@ -394,6 +397,7 @@ class Picker:
         device_name: Callable[[torch.device | None], str] = device_name,
         calibration: Any = None,
         rooflines: Sequence[tuple[float, int]] = (),
+        hint_key: str | None = None,
     ) -> None:
         self.graph = graph
         self.candidates = list(candidates)
@@ -405,6 +409,7 @@ class Picker:
         self.device_name = device_name
         self.calibration = calibration
         self.rooflines = list(rooflines)
+        self.hint_key = hint_key
         self.records: list[PickRecord] = []
         self.renew: Callable[[Any], Picker | None] | None = None
 
@@ -591,6 +596,8 @@ class Picker:
                  self.graph, shape, record.choice, self.candidates[chosen].lanes, _us(medians[chosen]), rounds)
         if self.cache is not None:
             self.cache.put(key, record)
+            if self.hint_key is not None:
+                self.cache.put(ScheduleCache.key(dev, self.hint_key, shape_text(args)), record)
         if self.calibration is not None and one is not None and self.rooflines:
             # One lane's replay is the graph's kernels back to back: a measurement of what the
             # cost model estimates node by node, for the unmeasured schedules compiled from now on.

@@ -532,6 +532,37 @@ def test_cpu_compile_measures_nothing(caplog):
     torch._dynamo.reset()
 
 
+def test_a_choice_for_a_graph_of_one_shape_is_kept_for_its_next_compile(tmp_path, monkeypatch, caplog):
+    """The picker keeps each measured choice under the graph's hash before its schedule too; a
+    later compile of the same graph and shape finds it before compiling anything (a graph with a
+    symbolic size does not: its capture shapes are not known at compile time)."""
+    compiled, pristine, opts, plan_with = _compile(*_moe())
+    graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path))
+    monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
+    monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
+    args = [torch.randn(16, 64), *_moe()[1][1:]]
+    hint_key, hinted = dynamo._cached_choice("inference", pristine, graph_opts, args)
+    assert hint_key == candidates.graph_key(pristine, graph_opts, ()) and hinted is None
+    p = dynamo._picker("inference", compiled, pristine, graph_opts, plan_with, None, None, on_cuda=True,
+                       hint_key=hint_key)
+    us = {"model": 30.0, "one_lane": 25.0, "aux1": 40.0}
+    p.measure_round = lambda caps, order: [us[caps[i].name] / 1e6 for i in order]
+    p.device_name = pick.device_name
+    p.capture(_Executor(), args, real=True)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert dynamo._cached_choice("inference", pristine, graph_opts, args) == (hint_key, "one_lane")
+    assert any("schedule one_lane from the schedule cache" in r.getMessage() for r in caplog.records)
+    # Another shape, a pick="model" graph, a graph with no pristine copy: nothing found or kept.
+    assert dynamo._cached_choice("inference", pristine, graph_opts, [torch.randn(8, 64), *args[1:]]) == (hint_key, None)
+    assert dynamo._cached_choice("inference", pristine, dataclasses.replace(graph_opts, pick="model"), args) == (None, None)
+    assert dynamo._cached_choice("inference", None, graph_opts, args) == (None, None)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sym = FakeTensorMode(shape_env=ShapeEnv()).shape_env.create_unbacked_symint()
+    assert dynamo._cached_choice("inference", pristine, graph_opts, [args[0], sym, *args[1:]]) == (None, None)
+
+
 def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
     compiled, pristine, opts, plan_with = _compile(*_moe())
     folder = tmp_path / "dump" / "000_inference"

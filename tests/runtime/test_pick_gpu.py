@@ -161,6 +161,37 @@ def test_a_lane_map_chosen_by_the_timer_runs_the_models_program_and_equals_eager
         assert len(kernels) >= 5 * 4 and overlapping(kernels) == 0, (len(kernels), overlapping(kernels))
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("choice", ["one_lane", "model"])
+def test_the_next_compile_of_a_graph_builds_only_what_its_cached_choice_captures(choice, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """A second compile of the same static graph (another process, or after ``dynamo.reset``)
+    finds the first one's choice before compiling: ``one_lane`` compiles the graph with one lane
+    alone (no candidates), another choice leaves ``one_lane`` uncompiled; equal to eager."""
+    monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {choice: 1e-6}))
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    options = {"pick_cache_dir": str(tmp_path)}
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(model, backend="capturepass", options=options)(x), model(x), **BF16)
+    assert _executor()._picker.records[0].choice == choice
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="capturepass", options=options)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), **BF16)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(f"schedule {choice} from the schedule cache (an earlier process" in m for m in messages) == 1, messages
+    ex = _executor()
+    if choice == "one_lane":
+        assert ex._picker is None and len(ex.program.info.lanes) == 1
+    else:
+        one = next(c for c in ex._picker.candidates if c.name == "one_lane")
+        assert not one.compiled and ex._picker.records[0].cached and ex._picker.records[0].choice == "model"
+    assert ex.num_captures == 1
+
+
 def _with_timer(init, fixed):
     """``Picker.__init__`` with a timer that gives the named candidates a fixed time (seconds)
     and every other candidate the real replay's time."""
