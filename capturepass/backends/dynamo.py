@@ -262,9 +262,9 @@ def _picker(
 
     ``breaks``: the nodes a rebuild made breaks (after a capture failed on them), which the
     candidates (derived by ``plan_with``) have too; part of the cache key. ``hint_key``: the
-    key of a graph of one shape before its schedule (:func:`_cached_choice`), under which the
-    choice is kept too; ``hinted``: the choice found there at compile time (the candidates with
-    programs of their own other than that one are then compiled only if a capture needs them).
+    graph's hash before its schedule (:func:`_cached_choice`), under which each choice is added
+    to the graph's summary; ``hinted``: the choice found there at compile time (the candidates
+    with programs of their own other than that one are then compiled only if a capture needs them).
     """
     if not on_cuda or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
         return None
@@ -326,30 +326,38 @@ ONE_LANE = "one_lane"
 
 def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
                    examples: list[Any]) -> tuple[str | None, str | None]:
-    """The key under which a measured choice of this graph is kept for its compile, and the choice
-    an earlier process made, if any.
+    """The hash under which this graph's measured choices are summed up for its next compile
+    (``Picker.hint_key``), and the choice the summary earlier processes left implies, if any.
 
-    Only for a graph of one shape (no symbolic size among ``examples``), captured on CUDA with
-    ``pick="measure"``: its one capture shape is known at compile time, so the compile can
-    build only what that choice captures. A cached ``one_lane`` compiles the graph with one lane
-    (one Inductor compile instead of the cost model's and one lane's); another choice leaves
-    ``one_lane``'s compile to a capture that needs it. Returns ``(None, None)`` otherwise.
+    For a graph captured on CUDA with ``pick="measure"``. A graph of one shape (no symbolic size
+    among ``examples``) captures only that shape, known at compile time: the choice made for it
+    (a cached ``one_lane`` compiles the graph with one lane alone, one Inductor compile instead
+    of the cost model's and one lane's; another choice leaves ``one_lane``'s compile to a capture
+    that needs it). A graph with a symbolic size meets its shapes at run time: when every shape
+    measured so far chose ``one_lane`` it is compiled with one lane alone, and shapes not met
+    before are not measured (logged). Returns ``(None, None)`` when nothing is measured.
     """
     if pristine is None or opts.pick != "measure" or opts.cudagraphs == CaptureMode.NONE:
         return None, None
     device = cuda_device(examples)
-    if device is None or any(_symbolic(x) for x in examples):
+    if device is None:
         return None, None
     hint_key = candidates.graph_key(pristine, opts, ())
     cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
-    entry = cache.get(ScheduleCache.key(pick.device_name(device), hint_key, pick.shape_text(examples)))
-    if entry is None:
-        return hint_key, None
-    log.info("capturepass: %s graph: schedule %s from the schedule cache (an earlier process measured this graph "
-             "and shape); %s", kind, entry["choice"],
-             "compiled with one lane alone" if entry["choice"] == ONE_LANE else
-             "one_lane is compiled only if a capture needs it")
-    return hint_key, entry["choice"]
+    shapes = cache.shapes(ScheduleCache.graph_summary_key(pick.device_name(device), hint_key))
+    if not any(_symbolic(x) for x in examples):
+        choice = shapes.get(pick.shape_text(examples))
+        if choice is not None:
+            log.info("capturepass: %s graph: schedule %s from the schedule cache (an earlier process measured this "
+                     "graph and shape); %s", kind, choice,
+                     "compiled with one lane alone" if choice == ONE_LANE else
+                     "one_lane is compiled only if a capture needs it")
+        return hint_key, choice
+    if shapes and set(shapes.values()) == {ONE_LANE}:
+        log.info("capturepass: %s graph: every shape earlier processes measured of it (%d) chose one_lane (schedule "
+                 "cache); compiled with one lane alone, and shapes not met before are not measured", kind, len(shapes))
+        return hint_key, ONE_LANE
+    return hint_key, None
 
 
 def _symbolic(x: Any) -> bool:

@@ -68,6 +68,8 @@ MAX_ROUNDS = 25
 TIE = 0.01
 # Bumped when what a cached choice means changes (candidate names, what is timed).
 CACHE_FORMAT = 2
+# A graph summary's choice when its shapes chose differently.
+MIXED = "mixed"
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
@@ -327,9 +329,34 @@ class ScheduleCache:
 
     def put(self, key: str, record: PickRecord) -> None:
         """Writes the choice of ``key`` (a failure is warned once; the choice still holds here)."""
-        entry = {"format": CACHE_FORMAT, "key": key, "choice": record.choice, "record": record.to_json()}
+        self._write(key, record.choice, record.to_json())
+
+    def _write(self, key: str, choice: str, record: dict[str, Any]) -> None:
+        entry = {"format": CACHE_FORMAT, "key": key, "choice": choice, "record": record}
         files.write_json(self.path(key), entry, "capturepass: cannot write the schedule cache in %s (%s); "
                                                 "the choice is not kept for other processes", indent=1)
+
+    @staticmethod
+    def graph_summary_key(device: str, graph: str) -> str:
+        """The key of the choices of every shape measured of one graph (``graph``: its hash before
+        its schedule, :func:`capturepass.backends.candidates.graph_key` without candidates)."""
+        return ScheduleCache.key(device, graph, "*")
+
+    def shapes(self, key: str) -> dict[str, str]:
+        """The choice of each shape kept under the graph summary ``key`` (none: empty)."""
+        entry = self.get(key)
+        shapes = entry["record"].get("shapes") if entry is not None else None
+        if not isinstance(shapes, dict):
+            return {}
+        return {k: v for k, v in shapes.items() if isinstance(k, str) and isinstance(v, str)}
+
+    def add_shape(self, key: str, shape: str, choice: str) -> None:
+        """Adds a shape's choice to the graph summary ``key``. Its ``choice`` is the one every shape
+        made, or ``"mixed"``. Two processes adding at once may lose one's shape: it is measured
+        again by the next process that meets it."""
+        shapes = {**self.shapes(key), shape: choice}
+        common = set(shapes.values())
+        self._write(key, common.pop() if len(common) == 1 else MIXED, {"shapes": shapes})
 
 
 # -- the picker --------------------------------------------------------------------------------------
@@ -380,9 +407,9 @@ class Picker:
             device's cost model (``runtime.calibration``; ``None``: nowhere).
         rooflines: the graph's nominal kernel rooflines (``calibration.rooflines``), the
             sample's estimate side.
-        hint_key: for a graph of one shape, the hash of the graph before its schedule under which
-            each measured choice is kept too, where the next compile of the graph looks it up
-            before compiling anything (``backends.dynamo``); ``None``: not kept so.
+        hint_key: the hash of the graph before its schedule, under which each measured choice is
+            added to the graph's summary (:meth:`ScheduleCache.add_shape`), which the next compile
+            of the graph reads before compiling anything (``backends.dynamo``); ``None``: not kept so.
 
     Attributes:
         renew: given the program a rebuild made (a capture failed on an op, now a break), the
@@ -597,7 +624,8 @@ class Picker:
         if self.cache is not None:
             self.cache.put(key, record)
             if self.hint_key is not None:
-                self.cache.put(ScheduleCache.key(dev, self.hint_key, shape_text(args)), record)
+                self.cache.add_shape(ScheduleCache.graph_summary_key(dev, self.hint_key), shape_text(args),
+                                     record.choice)
         if self.calibration is not None and one is not None and self.rooflines:
             # One lane's replay is the graph's kernels back to back: a measurement of what the
             # cost model estimates node by node, for the unmeasured schedules compiled from now on.

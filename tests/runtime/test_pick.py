@@ -532,17 +532,24 @@ def test_cpu_compile_measures_nothing(caplog):
     torch._dynamo.reset()
 
 
-def test_a_choice_for_a_graph_of_one_shape_is_kept_for_its_next_compile(tmp_path, monkeypatch, caplog):
-    """The picker keeps each measured choice under the graph's hash before its schedule too; a
-    later compile of the same graph and shape finds it before compiling anything (a graph with a
-    symbolic size does not: its capture shapes are not known at compile time)."""
+def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, monkeypatch, caplog):
+    """The picker adds each measured choice to a summary kept under the graph's hash before its
+    schedule; a later compile of the graph reads it before compiling anything: a graph of one
+    shape takes that shape's choice; a graph with a symbolic size takes one lane only when every
+    shape measured of it chose one lane."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     compiled, pristine, opts, plan_with = _compile(*_moe())
     graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path))
     monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
     monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
     args = [torch.randn(16, 64), *_moe()[1][1:]]
+    other = [torch.randn(8, 64), *args[1:]]
+    dynamic = [args[0], FakeTensorMode(shape_env=ShapeEnv()).shape_env.create_unbacked_symint(), *args[1:]]
     hint_key, hinted = dynamo._cached_choice("inference", pristine, graph_opts, args)
     assert hint_key == candidates.graph_key(pristine, graph_opts, ()) and hinted is None
+    assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, None)
     p = dynamo._picker("inference", compiled, pristine, graph_opts, plan_with, None, None, on_cuda=True,
                        hint_key=hint_key)
     us = {"model": 30.0, "one_lane": 25.0, "aux1": 40.0}
@@ -551,16 +558,22 @@ def test_a_choice_for_a_graph_of_one_shape_is_kept_for_its_next_compile(tmp_path
     p.capture(_Executor(), args, real=True)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         assert dynamo._cached_choice("inference", pristine, graph_opts, args) == (hint_key, "one_lane")
-    assert any("schedule one_lane from the schedule cache" in r.getMessage() for r in caplog.records)
-    # Another shape, a pick="model" graph, a graph with no pristine copy: nothing found or kept.
-    assert dynamo._cached_choice("inference", pristine, graph_opts, [torch.randn(8, 64), *args[1:]]) == (hint_key, None)
+        assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, "one_lane")
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("schedule one_lane from the schedule cache" in m for m in messages), messages
+    assert any("every shape earlier processes measured of it (1) chose one_lane" in m for m in messages), messages
+    assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, None)
+    # A second shape that kept the cost model's lanes: the symbolic graph measures again.
+    us["model"] = 10.0
+    p.capture(_Executor(), other, real=True)
+    summary = ScheduleCache(tmp_path).get(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key))
+    assert summary["choice"] == pick.MIXED and summary["record"]["shapes"] == {
+        pick.shape_text(args): "one_lane", pick.shape_text(other): "model"}
+    assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, "model")
+    assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, None)
+    # Nothing is measured with pick="model", or without a pristine copy (nothing captured).
     assert dynamo._cached_choice("inference", pristine, dataclasses.replace(graph_opts, pick="model"), args) == (None, None)
     assert dynamo._cached_choice("inference", None, graph_opts, args) == (None, None)
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    sym = FakeTensorMode(shape_env=ShapeEnv()).shape_env.create_unbacked_symint()
-    assert dynamo._cached_choice("inference", pristine, graph_opts, [args[0], sym, *args[1:]]) == (None, None)
 
 
 def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
