@@ -197,8 +197,8 @@ def _aten_compiler(
 
         compiled = run_passes(gm, {}, True)
         if hinted == ONE_LANE:
-            meta.add_decision(compiled.graph, "schedule one_lane from the schedule cache (measured fastest by an "
-                                              "earlier process for this graph and shape): compiled with one lane")
+            meta.add_decision(compiled.graph, "schedule one_lane from the schedule cache (what earlier processes "
+                                              "measured of this graph): compiled with one lane")
         gi = meta.graph_info(gm)
         log.info(
             "capturepass: compiled %s: %d lane(s), %d segment(s), %d region(s)",

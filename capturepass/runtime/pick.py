@@ -532,6 +532,7 @@ class Picker:
                             entry["record"].get("scale") if isinstance(entry["record"].get("scale"), float) else None)
         log.info("capturepass: %s graph, shape %s: schedule %s (%d lane(s)) from the schedule cache; nothing measured",
                  self.graph, shape, cand.name, cand.lanes)
+        self._summarize(dev, args, cand.name)
         self._done(record)
         return cap, out
 
@@ -623,9 +624,7 @@ class Picker:
                  self.graph, shape, record.choice, self.candidates[chosen].lanes, _us(medians[chosen]), rounds)
         if self.cache is not None:
             self.cache.put(key, record)
-            if self.hint_key is not None:
-                self.cache.add_shape(ScheduleCache.graph_summary_key(dev, self.hint_key), shape_text(args),
-                                     record.choice)
+            self._summarize(dev, args, record.choice)
         if self.calibration is not None and one is not None and self.rooflines:
             # One lane's replay is the graph's kernels back to back: a measurement of what the
             # cost model estimates node by node, for the unmeasured schedules compiled from now on.
@@ -640,6 +639,15 @@ class Picker:
                          "this device (uncaptured or breakable graphs) use it", self.graph, shape, model.describe())
         self._done(record)
         return caps[kept.index(chosen)], out
+
+    def _summarize(self, dev: str, args: Sequence[Any], choice: str) -> None:
+        """Adds the choice of the shapes of ``args`` to the graph's summary (``hint_key``), if kept."""
+        if self.hint_key is None or self.cache is None:
+            return
+        key = ScheduleCache.graph_summary_key(dev, self.hint_key)
+        shape = shape_text(args)
+        if self.cache.shapes(key).get(shape) != choice:
+            self.cache.add_shape(key, shape, choice)
 
     def _done(self, record: PickRecord) -> None:
         self.records.append(record)

@@ -571,6 +571,11 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
         pick.shape_text(args): "one_lane", pick.shape_text(other): "model"}
     assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, "model")
     assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, None)
+    # A shape served from the cache is summed up too (a summary lost to two processes writing it).
+    os.remove(ScheduleCache(tmp_path).path(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key)))
+    p.capture(_Executor(), args, real=True)
+    assert p.records[-1].cached
+    assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, "one_lane")
     # Nothing is measured with pick="model", or without a pristine copy (nothing captured).
     assert dynamo._cached_choice("inference", pristine, dataclasses.replace(graph_opts, pick="model"), args) == (None, None)
     assert dynamo._cached_choice("inference", None, graph_opts, args) == (None, None)
