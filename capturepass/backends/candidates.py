@@ -151,6 +151,16 @@ def estimate_us(gm: fx.GraphModule, lane_map: Sequence[int] | None = None) -> fl
     return max(clocks.values())
 
 
+def estimated_lane_ratio(gm: fx.GraphModule) -> float | None:
+    """The cost model's makespan of ``gm``'s lanes over that of its kernels on one stream
+    (``None``: one lane, or nothing to time)."""
+    lanes = len(meta.graph_info(gm).lanes)
+    if lanes < 2:
+        return None
+    one = estimate_us(gm, (0,) * lanes)
+    return estimate_us(gm) / one if one > 0 else None
+
+
 # The options of the one-lane candidate's compile.
 ONE_LANE_OVERRIDES: dict[str, Any] = {"policy": "off", "max_aux_lanes": 0}
 

@@ -168,11 +168,6 @@ def _aten_compiler(
         device_model = _device_model(graph_opts, examples)
         if device_model is not None:
             log.info("capturepass: %s graph: %s", kind, device_model.describe())
-        # An earlier process's measured choice for this graph and its one shape.
-        hint_key, hinted = _cached_choice(kind, pristine, graph_opts, examples)
-        compile_opts = opts
-        if hinted == ONE_LANE:
-            compile_opts = dataclasses.replace(opts, **candidates.ONE_LANE_OVERRIDES)
 
         def run_passes(graph: fx.GraphModule, not_capturable: dict[str, str], record: bool) -> CompiledGraph:
             with cost.device_model(device_model):
@@ -195,10 +190,24 @@ def _aten_compiler(
             )
             return new.graph, new.plan
 
-        compiled = run_passes(gm, {}, True)
+        # What earlier processes measured of this graph, or what this device's measurements
+        # predict of its lanes: one lane alone needs one Inductor compile instead of two.
+        hint_key, hinted = _cached_choice(kind, pristine, graph_opts, examples)
+        one_lane_why = None
         if hinted == ONE_LANE:
-            meta.add_decision(compiled.graph, "schedule one_lane from the schedule cache (what earlier processes "
-                                              "measured of this graph): compiled with one lane")
+            one_lane_why = ("schedule one_lane from the schedule cache (what earlier processes measured of this "
+                            "graph): compiled with one lane")
+        elif hinted is None and hint_key is not None:
+            one_lane_why = _lanes_predicted_slower(kind, plan_with, graph_opts, examples)
+            if one_lane_why is not None:
+                hinted = ONE_LANE
+        compile_opts = opts
+        if one_lane_why is not None:
+            compile_opts = dataclasses.replace(opts, **candidates.ONE_LANE_OVERRIDES)
+
+        compiled = run_passes(gm, {}, True)
+        if one_lane_why is not None:
+            meta.add_decision(compiled.graph, one_lane_why)
         gi = meta.graph_info(gm)
         log.info(
             "capturepass: compiled %s: %d lane(s), %d segment(s), %d region(s)",
@@ -358,6 +367,37 @@ def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
                  "cache); compiled with one lane alone, and shapes not met before are not measured", kind, len(shapes))
         return hint_key, ONE_LANE
     return hint_key, None
+
+
+def lane_factor(opts: Options, device: torch.device | None) -> float | None:
+    """The lane factor of CUDA ``device`` (``runtime.calibration``: how much slower than the cost
+    model says its measured lanes ran against one lane), or ``None``: nothing measured there yet,
+    no device, or ``pick="model"``."""
+    if opts.pick != "measure" or device is None:
+        return None
+    return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).lane_factor(pick.device_name(device))
+
+
+def _lanes_predicted_slower(kind: str, plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]],
+                            opts: Options, examples: list[Any]) -> str | None:
+    """Why the graph is compiled with one lane alone, or ``None``: its cost model's lanes, with this
+    device's lane factor, are predicted to be no faster than one lane (the passes run once more,
+    without the inner compiler, to estimate them). Nothing is predicted before the device has a
+    measured lane sample."""
+    factor = lane_factor(opts, cuda_device(examples))
+    if factor is None:
+        return None
+    graph, _ = plan_with({})
+    ratio = candidates.estimated_lane_ratio(graph)
+    if ratio is None:
+        return None
+    predicted = calibration.lanes_predicted(ratio, factor)
+    if predicted < 1.0:
+        return None
+    why = (f"lanes predicted no faster than one lane on this device (cost model {ratio:.3f} x lane factor "
+           f"{factor:.3f} = {predicted:.3f}): compiled with one lane, not measured")
+    log.info("capturepass: %s graph: %d lanes %s", kind, len(meta.graph_info(graph).lanes), why)
+    return why
 
 
 def _symbolic(x: Any) -> bool:

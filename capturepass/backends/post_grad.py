@@ -37,11 +37,13 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from capturepass.backends import inline as inline_segments
+from capturepass.backends.candidates import estimated_lane_ratio
 from capturepass.errors import VerificationError
 from capturepass.ir import meta
 from capturepass.ir.options import Options
 from capturepass.ir.plan import Plan, RegionPlan, StepKind, SyncPoint
 from capturepass.runtime import inline as lane_ops
+from capturepass.runtime.calibration import lanes_predicted
 
 _saved_options: dict[str, Any] = {}
 
@@ -188,7 +190,7 @@ def _standalone(region: RegionPlan) -> None:
 
 
 def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, opts: Options,
-                title: str = "post-grad graph") -> Applied:
+                title: str = "post-grad graph", lane_factor: float | None = None) -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.
 
     Args:
@@ -199,6 +201,9 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
         opts: the graph's options (``regions``: ``"lanes"`` is the backend route's, and a host
             graph, whose lanes run in program order, is written only with ``"segments"``).
         title: the graph's name in messages.
+        lane_factor: the device's lane factor (``runtime.calibration``; ``None``: nothing
+            measured on it): lanes predicted no faster than one lane are not written, since
+            nothing measures them here.
 
     Returns:
         what was done; ``lanes == 0`` with ``why`` when the graph is left as it was.
@@ -210,6 +215,11 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
     lanes = {r.lane for r in plan.regions}
     if len(lanes) < 2:
         return Applied(0, 0, "its plan has one lane")
+    ratio = estimated_lane_ratio(plan.graph) if lane_factor is not None else None
+    if ratio is not None and lanes_predicted(ratio, lane_factor) >= 1.0:  # type: ignore[arg-type]
+        return Applied(0, 0, f"its lanes are predicted no faster than one lane on this device (cost model "
+                             f"{ratio:.3f} x the device's lane factor {lane_factor:.3f} = "
+                             f"{lanes_predicted(ratio, lane_factor):.3f})")  # type: ignore[arg-type]
     placeholders = graph.find_nodes(op="placeholder")
     unguarded = frozenset(value_map[placeholders[i]] for i in unguarded_inputs(len(placeholders)))
     fused = inline_segments.fuse(plan, unguarded)

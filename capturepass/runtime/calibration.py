@@ -13,6 +13,17 @@ by the scheduler's fixed costs (an event record and wait, ``merge_lanes_below_us
 captured graph's candidates stay the nominal model's: its measured choice is cached by
 candidate name, which must keep meaning the same schedule in the next process.
 
+The same measurements also price the lanes themselves. Where the cost model's schedule and one
+lane's own compile were both measured, a *lane sample* keeps the ratio of their makespans the
+cost model estimated and the ratio of their replays: the lanes' program pays costs the model
+does not see (its sync points bound Inductor's fusion, no buffer is reused across lanes), so
+on the H200 the measured ratio ran 1.24 to 1.48 times the estimated one. The device's *lane
+factor* (:meth:`CalibrationStore.lane_factor`, the median of measured over estimated) turns a
+new graph's estimated ratio into a predicted one (:func:`lanes_predicted`): a graph whose lanes
+are predicted to be no faster than one lane is compiled with one lane alone (the backend
+route: one Inductor compile instead of two) or left as it was (the pass route, which cannot
+measure).
+
 One JSON file per device in the schedule cache's folder (``calibration-<digest>.json``),
 holding the latest :data:`MAX_SAMPLES` samples (one per graph and shape; a shape measured
 again replaces its sample) and the model fitted to them, written atomically. The choice's
@@ -25,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import statistics
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -37,6 +49,12 @@ from capturepass.runtime import files
 FORMAT = 1
 # Samples kept per device: the latest graphs and shapes measured.
 MAX_SAMPLES = 64
+
+
+def lanes_predicted(estimated_ratio: float, factor: float) -> float:
+    """The predicted ratio of a graph's lanes to one lane (below 1: the lanes are faster), from
+    the cost model's ratio of the two makespans and the device's lane factor."""
+    return estimated_ratio * factor
 
 
 def rooflines(graph: fx.Graph) -> list[tuple[float, int]]:
@@ -106,15 +124,47 @@ class CalibrationStore:
             samples.append({"key": key, "rooflines": [[r, c] for r, c in graph_rooflines], "measured_s": measured_s})
             samples = samples[-MAX_SAMPLES:]
             fitted = cost.fit(list(_parsed(samples)), device)
-            data = {"format": FORMAT, "device": device, "samples": samples,
+            data = {**data, "samples": samples,
                     "model": {"scale": fitted.scale, "launch_floor_s": fitted.launch_floor_s,
                               "samples": fitted.samples}}
             self._write(device, data)
         return fitted
 
+    def add_lanes(self, device: str, key: str, estimated: float, measured: float) -> float | None:
+        """Adds (or replaces) the lane sample of ``key`` (a graph and shape): the cost model's
+        schedule over one lane's, ``estimated`` (makespans) and ``measured`` (replays); writes
+        it and returns the device's new lane factor (``None``: not a valid sample)."""
+        if not all(math.isfinite(v) and v > 0 for v in (estimated, measured)):
+            return None
+        with self._lock:
+            data = self._read(device) or {"format": FORMAT, "device": device, "samples": []}
+            lanes = [s for s in data.get("lanes", []) if isinstance(s, dict) and s.get("key") != key]
+            lanes.append({"key": key, "estimated": estimated, "measured": measured})
+            data = {**data, "lanes": lanes[-MAX_SAMPLES:]}
+            self._write(device, data)
+        return _factor(data["lanes"])
+
+    def lane_factor(self, device: str) -> float | None:
+        """The median of measured over estimated lane ratios of ``device``'s lane samples, or
+        ``None`` (none yet, or unreadable)."""
+        data = self._read(device)
+        return _factor(data.get("lanes", [])) if data is not None else None
+
     def _write(self, device: str, data: dict[str, Any]) -> None:
         files.write_json(self.path(device), data, "capturepass: cannot write the calibration in %s (%s); the cost "
                                                   "model is recalibrated in this process only")
+
+
+def _factor(lanes: Iterable[Any]) -> float | None:
+    ratios = []
+    for s in lanes:
+        try:
+            estimated, measured = float(s["estimated"]), float(s["measured"])
+        except (KeyError, TypeError, ValueError):
+            continue  # a malformed sample is left out, as in the fit
+        if math.isfinite(estimated) and math.isfinite(measured) and estimated > 0 and measured > 0:
+            ratios.append(measured / estimated)
+    return statistics.median(ratios) if ratios else None
 
 
 def _parsed(samples: Iterable[dict[str, Any]]) -> Iterable[tuple[list[tuple[float, int]], float]]:

@@ -609,7 +609,9 @@ class Picker:
                 caps[j].owner.close()
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us), "measured_us": _us(medians[i]),
                   "note": notes.get(i)} for i, c in enumerate(self.candidates)]
-        one = next((i for i, c in enumerate(self.candidates) if c.lanes == 1 and medians[i] is not None), None)
+        # One lane's own program (a lane map onto one stream runs the lanes' program).
+        one = next((i for i, c in enumerate(self.candidates)
+                    if c.lanes == 1 and getattr(c, "lane_map", None) is None and medians[i] is not None), None)
         scale = None
         if one is not None and self.candidates[one].estimate_us > 0:
             scale = round(medians[one] / self.candidates[one].estimate_us, 4)  # type: ignore[operator]
@@ -637,8 +639,28 @@ class Picker:
             if model is not None:
                 log.info("capturepass: %s graph, shape %s: %s; the unmeasured schedules compiled from now on on "
                          "this device (uncaptured or breakable graphs) use it", self.graph, shape, model.describe())
+            self._lane_sample(dev, key, shape, one, medians)
         self._done(record)
         return caps[kept.index(chosen)], out
+
+    def _lane_sample(self, dev: str, key: str, shape: str, one: int, medians: Sequence[float | None]) -> None:
+        """The cost model's lanes against one lane's own program, estimated and measured: a sample
+        of the device's lane factor (``runtime.calibration``)."""
+        model, single = self.candidates[0], self.candidates[one]
+        if one == 0 or medians[0] is None or medians[one] is None or not single.estimate_us > 0:
+            return
+        estimated = model.estimate_us / single.estimate_us
+        measured = medians[0] / medians[one]  # type: ignore[operator]
+        try:
+            factor = self.calibration.add_lanes(dev, key, estimated, measured)
+        except Exception as e:  # noqa: BLE001 - the call must not fail for want of a calibration
+            log.warning("capturepass: %s graph: keeping the lane sample failed (%s: %s)", self.graph,
+                        type(e).__name__, e)
+            return
+        if factor is not None:
+            log.info("capturepass: %s graph, shape %s: lanes over one lane estimated %.3f, measured %.3f; this "
+                     "device's lane factor (measured over estimated, median) is now %.3f", self.graph, shape,
+                     estimated, measured, factor)
 
     def _summarize(self, dev: str, args: Sequence[Any], choice: str) -> None:
         """Adds the choice of the shapes of ``args`` to the graph's summary (``hint_key``), if kept."""

@@ -137,3 +137,20 @@ def test_the_scheduler_weighs_calibrated_times_against_its_fixed_thresholds():
 
     assert lanes(None) == ("main", "aux0", "aux1")
     assert lanes(cost.DeviceModel(name="fast", scale=0.25, launch_floor_s=0.5e-6, samples=3)) == ("main",)
+
+
+def test_lane_samples_give_the_devices_lane_factor_and_keep_the_model(tmp_path):
+    """The lanes' measured ratio to one lane over the cost model's (a median over the device's
+    samples, one per graph and shape); one-lane samples and lane samples share the file."""
+    store = CalibrationStore(tmp_path)
+    assert store.lane_factor(DEVICE) is None
+    model = store.add(DEVICE, "g0", GRAPHS[0], 1e-3)
+    assert store.add_lanes(DEVICE, "g0", 0.8, 1.04) == pytest.approx(1.3)
+    assert store.add_lanes(DEVICE, "g1", 0.5, 0.75) == pytest.approx(1.4)  # median of 1.3 and 1.5
+    assert store.add_lanes(DEVICE, "g0", 0.8, 0.96) == pytest.approx(1.35)  # g0 measured again: 1.2 and 1.5
+    assert store.add_lanes(DEVICE, "g2", 0.0, 1.0) is None  # not a sample
+    again = CalibrationStore(tmp_path)
+    assert again.lane_factor(DEVICE) == pytest.approx(1.35) and again.model(DEVICE) == model
+    store.add(DEVICE, "g1", GRAPHS[1], 1e-3)  # refitting keeps the lane samples
+    assert again.lane_factor(DEVICE) == pytest.approx(1.35) and again.lane_factor("OtherGPU sm80") is None
+    assert calibration.lanes_predicted(0.7, 1.35) == pytest.approx(0.945)

@@ -571,6 +571,12 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
         pick.shape_text(args): "one_lane", pick.shape_text(other): "model"}
     assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, "model")
     assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, None)
+    # Each shape where both the lanes and one lane were measured is a lane sample of the device:
+    # 30/25 measured against 20.09/34.0 estimated, then 10/25 against the same.
+    from capturepass.runtime.calibration import CalibrationStore
+
+    assert CalibrationStore(tmp_path).lane_factor("FakeGPU sm90") == pytest.approx(
+        ((30 / 25) / (20.09 / 34.0) + (10 / 25) / (20.09 / 34.0)) / 2, rel=1e-3)
     # A shape served from the cache is summed up too (a summary lost to two processes writing it).
     os.remove(ScheduleCache(tmp_path).path(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key)))
     p.capture(_Executor(), args, real=True)
@@ -579,6 +585,33 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
     # Nothing is measured with pick="model", or without a pristine copy (nothing captured).
     assert dynamo._cached_choice("inference", pristine, dataclasses.replace(graph_opts, pick="model"), args) == (None, None)
     assert dynamo._cached_choice("inference", None, graph_opts, args) == (None, None)
+
+
+def test_lanes_predicted_no_faster_than_one_lane_compile_one_lane_alone(tmp_path, monkeypatch, caplog):
+    """Once the device has lane samples, a graph whose estimated lanes, times the device's lane
+    factor, are no faster than one lane is compiled with one lane and not measured; below 1 its
+    lanes are compiled and measured as before. The MoE block's lanes: 20.09 us against 34.17 on
+    one stream (0.588)."""
+    from capturepass.runtime.calibration import CalibrationStore
+
+    monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
+    monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
+    compiled, pristine, opts, plan_with = _compile(*_moe())
+    graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path))
+    args = [torch.randn(16, 64), *_moe()[1][1:]]
+    assert candidates.estimated_lane_ratio(compiled.graph) == pytest.approx(20.09 / 34.17, rel=1e-3)
+    assert dynamo._lanes_predicted_slower("inference", plan_with, graph_opts, args) is None  # no sample yet
+    store = CalibrationStore(tmp_path)
+    store.add_lanes("FakeGPU sm90", "g0", 0.6, 0.9)  # factor 1.5: 0.588 x 1.5 = 0.88, the lanes may pay
+    assert dynamo._lanes_predicted_slower("inference", plan_with, graph_opts, args) is None
+    store.add_lanes("FakeGPU sm90", "g1", 0.5, 1.0)  # factor 1.75: 1.03
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        why = dynamo._lanes_predicted_slower("inference", plan_with, graph_opts, args)
+    assert why == ("lanes predicted no faster than one lane on this device (cost model 0.588 x lane factor 1.750 "
+                   "= 1.029): compiled with one lane, not measured")
+    assert any(r.getMessage() == f"capturepass: inference graph: 3 lanes {why}" for r in caplog.records)
+    assert dynamo._lanes_predicted_slower("inference", plan_with, dataclasses.replace(graph_opts, pick="model"),
+                                          args) is None
 
 
 def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):

@@ -161,7 +161,8 @@ class PostGradPass:
             os.fspath(opts.dump_dir), f"post_grad_{os.getpid()}_{piece:03d}")
         # Nothing measures this route's schedules: the device's calibrated cost model, where
         # the backend route's measured choices made one, prices them.
-        device_model = dynamo.calibrated_model(opts, dynamo.cuda_device(inputs))
+        device = dynamo.cuda_device(inputs)
+        device_model = dynamo.calibrated_model(opts, device)
         with cost.device_model(device_model) if device_model is not None else contextlib.nullcontext():
             compiled = driver.compile_graph(
                 gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
@@ -170,7 +171,8 @@ class PostGradPass:
         gi = meta.graph_info(compiled.graph)
         if device_model is not None:
             log.info("capturepass: post-grad piece %d: %s", piece, device_model.describe())
-        applied = post_grad.apply_lanes(graph, value_map, compiled.plan, opts, f"post-grad piece {piece}")
+        applied = post_grad.apply_lanes(graph, value_map, compiled.plan, opts, f"post-grad piece {piece}",
+                                        lane_factor=dynamo.lane_factor(opts, device))
         if applied.lanes:
             lowers, why = inductor_lowers_streams()
             _say_once("capturepass: the post-grad pass writes lanes into the pieces Inductor compiles, as "
@@ -199,7 +201,8 @@ class PostGradPass:
     def uuid(self) -> str:
         """A digest of the passes' sources, the capability registry, the options, this class,
         the modules that write the lanes into the graph (and the ops it calls), and the current
-        CUDA device's calibrated cost model, which prices the schedules."""
+        CUDA device's calibrated cost model and lane factor, which price the schedules and decide
+        whether the lanes are written."""
         import torch
 
         from capturepass.backends import inline, post_grad
@@ -215,8 +218,11 @@ class PostGradPass:
         if torch.cuda.is_available():
             from capturepass.backends import dynamo
 
-            model = dynamo.calibrated_model(opts, torch.device("cuda", torch.cuda.current_device()))
+            device = torch.device("cuda", torch.cuda.current_device())
+            model = dynamo.calibrated_model(opts, device)
             digest.update((model.describe() if model is not None else "nominal").encode())
+            factor = dynamo.lane_factor(opts, device)
+            digest.update(f"lane factor {factor if factor is None else round(factor, 4)}".encode())
         return digest.hexdigest()
 
     def is_applicable_for_range(self, compile_range: Any) -> bool:

@@ -139,6 +139,24 @@ def test_post_grad_pass_writes_the_lanes_into_the_graph(tmp_path, monkeypatch, c
     assert any("2 lanes" in r.getMessage() and "sync points written" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("factor, written", [(None, True), (1.2, True), (2.5, False)])
+def test_post_grad_pass_writes_only_lanes_the_device_predicts_to_pay(factor, written, monkeypatch, caplog):
+    """Nothing measures the pass route's lanes: with the device's lane factor (measured lanes
+    against one lane, over the cost model's estimate), lanes predicted no faster than one lane
+    are not written (the graph stays Inductor's own, one lane), and the log says why."""
+    from capturepass.backends import dynamo
+
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments"}')
+    monkeypatch.setattr(dynamo, "lane_factor", lambda opts, device: factor)
+    gm = _post_grad_graph()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        capturepass.post_grad_pass(gm.graph)
+    assert bool(_lane_steps(gm.graph)) is written
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("predicted no faster than one lane on this device (cost model" in m and "lane factor 2.500" in m
+               for m in messages) is not written, messages
+
+
 def test_post_grad_pass_guards_no_input_under_inductors_cudagraphs(monkeypatch):
     """Under ``mode="reduce-overhead"`` a graph that writes an input Inductor does not know as
     static is not captured: no sync point declares one written, and what reads only inputs runs
@@ -295,18 +313,21 @@ def test_post_grad_pass_schedules_with_the_devices_calibrated_model(monkeypatch,
 
 
 def test_post_grad_pass_uuid_follows_the_devices_calibrated_model(monkeypatch):
-    """The calibrated model changes the schedules the pass writes: Inductor's cache must not serve
-    a piece compiled under another one."""
+    """The calibrated model and the lane factor change what the pass writes: Inductor's cache
+    must not serve a piece compiled under others."""
     from capturepass.backends import dynamo
     from capturepass.ir import cost
 
     monkeypatch.delenv("CAPTUREPASS_OPTIONS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    models = {"now": None}
+    models = {"now": None, "factor": None}
     monkeypatch.setattr(dynamo, "calibrated_model", lambda opts, device: models["now"])
+    monkeypatch.setattr(dynamo, "lane_factor", lambda opts, device: models["factor"])
     nominal = capturepass.post_grad_pass.uuid()
     models["now"] = cost.DeviceModel(name="FakeGPU sm90", scale=0.25, launch_floor_s=2e-6, samples=3)
     calibrated = capturepass.post_grad_pass.uuid()
     models["now"] = cost.DeviceModel(name="FakeGPU sm90", scale=0.5, launch_floor_s=2e-6, samples=4)
-    assert len({nominal, calibrated, capturepass.post_grad_pass.uuid()}) == 3
+    again = capturepass.post_grad_pass.uuid()
+    models["factor"] = 1.3  # decides whether lanes are written
+    assert len({nominal, calibrated, again, capturepass.post_grad_pass.uuid()}) == 4
