@@ -194,6 +194,35 @@ def test_the_next_compile_of_a_graph_builds_only_what_its_cached_choice_captures
     assert ex.num_captures == 1
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("factor, one_lane", [(4.0, True), (1.0, False)])
+def test_the_devices_lane_factor_decides_whether_the_lanes_are_compiled(factor, one_lane, tmp_path, caplog):
+    """With a lane sample on the device (measured lanes ``factor`` times slower against one lane
+    than the cost model said), the MoE block's lanes are predicted slower than one lane and the
+    graph compiles one lane alone, unmeasured; with a factor of 1 its lanes are compiled and
+    measured. Equal to eager either way."""
+    from capturepass.runtime.calibration import CalibrationStore
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    CalibrationStore(tmp_path).add_lanes(pick.device_name(device), "an earlier graph", 1.0, factor)
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(3):
+            x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    predicted = [r.getMessage() for r in caplog.records if "lanes predicted no faster than one lane" in r.getMessage()]
+    if one_lane:
+        assert len(predicted) == 1 and ex._picker is None and len(ex.program.info.lanes) == 1
+    else:
+        assert not predicted and len(ex.program.info.lanes) > 1
+        (record,) = ex._picker.records
+        assert not record.cached and record.rounds >= 1
+    assert ex.num_captures == 1
+
+
 def _with_timer(init, fixed):
     """``Picker.__init__`` with a timer that gives the named candidates a fixed time (seconds)
     and every other candidate the real replay's time."""
