@@ -287,9 +287,10 @@ class GraphOwner:
         self.shared = shared if self.device is not None else None
         self.lock = self.shared.lock if self.shared is not None else threading.RLock()
         self.lane_map = tuple(lane_map) if lane_map is not None else tuple(range(max(num_lanes, 1)))
-        if len(self.lane_map) != max(num_lanes, 1) or self.lane_map[0] != 0:
+        if len(self.lane_map) != max(num_lanes, 1) or self.lane_map[0] != 0 \
+                or any(not 0 <= k < len(self.lane_map) for k in self.lane_map):
             raise CapturePassError(f"owner {name}: lane map {list(self.lane_map)} does not map {num_lanes} lane(s) "
-                                   "with lane 0 on the caller's stream")
+                                   f"each to a stream 0..{max(num_lanes, 1) - 1}, with lane 0 on the caller's stream")
         side = max(self.lane_map)
         if self.device is None:
             sides: list[torch.cuda.Stream] = []

@@ -321,7 +321,7 @@ def test_capture_owners_on_cuda_are_named_per_model_and_shape(tmp_path, capsys):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("lane_map, why", [((1, 0, 0), "lane 0"), ((0, 1), "3 lane(s)")])
+@pytest.mark.parametrize("lane_map, why", [((1, 0, 0), "lane 0"), ((0, 1), "3 lane(s)"), ((0, -1, 3), "3 lane(s)")])
 def test_a_lane_map_that_moves_lane_0_or_misses_a_lane_is_refused_naming_the_owner(lane_map, why):
     """Lane 0 is the caller's stream by definition (the capture stream under capture); a map
     must say where each of the graph's lanes runs."""
