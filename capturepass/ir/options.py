@@ -120,6 +120,12 @@ class Options:
             (each rank would measure on its own clock) run the cost model's schedule.
         pick_budget_ms: the replay time measuring the candidates of one shape may take
             (milliseconds of timed replays; at least one round is timed).
+        pick_predict: with ``pick="measure"``, a graph whose lanes the device's lane factor
+            (``runtime.calibration``: its measured lanes against one lane, over the cost
+            model's estimate) predicts no faster than one lane is compiled with one lane alone,
+            unmeasured, and the pass route leaves such lanes out. ``False``: every captured
+            graph's candidates are compiled and measured (a choice cached for its shape still
+            applies).
         pick_cache_dir: where measured choices are kept; ``None``: ``CAPTUREPASS_CACHE_DIR``,
             else ``capturepass/schedules`` under torch's cache directory.
         merge_lanes_below_us: lanes whose estimated busy time is below this many
@@ -146,6 +152,7 @@ class Options:
     disable: tuple[str, ...] = ()
     pick: str = "measure"
     pick_budget_ms: float = 200.0
+    pick_predict: bool = True
     pick_cache_dir: str | None = None
     merge_lanes_below_us: float = 0.0
 
@@ -229,7 +236,7 @@ class Options:
             _check_dump_dir(os.fspath(self.dump_dir), name("dump_dir"))
         if isinstance(self.max_captures, bool) or not isinstance(self.max_captures, int) or self.max_captures < 1:
             raise OptionError(f"{name('max_captures')} must be a positive int, got {self.max_captures!r}")
-        for key in ("static_outputs", "check_replay", "verify"):
+        for key in ("static_outputs", "check_replay", "verify", "pick_predict"):
             if not isinstance(getattr(self, key), bool):
                 raise OptionError(f"{name(key)} must be True or False, got {getattr(self, key)!r}")
 
@@ -255,7 +262,7 @@ class Options:
         fields.pop("dump_dir")
         fields.pop("verify")
         fields.pop("check_replay")  # a runtime check: the generated code is the same
-        for key in ("pick", "pick_budget_ms", "pick_cache_dir"):  # which schedule runs, not how one compiles
+        for key in ("pick", "pick_budget_ms", "pick_predict", "pick_cache_dir"):  # which schedule runs, not how one compiles
             fields.pop(key)
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 

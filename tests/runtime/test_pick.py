@@ -505,8 +505,12 @@ def test_pick_option_is_validated():
         Options.from_mapping({"pick_budget_ms": -1})
     with pytest.raises(OptionError, match="option 'pick_cache_dir' must be a directory path or None, got ''"):
         Options.from_mapping({"pick_cache_dir": ""})
+    assert Options().pick_predict is True and Options.from_mapping({"pick_predict": False}).pick_predict is False
+    with pytest.raises(OptionError, match="option 'pick_predict' must be True or False, got 'no'"):
+        Options.from_mapping({"pick_predict": "no"})
     # Which schedule runs is no part of what a pass compiles; the backward graph measures nothing.
-    assert Options(pick="model").key() == Options().key() == Options(pick_budget_ms=5).key()
+    assert Options(pick="model").key() == Options().key() == Options(pick_budget_ms=5).key() \
+        == Options(pick_predict=False).key()
     assert Options().for_graph("backward", True).pick == "model"
 
 
@@ -610,8 +614,9 @@ def test_lanes_predicted_no_faster_than_one_lane_compile_one_lane_alone(tmp_path
     assert why == ("lanes predicted no faster than one lane on this device (cost model 0.588 x lane factor 1.750 "
                    "= 1.029): compiled with one lane, not measured")
     assert any(r.getMessage() == f"capturepass: inference graph: 3 lanes {why}" for r in caplog.records)
-    assert dynamo._lanes_predicted_slower("inference", plan_with, dataclasses.replace(graph_opts, pick="model"),
-                                          args) is None
+    for off in ({"pick": "model"}, {"pick_predict": False}):
+        assert dynamo._lanes_predicted_slower("inference", plan_with, dataclasses.replace(graph_opts, **off),
+                                              args) is None, off
 
 
 def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
