@@ -287,6 +287,13 @@ def replay_times(iters: int) -> list[dict]:
         if ex is None:
             continue
         choices = [c.text() for c in ex.schedule_choices]
+        if not choices:
+            # Compiled with one lane without measuring: from an earlier process's choice, or
+            # predicted by the device's lane factor (the graph record's decision says which).
+            from capturepass.ir import meta
+
+            choices = [d for d in meta.graph_info(rec.graph).decisions if isinstance(d, str) and (
+                d.startswith("lanes predicted no faster") or d.startswith("schedule one_lane from the schedule cache"))]
         for owner in ex.owners:
             graphs = list(owner.graphs.values())
             if graphs:
