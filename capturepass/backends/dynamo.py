@@ -372,7 +372,7 @@ def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
 def lane_factor(opts: Options, device: torch.device | None) -> float | None:
     """The lane factor of CUDA ``device`` (``runtime.calibration``: how much slower than the cost
     model says its measured lanes ran against one lane), or ``None``: nothing measured there yet,
-    no device, ``pick="model"`` or ``pick_predict=False``."""
+    no device, ``pick="model"`` or ``pick_predict`` off (the default)."""
     if opts.pick != "measure" or not opts.pick_predict or device is None:
         return None
     return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).lane_factor(pick.device_name(device))

@@ -123,9 +123,12 @@ class Options:
         pick_predict: with ``pick="measure"``, a graph whose lanes the device's lane factor
             (``runtime.calibration``: its measured lanes against one lane, over the cost
             model's estimate) predicts no faster than one lane is compiled with one lane alone,
-            unmeasured, and the pass route leaves such lanes out. ``False``: every captured
-            graph's candidates are compiled and measured (a choice cached for its shape still
-            applies).
+            unmeasured (one Inductor compile instead of two), and the pass route leaves such
+            lanes out. Off by default: the factor is one number per device, and graphs the cost
+            model rates alike differ (on the H200 an attention block with an indexer, which its
+            lanes speed up, is estimated as a Llama decoder whose lanes slow it down), so it can
+            give up a gain the measurement would keep. ``False``: every captured graph's
+            candidates are compiled and measured (a choice cached for its shape still applies).
         pick_cache_dir: where measured choices are kept; ``None``: ``CAPTUREPASS_CACHE_DIR``,
             else ``capturepass/schedules`` under torch's cache directory.
         merge_lanes_below_us: lanes whose estimated busy time is below this many
@@ -152,7 +155,7 @@ class Options:
     disable: tuple[str, ...] = ()
     pick: str = "measure"
     pick_budget_ms: float = 200.0
-    pick_predict: bool = True
+    pick_predict: bool = False
     pick_cache_dir: str | None = None
     merge_lanes_below_us: float = 0.0
 
@@ -262,7 +265,8 @@ class Options:
         fields.pop("dump_dir")
         fields.pop("verify")
         fields.pop("check_replay")  # a runtime check: the generated code is the same
-        for key in ("pick", "pick_budget_ms", "pick_predict", "pick_cache_dir"):  # which schedule runs, not how one compiles
+        # Which schedule runs, not how one compiles.
+        for key in ("pick", "pick_budget_ms", "pick_predict", "pick_cache_dir"):
             fields.pop(key)
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 

@@ -505,7 +505,7 @@ def test_pick_option_is_validated():
         Options.from_mapping({"pick_budget_ms": -1})
     with pytest.raises(OptionError, match="option 'pick_cache_dir' must be a directory path or None, got ''"):
         Options.from_mapping({"pick_cache_dir": ""})
-    assert Options().pick_predict is True and Options.from_mapping({"pick_predict": False}).pick_predict is False
+    assert Options().pick_predict is False and Options.from_mapping({"pick_predict": True}).pick_predict is True
     with pytest.raises(OptionError, match="option 'pick_predict' must be True or False, got 'no'"):
         Options.from_mapping({"pick_predict": "no"})
     # Which schedule runs is no part of what a pass compiles; the backward graph measures nothing.
@@ -592,16 +592,17 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
 
 
 def test_lanes_predicted_no_faster_than_one_lane_compile_one_lane_alone(tmp_path, monkeypatch, caplog):
-    """Once the device has lane samples, a graph whose estimated lanes, times the device's lane
-    factor, are no faster than one lane is compiled with one lane and not measured; below 1 its
-    lanes are compiled and measured as before. The MoE block's lanes: 20.09 us against 34.17 on
-    one stream (0.588)."""
+    """With ``pick_predict`` on, once the device has lane samples, a graph whose estimated lanes,
+    times the device's lane factor, are no faster than one lane is compiled with one lane and not
+    measured; below 1 its lanes are compiled and measured as before. The MoE block's lanes:
+    20.09 us against 34.17 on one stream (0.588)."""
     from capturepass.runtime.calibration import CalibrationStore
 
     monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
     monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
     compiled, pristine, opts, plan_with = _compile(*_moe())
-    graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path))
+    graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path),
+                                     pick_predict=True)
     args = [torch.randn(16, 64), *_moe()[1][1:]]
     assert candidates.estimated_lane_ratio(compiled.graph) == pytest.approx(20.09 / 34.17, rel=1e-3)
     assert dynamo._lanes_predicted_slower("inference", plan_with, graph_opts, args) is None  # no sample yet

@@ -197,8 +197,8 @@ def test_the_next_compile_of_a_graph_builds_only_what_its_cached_choice_captures
 @torch.no_grad()
 @pytest.mark.parametrize("factor, one_lane", [(4.0, True), (1.0, False)])
 def test_the_devices_lane_factor_decides_whether_the_lanes_are_compiled(factor, one_lane, tmp_path, caplog):
-    """With a lane sample on the device (measured lanes ``factor`` times slower against one lane
-    than the cost model said), the MoE block's lanes are predicted slower than one lane and the
+    """With ``pick_predict`` and a lane sample on the device (measured lanes ``factor`` times slower
+    against one lane than the cost model said), the MoE block's lanes are predicted slower than one lane and the
     graph compiles one lane alone, unmeasured; with a factor of 1 its lanes are compiled and
     measured. Equal to eager either way."""
     from capturepass.runtime.calibration import CalibrationStore
@@ -207,7 +207,8 @@ def test_the_devices_lane_factor_decides_whether_the_lanes_are_compiled(factor, 
     CalibrationStore(tmp_path).add_lanes(pick.device_name(device), "an earlier graph", 1.0, factor)
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path)})
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"pick_cache_dir": str(tmp_path), "pick_predict": True})
     with caplog.at_level(logging.INFO, logger="capturepass"):
         for _ in range(3):
             x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)

@@ -146,7 +146,7 @@ def test_post_grad_pass_writes_only_lanes_the_device_predicts_to_pay(factor, wri
     are not written (the graph stays Inductor's own, one lane), and the log says why."""
     from capturepass.backends import dynamo
 
-    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments"}')
+    monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "pick_predict": true}')
     monkeypatch.setattr(dynamo, "lane_factor", lambda opts, device: factor)
     gm = _post_grad_graph()
     with caplog.at_level(logging.INFO, logger="capturepass"):
