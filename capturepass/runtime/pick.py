@@ -27,7 +27,11 @@ The choice is kept in a JSON file per key (device name, a hash of the graph befo
 lane assignment with the options that change its schedule, the shapes), under
 ``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
 torch's cache directory): another process that compiles the same graph captures
-only the chosen candidate. A cache file that cannot be read or written is reported
+only the chosen candidate. Each choice is also added to the graph's summary (every shape's
+choice, keyed by the graph's hash before its schedule: :meth:`ScheduleCache.add_shape`), which
+the graph's next compile reads before compiling anything (``backends.dynamo``), and each shape
+where the cost model's lanes and one lane were both measured leaves a lane sample of the device
+(``runtime.calibration``). A cache file that cannot be read or written is reported
 once (a warning), and the candidates are measured anyway. A candidate that fails to
 compile or to capture is left out (logged); timing that fails keeps the cost model's
 schedule (a warning); the cost model's own capture failing is the executor's to handle,
