@@ -199,8 +199,6 @@ def _aten_compiler(
                             "graph): compiled with one lane")
         elif hinted is None and hint_key is not None:
             one_lane_why = _lanes_predicted_slower(kind, plan_with, graph_opts, examples)
-            if one_lane_why is not None:
-                hinted = ONE_LANE
         compile_opts = opts
         if one_lane_why is not None:
             compile_opts = dataclasses.replace(opts, **candidates.ONE_LANE_OVERRIDES)
@@ -323,7 +321,7 @@ def _picker(
         meta.add_decision(compiled.graph, record.text())
         append_record(dump_dir, record)
 
-    cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
+    cache = ScheduleCache(_cache_dir(opts))
     key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
     return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick,
                   calibration=CalibrationStore(cache.directory), rooflines=calibration.rooflines(compiled.graph.graph),
@@ -331,6 +329,11 @@ def _picker(
 
 
 ONE_LANE = "one_lane"
+
+
+def _cache_dir(opts: Options) -> Any:
+    """Where measured choices and the devices' calibrations are kept (a path)."""
+    return opts.pick_cache_dir or default_cache_dir()
 
 
 def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
@@ -352,7 +355,7 @@ def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
     if device is None:
         return None, None
     hint_key = candidates.graph_key(pristine, opts, ())
-    cache = ScheduleCache(opts.pick_cache_dir or default_cache_dir())
+    cache = ScheduleCache(_cache_dir(opts))
     shapes = cache.shapes(ScheduleCache.graph_summary_key(pick.device_name(device), hint_key))
     if not any(_symbolic(x) for x in examples):
         choice = shapes.get(pick.shape_text(examples))
@@ -375,7 +378,7 @@ def lane_factor(opts: Options, device: torch.device | None) -> float | None:
     no device, ``pick="model"`` or ``pick_predict`` off (the default)."""
     if opts.pick != "measure" or not opts.pick_predict or device is None:
         return None
-    return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).lane_factor(pick.device_name(device))
+    return CalibrationStore(_cache_dir(opts)).lane_factor(pick.device_name(device))
 
 
 def _lanes_predicted_slower(kind: str, plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]],
@@ -431,7 +434,7 @@ def calibrated_model(opts: Options, device: torch.device | None) -> cost.DeviceM
     reproducible schedules)."""
     if opts.pick != "measure" or device is None:
         return None
-    return CalibrationStore(opts.pick_cache_dir or default_cache_dir()).model(pick.device_name(device))
+    return CalibrationStore(_cache_dir(opts)).model(pick.device_name(device))
 
 
 def _decompositions(inner: str) -> dict | None:

@@ -216,10 +216,9 @@ def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, 
     if len(lanes) < 2:
         return Applied(0, 0, "its plan has one lane")
     ratio = estimated_lane_ratio(plan.graph) if lane_factor is not None else None
-    if ratio is not None and lanes_predicted(ratio, lane_factor) >= 1.0:  # type: ignore[arg-type]
+    if ratio is not None and lane_factor is not None and (predicted := lanes_predicted(ratio, lane_factor)) >= 1.0:
         return Applied(0, 0, f"its lanes are predicted no faster than one lane on this device (cost model "
-                             f"{ratio:.3f} x the device's lane factor {lane_factor:.3f} = "
-                             f"{lanes_predicted(ratio, lane_factor):.3f})")  # type: ignore[arg-type]
+                             f"{ratio:.3f} x the device's lane factor {lane_factor:.3f} = {predicted:.3f})")
     placeholders = graph.find_nodes(op="placeholder")
     unguarded = frozenset(value_map[placeholders[i]] for i in unguarded_inputs(len(placeholders)))
     fused = inline_segments.fuse(plan, unguarded)

@@ -501,12 +501,12 @@ class Executor:
             def owner_name(candidate: str | None) -> str:
                 return name if candidate is None else naming.candidate_owner(name, candidate)
 
+            def capturing(warm_only: bool) -> Callable[..., tuple[Capture, Any]]:
+                return lambda program, a, r, candidate, lane_map=None: self._capture_program(
+                    program, a, r, owner_name(candidate), device, places, shared, warm_only, lane_map)
+
             captures = types.SimpleNamespace(
-                _capture_program=lambda program, a, r, candidate, lane_map=None: self._capture_program(
-                    program, a, r, owner_name(candidate), device, places, shared, lane_map=lane_map),
-                _warm_program=lambda program, a, r, candidate, lane_map=None: self._capture_program(
-                    program, a, r, owner_name(candidate), device, places, shared, warm_only=True,
-                    lane_map=lane_map),
+                _capture_program=capturing(False), _warm_program=capturing(True),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
             )
             # Its timed replays run graphs of the model's shared pool: not beside another replay of

@@ -26,7 +26,6 @@ Options: vLLM passes none to a backend, so they come from the environment,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import itertools
@@ -163,7 +162,7 @@ class PostGradPass:
         # the backend route's measured choices made one, prices them.
         device = dynamo.cuda_device(inputs)
         device_model = dynamo.calibrated_model(opts, device)
-        with cost.device_model(device_model) if device_model is not None else contextlib.nullcontext():
+        with cost.device_model(device_model):
             compiled = driver.compile_graph(
                 gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
                 dump_dir=dump_dir, regions=False, record=False,
