@@ -165,7 +165,7 @@ def estimated_lane_ratio(gm: fx.GraphModule) -> float | None:
 ONE_LANE_OVERRIDES: dict[str, Any] = {"policy": "off", "max_aux_lanes": 0}
 
 
-def variants(model: fx.GraphModule, opts: Options) -> list[tuple[str, dict[str, Any]]]:
+def variants(model: fx.GraphModule) -> list[tuple[str, dict[str, Any]]]:
     """The candidates with programs of their own beside the cost model's: names and option
     overrides, given the cost model's graph."""
     if len(meta.graph_info(model).lanes) < 2:
@@ -216,7 +216,7 @@ def derive(
                       model_program, compile_plan)
     out = [first]
     own = {assignment(model): first.name}
-    for name, overrides in variants(model, opts):
+    for name, overrides in variants(model):
         gm, plan = plan_with(overrides)
         sig = assignment(gm)
         if sig in own:
