@@ -355,10 +355,13 @@ class ScheduleCache:
         return {k: v for k, v in shapes.items() if isinstance(k, str) and isinstance(v, str)}
 
     def add_shape(self, key: str, shape: str, choice: str) -> None:
-        """Adds a shape's choice to the graph summary ``key``. Its ``choice`` is the one every shape
-        made, or ``"mixed"``. Two processes adding at once may lose one's shape: it is measured
-        again by the next process that meets it."""
-        shapes = {**self.shapes(key), shape: choice}
+        """Adds a shape's choice to the graph summary ``key`` (written only when it changes). Its
+        ``choice`` is the one every shape made, or ``"mixed"``. Two processes adding at once may
+        lose one's shape: it is measured again by the next process that meets it."""
+        known = self.shapes(key)
+        if known.get(shape) == choice:
+            return
+        shapes = {**known, shape: choice}
         common = set(shapes.values())
         self._write(key, common.pop() if len(common) == 1 else MIXED, {"shapes": shapes})
 
@@ -670,10 +673,7 @@ class Picker:
         """Adds the choice of the shapes of ``args`` to the graph's summary (``hint_key``), if kept."""
         if self.hint_key is None or self.cache is None:
             return
-        key = ScheduleCache.graph_summary_key(dev, self.hint_key)
-        shape = shape_text(args)
-        if self.cache.shapes(key).get(shape) != choice:
-            self.cache.add_shape(key, shape, choice)
+        self.cache.add_shape(ScheduleCache.graph_summary_key(dev, self.hint_key), shape_text(args), choice)
 
     def _done(self, record: PickRecord) -> None:
         self.records.append(record)
