@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,39 @@ PEAK_FLOPS = 790e12
 PEAK_BYTES_PER_S = 4.0e12
 # A kernel launch's floor: even a tiny kernel occupies its lane this long.
 LAUNCH_FLOOR_S = 2e-6
+
+
+def fuses(node: fx.Node) -> bool:
+    """Whether Inductor generates ``node`` into a kernel it fuses with its neighbours.
+
+    Such a node (pointwise, a reduction, a gather or scatter: an ATen or prims op Inductor
+    lowers itself) launches no kernel of its own when its producer or reader sits beside it;
+    what :func:`node_time` prices as a launch of its own is then folded into theirs. Matrix
+    products, attention, collectives, custom ops and the ATen kernels Inductor falls back
+    to (``torch._inductor.lowering.fallbacks``) are kernels of their own (their inputs are
+    realized: ``needs_realized_inputs``).
+    """
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in ("aten", "prims") or target.overloadpacket in flop_registry:
+        return False
+    lowering, decompositions = _inductor_tables()
+    if target in lowering.fallbacks or target in lowering.needs_realized_inputs \
+            or target.overloadpacket in lowering.needs_realized_inputs:
+        return False
+    # An op Inductor decomposes (``silu``, ``_softmax``, ``arange``) becomes ops it lowers.
+    return target in lowering.lowerings or target in decompositions
+
+
+@functools.cache
+def _inductor_tables() -> tuple[Any, Any]:
+    # Imported on first use: the import registers every lowering (seconds), which a compile
+    # through Inductor pays anyway and a graph with one lane never needs.
+    from torch._inductor import lowering
+    from torch._inductor.decomposition import select_decomp_table
+
+    return lowering, select_decomp_table()
 
 
 def _numeric(x: Any) -> tuple[float, str | None]:

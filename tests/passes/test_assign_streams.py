@@ -103,6 +103,45 @@ owner g0:
     assert "aux_nodes" not in ctx.counters["assign_streams"]
 
 
+def _busy_producer_lane(x, w):
+    m = torch.mm(x, w)
+    a = m.relu()                        # pointwise, after its product on main
+    m2 = torch.mm(a, w)                 # keeps main busy
+    b = (a * 2).sigmoid()               # fuses with %relu: on its lane, not on an idle one
+    return m2 + b
+
+
+def test_a_kernel_inductor_fuses_with_its_producer_stays_on_the_producers_lane():
+    # Large enough that the products dwarf an event: an idle lane would finish %mul sooner.
+    args = (torch.randn(2048, 2048), torch.randn(2048, 2048))
+    gm = aten_graph(_busy_producer_lane, *args)
+    _, after, _ = before_after(gm, "assign_streams", policy="auto")
+    lanes = _lanes(gm)
+    # Apart from %relu, %mul and %sigmoid would launch a kernel of their own (with an event
+    # between), where Inductor fuses the three into one.
+    assert lanes["relu"] == lanes["mul"] == lanes["sigmoid"] == lanes["mm"] == 0
+
+
+def _constants_for_a_side_lane(x, w, v):
+    pos = torch.arange(64, dtype=torch.float32)     # reads no device data
+    scale = torch.full((64,), 0.5) * pos            # and what only it feeds
+    main = torch.mm(torch.mm(x, w), w)
+    with L("side"):
+        side = torch.mm(v, w) * scale               # their only reader, on the hinted lane
+    return main + side
+
+
+def test_constants_follow_their_readers():
+    args = (torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64))
+    gm = aten_graph(_constants_for_a_side_lane, *args)
+    _, after, _ = before_after(gm, "assign_streams", policy="auto")
+    lanes = _lanes(gm)
+    side = meta.graph_info(gm).lanes.index("side")
+    assert lanes["mul_1"] == side
+    # They run where their one reader runs: no event carries them across.
+    assert (lanes["arange"], lanes["full"], lanes["mul"]) == (side, side, side)
+
+
 def test_non_capturable_op_stays_on_main_and_monolithic_becomes_breakable():
     def fn(x):
         with L("aux"):

@@ -199,41 +199,38 @@ owner g0:
   %arg5_1 : f32[4,32,32] = input  {lane=s0, owner=g0}
   %arg6_1 : f32[4,16,32] = input  {lane=s0, owner=g0}
   segment k0:
-    %record_default : () = capturepass.record(0, 0)  {lane=s0, record=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
+    %record_default_1 : () = capturepass.record(1, 0)  {lane=s0, record=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
     %t_3 : f32[32,8] = aten.t.default(%arg4_1)  {lane=s0, owner=g0, segment=k0}
     %mm_3 : f32[8,8] = aten.mm.default(%arg0_1, %t_3)  {lane=s0, owner=g0, segment=k0}
     %topk : (f32[8,2], i64[8,2]) = aten.topk.default(%mm_3, 2)  {lane=s0, owner=g0, segment=k0}
     %getitem : f32[8,2] = getitem(%topk, 0)  {lane=s0, owner=g0, segment=k0}
     %getitem_1 : i64[8,2] = getitem(%topk, 1)  {lane=s0, owner=g0, segment=k0}
     %_softmax : f32[8,2] = aten._softmax.default(%getitem, -1, False)  {lane=s0, owner=g0, segment=k0}
-    %wait_default : () = capturepass.wait(0, 2)  {lane=s2, wait=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
-    %zeros : f32[8,8] = aten.zeros.default([8, 8], dtype=torch.float32, device=device(type='cpu'), pin_memory=False)  {lane=s2, owner=g0, segment=k0}
-    %record_default_1 : () = capturepass.record(1, 2)  {lane=s2, record=e1, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%zeros->%scatter}
-    %wait_default_1 : () = capturepass.wait(1, 0)  {lane=s0, wait=e1, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%zeros->%scatter}
+    %zeros : f32[8,8] = aten.zeros.default([8, 8], dtype=torch.float32, device=device(type='cpu'), pin_memory=False)  {lane=s0, owner=g0, segment=k0}
     %scatter : f32[8,8] = aten.scatter.src(%zeros, 1, %getitem_1, %_softmax)  {lane=s0, owner=g0, segment=k0}
     %cat : f32[8,40] = aten.cat.default([%arg0_1, %scatter], -1)  {lane=s0, owner=g0, segment=k0}
     %repeat : f32[16,40] = aten.repeat.default(%cat, [2, 1])  {lane=s0, owner=g0, segment=k0}
-    %record_default_2 : () = capturepass.record(2, 0)  {lane=s0, record=e2, role=fork, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%repeat->%all_to_all_single}
-    %wait_default_2 : () = capturepass.wait(2, 1)  {lane=s1, wait=e2, role=fork, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%repeat->%all_to_all_single}
+    %record_default : () = capturepass.record(0, 0)  {lane=s0, record=e1, role=fork, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%repeat->%all_to_all_single}
+    %wait_default : () = capturepass.wait(0, 1)  {lane=s1, wait=e1, role=fork, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%repeat->%all_to_all_single}
     %all_to_all_single : f32[16,40] = _c10d_functional.all_to_all_single.default(%repeat, [8, 8], [8, 8], '0')  {lane=s1, owner=g0, segment=k0, resources=[comm:0@g0/s1]}
-    %wait_default_3 : () = capturepass.wait(0, 3)  {lane=s3, wait=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
-    %t : f32[32,64] = aten.t.default(%arg1_1)  {lane=s3, owner=g0, segment=k0}
-    %mm : f32[8,64] = aten.mm.default(%arg0_1, %t)  {lane=s3, owner=g0, segment=k0}
-    %silu : f32[8,64] = aten.silu.default(%mm)  {lane=s3, owner=g0, segment=k0}
-    %t_1 : f32[32,64] = aten.t.default(%arg2_1)  {lane=s2, owner=g0, segment=k0}
-    %mm_1 : f32[8,64] = aten.mm.default(%arg0_1, %t_1)  {lane=s2, owner=g0, segment=k0}
-    %record_default_3 : () = capturepass.record(3, 2)  {lane=s2, record=e3, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%mm_1->%mul}
-    %release_default : () = capturepass.release([%zeros], 2)  {lane=s2, owner=g0, segment=k0, by=insert_syncs, why=read by %scatter}
-    %wait_default_4 : () = capturepass.wait(3, 3)  {lane=s3, wait=e3, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%mm_1->%mul}
-    %mul : f32[8,64] = aten.mul.Tensor(%silu, %mm_1)  {lane=s3, owner=g0, segment=k0}
-    %t_2 : f32[64,32] = aten.t.default(%arg3_1)  {lane=s3, owner=g0, segment=k0}
-    %mm_2 : f32[8,32] = aten.mm.default(%mul, %t_2)  {lane=s3, owner=g0, segment=k0}
-    %record_default_7 : () = capturepass.record(7, 3)  {lane=s3, record=e4, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%mm_2->%add}
+    %wait_default_1 : () = capturepass.wait(1, 2)  {lane=s2, wait=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
+    %t : f32[32,64] = aten.t.default(%arg1_1)  {lane=s2, owner=g0, segment=k0}
+    %mm : f32[8,64] = aten.mm.default(%arg0_1, %t)  {lane=s2, owner=g0, segment=k0}
+    %silu : f32[8,64] = aten.silu.default(%mm)  {lane=s2, owner=g0, segment=k0}
+    %wait_default_2 : () = capturepass.wait(1, 3)  {lane=s3, wait=e0, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=fork k0}
+    %t_1 : f32[32,64] = aten.t.default(%arg2_1)  {lane=s3, owner=g0, segment=k0}
+    %mm_1 : f32[8,64] = aten.mm.default(%arg0_1, %t_1)  {lane=s3, owner=g0, segment=k0}
+    %record_default_2 : () = capturepass.record(2, 3)  {lane=s3, record=e2, role=join, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%mm_1->%mul}
+    %wait_default_3 : () = capturepass.wait(2, 2)  {lane=s2, wait=e2, role=join, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%mm_1->%mul}
+    %mul : f32[8,64] = aten.mul.Tensor(%silu, %mm_1)  {lane=s2, owner=g0, segment=k0}
+    %t_2 : f32[64,32] = aten.t.default(%arg3_1)  {lane=s2, owner=g0, segment=k0}
+    %mm_2 : f32[8,32] = aten.mm.default(%mul, %t_2)  {lane=s2, owner=g0, segment=k0}
+    %record_default_6 : () = capturepass.record(6, 2)  {lane=s2, record=e3, role=join, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%mm_2->%add}
     %wait_tensor : f32[16,40] = _c10d_functional.wait_tensor.default(%all_to_all_single)  {lane=s1, owner=g0, segment=k0}
-    %record_default_4 : () = capturepass.record(4, 1)  {lane=s1, record=e5, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor->%slice_1}
-    %wait_default_5 : () = capturepass.wait(4, 0)  {lane=s0, wait=e5, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor->%slice_1}
+    %record_default_3 : () = capturepass.record(3, 1)  {lane=s1, record=e4, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor->%slice_1}
+    %wait_default_4 : () = capturepass.wait(3, 0)  {lane=s0, wait=e4, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor->%slice_1}
     %slice_1 : f32[16,32] = aten.slice.Tensor(%wait_tensor, 1, 0, 32)  {lane=s0, owner=g0, segment=k0}
-    %release_default_1 : () = capturepass.release([%repeat], 0)  {lane=s0, owner=g0, segment=k0, by=insert_syncs, why=read by %all_to_all_single,%wait_tensor}
+    %release_default : () = capturepass.release([%repeat], 0)  {lane=s0, owner=g0, segment=k0, by=insert_syncs, why=read by %all_to_all_single,%wait_tensor}
     %slice_2 : f32[16,4] = aten.slice.Tensor(%wait_tensor, 1, 32, 36)  {lane=s0, owner=g0, segment=k0}
     %unsqueeze : f32[1,16,32] = aten.unsqueeze.default(%slice_1, 0)  {lane=s0, owner=g0, segment=k0}
     %expand : f32[4,16,32] = aten.expand.default(%unsqueeze, [4, 16, 32])  {lane=s0, owner=g0, segment=k0}
@@ -248,17 +245,17 @@ owner g0:
     %unsqueeze_1 : f32[4,16,1] = aten.unsqueeze.default(%t_4, -1)  {lane=s0, owner=g0, segment=k0}
     %mul_2 : f32[4,16,32] = aten.mul.Tensor(%bmm_1, %unsqueeze_1)  {lane=s0, owner=g0, segment=k0}
     %sum_1 : f32[16,32] = aten.sum.dim_IntList(%mul_2, [0])  {lane=s0, owner=g0, segment=k0}
-    %record_default_5 : () = capturepass.record(5, 0)  {lane=s0, record=e6, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=%sum_1->%all_to_all_single_1}
-    %wait_default_6 : () = capturepass.wait(5, 1)  {lane=s1, wait=e6, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=%sum_1->%all_to_all_single_1}
+    %record_default_4 : () = capturepass.record(4, 0)  {lane=s0, record=e5, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=%sum_1->%all_to_all_single_1}
+    %wait_default_5 : () = capturepass.wait(4, 1)  {lane=s1, wait=e5, role=fork, lease=l0, owner=g0, segment=k0, by=insert_syncs, why=%sum_1->%all_to_all_single_1}
     %all_to_all_single_1 : f32[16,32] = _c10d_functional.all_to_all_single.default(%sum_1, [8, 8], [8, 8], '0')  {lane=s1, owner=g0, segment=k0, resources=[comm:0@g0/s1]}
-    %release_default_2 : () = capturepass.release([%all_to_all_single], 1)  {lane=s1, owner=g0, segment=k0, by=insert_syncs, why=read by %bmm,%expand,%mul_2,%slice_1,%slice_2,%t_4,%unsqueeze,%unsqueeze_1}
+    %release_default_1 : () = capturepass.release([%all_to_all_single], 1)  {lane=s1, owner=g0, segment=k0, by=insert_syncs, why=read by %bmm,%expand,%mul_2,%slice_1,%slice_2,%t_4,%unsqueeze,%unsqueeze_1}
     %wait_tensor_1 : f32[16,32] = _c10d_functional.wait_tensor.default(%all_to_all_single_1)  {lane=s1, owner=g0, segment=k0}
-    %record_default_6 : () = capturepass.record(6, 1)  {lane=s1, record=e7, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor_1->%view}
-    %wait_default_7 : () = capturepass.wait(6, 0)  {lane=s0, wait=e7, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor_1->%view}
+    %record_default_5 : () = capturepass.record(5, 1)  {lane=s1, record=e6, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor_1->%view}
+    %wait_default_6 : () = capturepass.wait(5, 0)  {lane=s0, wait=e6, role=join, lease=l3, owner=g0, segment=k0, by=insert_syncs, why=%wait_tensor_1->%view}
     %view : f32[2,8,32] = aten.view.default(%wait_tensor_1, [2, 8, 32])  {lane=s0, owner=g0, segment=k0}
-    %release_default_3 : () = capturepass.release([%sum_1], 0)  {lane=s0, owner=g0, segment=k0, by=insert_syncs, why=read by %all_to_all_single_1,%wait_tensor_1}
+    %release_default_2 : () = capturepass.release([%sum_1], 0)  {lane=s0, owner=g0, segment=k0, by=insert_syncs, why=read by %all_to_all_single_1,%wait_tensor_1}
     %sum_2 : f32[8,32] = aten.sum.dim_IntList(%view, [0])  {lane=s0, owner=g0, segment=k0}
-    %wait_default_8 : () = capturepass.wait(7, 0)  {lane=s0, wait=e4, role=join, lease=l1, owner=g0, segment=k0, by=insert_syncs, why=%mm_2->%add}
+    %wait_default_7 : () = capturepass.wait(6, 0)  {lane=s0, wait=e3, role=join, lease=l2, owner=g0, segment=k0, by=insert_syncs, why=%mm_2->%add}
     %add : f32[8,32] = aten.add.Tensor(%mm_2, %sum_2)  {lane=s0, owner=g0, segment=k0}
   return (%add,)  {lane=s0, owner=g0}
 # decision: %all_to_all_single: collective on group '0' (ranks 0,1) on lane comm; 5 kernel(s) issued before %wait_tensor
