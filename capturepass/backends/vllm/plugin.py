@@ -199,12 +199,14 @@ class PostGradPass:
 
     def uuid(self) -> str:
         """A digest of the passes' sources, the capability registry, the options, this class,
-        the modules that write the lanes into the graph (and the ops it calls), and the current
-        CUDA device's calibrated cost model and lane factor, which price the schedules and decide
-        whether the lanes are written."""
+        the modules that write the lanes into the graph (and the ops it calls), the cost model
+        that chooses the lanes (``ir/cost.py``, which also says what Inductor fuses), and the
+        current CUDA device's calibrated cost model and lane factor, which price the schedules
+        and decide whether the lanes are written."""
         import torch
 
         from capturepass.backends import inline, post_grad
+        from capturepass.ir import cost
         from capturepass.ir.options import Options
         from capturepass.passes.pipeline import pipeline_uuid
         from capturepass.runtime import inline as ops
@@ -213,7 +215,7 @@ class PostGradPass:
         digest = hashlib.sha256()
         digest.update(pipeline_uuid(self.passes()).encode())
         digest.update(opts.key().encode())
-        digest.update(_source_digest(PostGradPass, inline, post_grad, ops).encode())
+        digest.update(_source_digest(PostGradPass, inline, post_grad, ops, cost).encode())
         if torch.cuda.is_available():
             from capturepass.backends import dynamo
 

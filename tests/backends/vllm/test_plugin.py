@@ -3,6 +3,7 @@ the post-grad pass and the serializable backend result (torch's AOT compile, sav
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import sys
@@ -203,6 +204,22 @@ def test_post_grad_pass_uuid_follows_options(monkeypatch):
     monkeypatch.setenv("CAPTUREPASS_DUMP_DIR", "/tmp/elsewhere")  # dumps do not change code
     assert capturepass.post_grad_pass.uuid() == first
     monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"max_aux_lanes": 1}')
+    assert capturepass.post_grad_pass.uuid() != first
+
+
+def test_post_grad_pass_uuid_follows_the_cost_models_source(monkeypatch):
+    """The lanes the route writes depend on ``ir/cost.py`` (estimates, what Inductor fuses)."""
+    from capturepass.ir import cost
+
+    monkeypatch.delenv("CAPTUREPASS_OPTIONS", raising=False)
+    first = capturepass.post_grad_pass.uuid()
+    real = inspect.getsource
+
+    def edited(obj):
+        text = real(obj)
+        return text + "\n# edited\n" if obj is cost else text
+
+    monkeypatch.setattr(inspect, "getsource", edited)
     assert capturepass.post_grad_pass.uuid() != first
 
 
