@@ -46,9 +46,14 @@ def test_shapes_of_one_model_share_a_pool_and_streams(policy):
     assert len({id(o.shared) for o in owners}) == 1 and owners[0].shared is not None
     assert owners[0].shared.users == 3
     assert len({id(o.capture_stream) for o in owners}) == 1
-    # Lane k of every capture runs on one stream (cuBLAS keeps one workspace per stream).
-    for k in range(len(owners[0].streams)):
-        assert len({o.streams[k].cuda_stream for o in owners}) == 1
+    # The side streams are the model's, by role: stream k of every capture is one stream
+    # (cuBLAS keeps one workspace per stream), whichever lanes each shape's measured schedule
+    # put on it (a lane map sends some to the caller's stream: None).
+    sides = owners[0].shared.streams[1:]
+    for o in owners:
+        assert len(o.streams) == len(o.lane_map) - 1
+        for k, stream in zip(o.lane_map[1:], o.streams):
+            assert stream is (sides[k - 1] if k else None), (o.name, o.lane_map)
     assert len({o.lock for o in owners}) == 1
 
 
