@@ -2,8 +2,8 @@
 
 ``torch._inductor.standalone_compile`` turns ``triton.autotune_at_compile_time`` on for the
 artifacts it saves: every Triton kernel is then tuned during the compile on random tensors as
-large as its arguments, which on the H200 put a random copy of a decoder's embedding table and
-the benchmark's cache flush buffer beside the weights (a compile's peak memory twice
+large as its arguments, which on the H200 put a random [32000, 2048] weight and the benchmark's
+cache flush buffer beside a Llama's weights (a compile's peak memory twice
 ``mode="reduce-overhead"``'s). The inner compiler passes the user's own setting back in.
 """
 
