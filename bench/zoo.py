@@ -23,7 +23,8 @@ another; compiles run in parallel, timings one process at a time under a file lo
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
 many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
 ``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the timed
-calls. The table gives capturepass default against the faster of reduce-overhead and
+calls (``--memory-sites``: the blocks live at the peak, by where they were allocated, into each
+worker's log). The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
 schedule chosen for it (what the whole call adds to the replay is the host's share), and each
@@ -169,6 +170,8 @@ def worker(args: argparse.Namespace) -> None:
     weights = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+        if args.memory_sites:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     fn = compiled(model, args.variant)
     decode_b = args.decode
     prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
@@ -194,6 +197,10 @@ def worker(args: argparse.Namespace) -> None:
             results[label] = dict(compile_s=compile_s, rel_err=err)
             timed_calls[label] = (lambda x=ids[1]: fn(input_ids=x, use_cache=False))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
+        if cuda and args.memory_sites:
+            print(f"memory of {args.model} {args.variant} over its compiles and first calls (above the "
+                  f"weights):\n{peak_sites(torch.cuda.memory._snapshot())}", file=sys.stderr, flush=True)
+            torch.cuda.memory._record_memory_history(enabled=None)
         with turn(args.lock):
             for label, call in timed_calls.items():
                 collections = sum(st["collections"] for st in gc.get_stats())
@@ -257,6 +264,49 @@ def host_time(call, iters: int, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return host
+
+
+def peak_sites(snapshot: dict, top: int = 12) -> str:
+    """The blocks live at the peak of a memory history (``torch.cuda.memory._snapshot()`` after
+    ``_record_memory_history(stacks="python")``), summed by where they were allocated: the
+    innermost frame, and the nearest capturepass frame that led to it. Where a variant's peak
+    differs from another's, the difference shows here."""
+    live: dict[int, dict] = {}
+    now = best = 0
+    best_live: list[dict] = []
+    for entry in (e for trace in snapshot.get("device_traces", []) for e in trace):
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry
+            now += entry["size"]
+        elif entry["action"] == "free_requested" and entry["addr"] in live:
+            now -= live.pop(entry["addr"])["size"]
+        else:
+            continue
+        if now > best:
+            best, best_live = now, list(live.values())
+
+    def where(frame: dict) -> str:
+        path = frame["filename"]
+        if "site-packages/" in path:
+            path = path.rsplit("site-packages/", 1)[-1]
+        elif "capturepass/" in path:
+            path = path[path.rindex("capturepass/"):]
+        else:  # a script, or Inductor's generated code
+            path = os.path.basename(path)
+        return f"{path}:{frame['line']} {frame['name']}"
+
+    def site(entry: dict) -> str:
+        frames = entry.get("frames") or []
+        inner = where(frames[0]) if frames else "?"
+        ours = next((where(f) for f in frames if "capturepass/" in f["filename"]), None)
+        return inner + (f" <- {ours}" if ours and ours != inner else "")
+
+    sums: dict[str, int] = {}
+    for entry in best_live:
+        sums[site(entry)] = sums.get(site(entry), 0) + entry["size"]
+    lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s)"]
+    lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    return "\n".join(lines)
 
 
 def host_profile(call, iters: int, top: int = 30) -> str:
@@ -330,6 +380,9 @@ def main() -> None:
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", action="store_true",
                    help="also profile each variant's calls on the host (cProfile) into its worker log")
+    p.add_argument("--memory-sites", action="store_true",
+                   help="on a GPU, also record the allocations over the compiles and first calls, and "
+                        "write the blocks live at their peak, by allocation site, into each worker's log")
     p.add_argument("--out", default=None, help="directory for zoo-bench.json and zoo-bench.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -372,7 +425,7 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,
                "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)] + \
-            (["--profile"] if args.profile else [])
+            (["--profile"] if args.profile else []) + (["--memory-sites"] if args.memory_sites else [])
         procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
     start = time.time()
     # Two barriers: all compiled (then they time, one by one), all timed (then they exit).

@@ -86,3 +86,27 @@ def test_host_profile_names_where_the_calls_spend_their_time():
     text = zoo.host_profile(lambda: slow_part(), iters=7)
     line = next(ln for ln in text.splitlines() if "slow_part" in ln)
     assert line.split()[0] == "7" and "Ordered by: internal time" in text
+
+
+def test_peak_sites_sum_the_blocks_live_at_the_peak_by_where_they_were_allocated():
+    zoo = _load("zoo")
+    frame = lambda f, line, name: {"filename": f, "line": line, "name": name}  # noqa: E731
+    tuning = [frame("/x/site-packages/torch/_dynamo/testing.py", 462, "rand_strided"),
+              frame("/x/site-packages/torch/_inductor/standalone_compile.py", 500, "standalone_compile"),
+              frame("/x/capturepass/backends/inner.py", 24, "_inductor")]
+    model = [frame("/x/site-packages/transformers/llama.py", 122, "forward")]
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 10 * mib, "frames": model},
+        {"action": "alloc", "addr": 2, "size": 125 * mib, "frames": tuning},
+        {"action": "alloc", "addr": 3, "size": 5 * mib, "frames": tuning},
+        {"action": "free_requested", "addr": 3, "size": 5 * mib, "frames": tuning},
+        {"action": "free_requested", "addr": 2, "size": 125 * mib, "frames": tuning},
+        {"action": "alloc", "addr": 4, "size": 100 * mib, "frames": model},  # below the peak (140)
+    ]
+    text = zoo.peak_sites({"device_traces": [trace]})
+    assert text.splitlines() == [
+        "peak of the recorded history: 140.0 MiB in 3 block(s)",
+        "     130.0 MiB  torch/_dynamo/testing.py:462 rand_strided <- capturepass/backends/inner.py:24 _inductor",
+        "      10.0 MiB  transformers/llama.py:122 forward",
+    ]
