@@ -57,6 +57,7 @@ from __future__ import annotations
 import heapq
 import logging
 
+import torch
 import torch.fx as fx
 
 from capturepass.errors import CapturePassError
@@ -121,6 +122,7 @@ class _Fusion:
         if answer is None:
             answer = (
                 node.op == "call_function" and not self._order.get(node) and self.fuses(node)
+                and torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ())  # a draw
                 and not any(self._reads_device_data(a) for a in node.all_input_nodes)
             )
             self._constant[node] = answer

@@ -142,6 +142,22 @@ def test_constants_follow_their_readers():
     assert (lanes["arange"], lanes["full"], lanes["mul"]) == (side, side, side)
 
 
+def test_a_random_draw_is_no_constant():
+    """A draw reads no device data either, but it is a new value at every call, in the order of
+    the draws: it is scheduled as a kernel, not moved to its readers."""
+    from capturepass.ir import analysis, effects
+    from capturepass.passes.assign_streams import _Fusion
+
+    def fn(x):
+        return x * torch.full((64,), 0.5) + torch.normal(0.0, 1.0, (64,))
+
+    gm = aten_graph(fn, torch.randn(64))
+    nodes = list(analysis.compute_nodes(gm.graph))
+    fusing = _Fusion(effects.order_deps(nodes))
+    got = {n.target.overloadpacket.__name__: fusing.computes_a_constant(n) for n in nodes}
+    assert got["full"] is True and got["normal"] is False, got
+
+
 def test_non_capturable_op_stays_on_main_and_monolithic_becomes_breakable():
     def fn(x):
         with L("aux"):
