@@ -303,7 +303,8 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
 
     sums: dict[str, int] = {}
     for entry in best_live:
-        sums[site(entry)] = sums.get(site(entry), 0) + entry["size"]
+        key = site(entry)
+        sums[key] = sums.get(key, 0) + entry["size"]
     lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s)"]
     lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines)

@@ -195,13 +195,12 @@ class AssignStreams(Pass):
                 lanes[node] = lanes.get(source, MAIN_LANE) if source is not None else lanes.get(node, MAIN_LANE)
 
         auto_lanes: list[LaneId] = []
+        constants: set[fx.Node] = set()  # kernels that read no device data: placed with their readers
         if opts.policy == "auto":
             for i in range(opts.max_aux_lanes - (len(lane_names) - 1 - extra)):
                 auto_lanes.append(LaneId(len(lane_names)))
                 lane_names.append(f"aux{i}")
             constants = self._schedule(nodes, lanes, [MAIN_LANE] + auto_lanes)
-        else:
-            constants = set()
         if opts.merge_lanes_below_us > 0:
             self._merge_short_lanes(gm, nodes, lanes, lane_names, opts.merge_lanes_below_us)
         self._place_free_nodes(nodes, lanes, constants)
@@ -442,11 +441,9 @@ class AssignStreams(Pass):
                 f"{below_us:g}: merged back onto the main lane",
             )
 
-    def _place_free_nodes(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId],
-                          constants: set[fx.Node] | None = None) -> None:
+    def _place_free_nodes(self, nodes: list[fx.Node], lanes: dict[fx.Node, LaneId], constants: set[fx.Node]) -> None:
         """Views and ``constants`` (kernels that read no device data: ``iota``, ``full`` and
         what only they feed) follow their consumers; tuple selections follow their producer."""
-        constants = constants or set()
         for node in reversed(nodes):
             if not (_is_free(node) or node in constants) or meta.info(node).hint is not None:
                 continue
