@@ -91,9 +91,10 @@ class Options:
             over aliases of the pool too, and the next replay of the model (or the
             graph's release) first copies out those the caller still holds: an
             output is never overwritten under the caller, and only held ones cost
-            a copy. Where torch cannot move a held output (no
-            ``UntypedStorage._swap_data_ptr_``, torch 2.11) outputs are copied out
-            after every replay instead.
+            a copy. Where torch cannot move a held output's memory (no
+            ``UntypedStorage._swap_data_ptr_``, torch 2.11) the tensors over it are
+            moved to the copy instead; a capture whose caller keeps views it derived
+            copies its outputs out from then on (logged).
         external_streams: streams capturepass does not own, by name, with their
             relation to the graph: ``"before"`` (the graph reads what the stream
             produced), ``"after"`` (the stream reads what the graph produced) or

@@ -26,7 +26,20 @@ The registry holds each static storage it aliased until its next rescue: even
 when the owner of the memory is collected first, a rescue reads memory that is
 still allocated.
 
-Where torch lacks one of the three functions this needs, outputs are copied
+Where torch has no ``_swap_data_ptr_`` (torch 2.11) a held alias is rescued
+by moving its *tensors* instead of its storage: every tensor this handed out
+over it that is still alive is re-pointed at the copy (``Tensor.set_`` with its
+own offset, sizes and strides, so views stay views of one copy). A tensor the
+caller made from an output (a view, a ``detach``) is not one this knows: when
+the alias is still used after the known tensors moved, the Python heap is
+searched once for tensors over it (a slow path, logged), and that capture
+returns copies from then on, since its caller evidently keeps derived views
+across calls. A holder no search can reach (a C++ object) makes the storage
+raise on access where torch offers that (``_set_storage_data_ptr_access_error_msg``,
+as cudagraph trees expire outputs), and otherwise fails the call: never is
+an output overwritten under its holder.
+
+Where torch lacks one of the two functions aliasing needs, outputs are copied
 out as before (:data:`UNSUPPORTED` says why; logged once). An output that
 requires grad is always copied: autograd keeps its own record of the storage.
 
@@ -36,7 +49,9 @@ but no tensor over it is not seen as holding it (as in cudagraph trees).
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,7 +66,6 @@ def _unsupported() -> str | None:
         name for owner, name in (
             (torch._C, "_construct_storage_from_data_pointer"),
             (torch._C, "_storage_Use_Count"),
-            (torch.UntypedStorage, "_swap_data_ptr_"),
         ) if not hasattr(owner, name)
     ]
     if missing:
@@ -61,6 +75,8 @@ def _unsupported() -> str | None:
 
 # Why outputs cannot be aliased with this torch (``None``: they can).
 UNSUPPORTED: str | None = _unsupported()
+# Whether a held alias storage can take a copy's memory in place (else its tensors are moved).
+SWAP: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _warned = False
 
 
@@ -124,25 +140,35 @@ class OutputAliases:
             static input buffers, staged buffers). Their storages are what this aliases;
             any other tensor (a parameter, a caller's tensor, a fresh result of a break)
             is returned as it is.
+        swap: rescue a held alias by swapping its storage's memory (``_swap_data_ptr_``)
+            rather than by moving the tensors over it; defaults to :data:`SWAP`.
 
     Attributes:
         aliased: outputs returned as aliases so far.
         rescues: alias storages copied out so far, because a tensor still used them when
             their memory was about to be overwritten or freed.
-        copies: outputs copied at once (outputs that require grad).
+        copies: outputs copied at once (outputs that require grad, and every output once
+            :attr:`copying`).
+        searches: rescues that had to search the heap for tensors the caller derived.
+        copying: why outputs are copied at once from now on (``None``: they are aliased).
     """
 
-    def __init__(self, static: Iterable[torch.Tensor]) -> None:
+    def __init__(self, static: Iterable[torch.Tensor], swap: bool | None = None) -> None:
         self._static: dict[int, Any] = {}  # StorageImpl address -> its storage (held)
         for t in static:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 st = t.untyped_storage()
                 if st.nbytes():
                     self._static[st._cdata] = st
-        self._live: list[tuple[Any, Any]] = []  # (alias storage, static storage) since the last rescue
+        self._swap = SWAP if swap is None else swap
+        # Since the last rescue: (alias storage, static storage, weak references to the tensors
+        # handed out over the alias; kept only when a rescue moves tensors, not storages).
+        self._live: list[tuple[Any, Any, list[weakref.ref]]] = []
         self.aliased = 0
         self.rescues = 0
         self.copies = 0
+        self.searches = 0
+        self.copying: str | None = None
         # Captures whose memory another capture's replays write (a model's shapes share one pool)
         # put themselves here when they hand out an alias: the other replays rescue them first.
         self.group: list[OutputAliases] | None = None
@@ -157,7 +183,8 @@ class OutputAliases:
         replaced by an alias of it; call once per replay, after it."""
         if not self._static:
             return out
-        fresh: dict[int, Any] = {}  # one alias storage per static storage in this call
+        fresh: dict[int, tuple[Any, list[weakref.ref] | None]] = {}  # one alias storage per static storage
+        copies: dict[int, Any] = {}
 
         def one(v: Any) -> Any:
             if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
@@ -169,23 +196,33 @@ class OutputAliases:
             if v.requires_grad:
                 self.copies += 1
                 return v.clone()
-            alias = fresh.get(key)
+            if self.copying is not None:
+                self.copies += 1
+                copy = copies.get(key)
+                if copy is None:
+                    copy = copies[key] = static.clone()
+                return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
+            alias, refs = fresh.get(key, (None, None))
             if alias is None:
                 alias = torch._C._construct_storage_from_data_pointer(static.data_ptr(), v.device, static.nbytes())
-                fresh[key] = alias
-                self._live.append((alias, static))
+                refs = None if self._swap else []
+                fresh[key] = (alias, refs)
+                self._live.append((alias, static, refs if refs is not None else []))
                 if self.group is not None and not self._in_group:
                     self.group.append(self)
                     self._in_group = True
             self.aliased += 1
-            return v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
+            t = v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
+            if refs is not None:
+                refs.append(weakref.ref(t))
+            return t
 
         return fx.node.map_aggregate(out, one)
 
     @property
     def num_live(self) -> int:
         """Alias storages handed out since the last rescue that a tensor still uses."""
-        return sum(1 for alias, _ in self._live if _use_count(alias) > 1)
+        return sum(1 for alias, _, _ in self._live if _use_count(alias) > 1)
 
     def rescue(self) -> int:
         """Copies out every alias storage a tensor still uses, before its memory is written again.
@@ -199,17 +236,63 @@ class OutputAliases:
             return 0
         live, self._live = self._live, []
         n = 0
-        for alias, static in live:
+        for alias, static, refs in live:
             # Our own reference is one use; any other is a tensor (or view) of the caller's.
             if _use_count(alias) > 1:
-                # The copy goes on the current stream, after the replay that wrote the values;
-                # the swap moves the memory under every tensor of the alias at once.
-                alias._swap_data_ptr_(static.clone())
+                # The copy goes on the current stream, after the replay that wrote the values.
+                if self._swap:
+                    # The swap moves the memory under every tensor of the alias at once.
+                    alias._swap_data_ptr_(static.clone())
+                else:
+                    self._move(alias, static.clone(), refs)
                 n += 1
         self.rescues += n
         return n
+
+    def _move(self, alias: Any, copy: Any, refs: list[weakref.ref]) -> None:
+        """Re-points every tensor over ``alias`` at ``copy``: those handed out, then (when the
+        caller derived others) every tensor the heap holds over it."""
+        key = alias._cdata
+        for ref in refs:
+            t = ref()
+            if t is not None and t.untyped_storage()._cdata == key:
+                _repoint(t, copy)
+        if _use_count(alias) == 1:
+            return
+        self.searches += 1
+        found = 0
+        for obj in gc.get_objects():
+            if (issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided and obj.device == copy.device
+                    and obj.untyped_storage()._cdata == key):
+                _repoint(obj, copy)
+                found += 1
+        if self.copying is None:
+            self.copying = "the caller kept a tensor derived from an output (a view) until the next replay"
+            log.info("capturepass: this torch cannot move a held output's memory under its views (no "
+                     "UntypedStorage._swap_data_ptr_): %d derived tensor(s) found on the heap and moved; "
+                     "this capture's outputs are copied out from now on", found)
+        if _use_count(alias) == 1:
+            return
+        if hasattr(torch._C, "_set_storage_data_ptr_access_error_msg"):
+            log.warning("capturepass: a replayed output is held where it cannot be moved (not a Python "
+                        "tensor: autograd's saved tensors, C++); accessing it raises from now on")
+            torch._C._set_storage_data_ptr_access_error_msg(
+                alias, "capturepass: this tensor was an output of a CUDA graph replay, held outside Python's "
+                       "heap when the graph replayed again, which overwrote its memory; clone it before the next call")
+            return
+        raise RuntimeError(
+            "capturepass: an output of the previous replay is held outside Python's heap (autograd's saved "
+            "tensors, C++) and this torch can neither move its memory (no UntypedStorage._swap_data_ptr_) nor "
+            "expire it; clone the output before the next call")
 
     def close(self) -> None:
         """Rescues what is still held, then lets go of the static storages."""
         self.rescue()
         self._static.clear()
+
+
+def _repoint(t: torch.Tensor, copy: Any) -> None:
+    """``t`` over ``copy`` at its own offset, sizes and strides (an inference tensor is
+    changed in inference mode, the only mode that may)."""
+    with torch.inference_mode() if t.is_inference() else torch.no_grad():
+        t.set_(copy, t.storage_offset(), t.size(), t.stride())

@@ -95,9 +95,9 @@ class CaptureMemory:
     replays, warm-ups and captures hold :attr:`lock`, and a replay on another stream waits for
     the last one (:func:`order_after_last`); (3) a capture's outputs may lie in memory an *earlier*
     capture used for temporaries, which that capture's replays write again: outputs handed out
-    as aliases (torch with ``_swap_data_ptr_``) are therefore rescued before a replay of *any*
-    capture of the model (:attr:`held_outputs`), not only of their own; where outputs are
-    copied out after each replay there is nothing to rescue. Captures of *another* model
+    as aliases are therefore rescued before a replay of *any* capture of the model
+    (:attr:`held_outputs`), not only of their own; where outputs are copied out after each
+    replay there is nothing to rescue. Captures of *another* model
     instance (a target and its draft) never share, so they may replay in either order or at once.
 
     Warm-ups run in the pool too while no graph lives there (:meth:`warms_up_in_pool`), on

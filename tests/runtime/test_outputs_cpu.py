@@ -20,13 +20,22 @@ from capturepass.runtime.owner import GraphOwner
 pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
 
 
+@pytest.fixture(params=[True, False], ids=["swap", "move"])
+def swap(request):
+    """How a held alias is rescued: its storage takes the copy's memory (``_swap_data_ptr_``), or
+    the tensors over it are moved to the copy (torch without it, 2.11)."""
+    if request.param and not outputs.SWAP:
+        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
+    return request.param
+
+
 def _static():
     return torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.arange(5, dtype=torch.float32) + 100
 
 
-def test_outputs_alias_the_static_memory_with_exact_values_and_views():
+def test_outputs_alias_the_static_memory_with_exact_values_and_views(swap):
     a, b = _static()
-    reg = OutputAliases([a, b])
+    reg = OutputAliases([a, b], swap=swap)
     fresh = torch.ones(2)
     out = reg.wrap((a, [a.t(), {"row": a[1]}], b, fresh, 3))
     whole, (transposed, inner), bb, same, three = out
@@ -42,9 +51,9 @@ def test_outputs_alias_the_static_memory_with_exact_values_and_views():
     assert reg.aliased == 4 and reg.rescues == 0 and reg.copies == 0
 
 
-def test_a_held_output_keeps_its_values_when_the_memory_is_overwritten():
+def test_a_held_output_keeps_its_values_when_the_memory_is_overwritten(swap):
     a, b = _static()
-    reg = OutputAliases([a, b])
+    reg = OutputAliases([a, b], swap=swap)
     held, view = reg.wrap((a, a[2]))
     held_b = reg.wrap(b)  # a second call before a rescue: its own alias
     del held_b
@@ -60,9 +69,9 @@ def test_a_held_output_keeps_its_values_when_the_memory_is_overwritten():
     assert reg.rescue() == 0 and reg.rescues == 1
 
 
-def test_a_dropped_output_costs_no_copy():
+def test_a_dropped_output_costs_no_copy(swap):
     a, b = _static()
-    reg = OutputAliases([a, b])
+    reg = OutputAliases([a, b], swap=swap)
     for _ in range(3):
         out = reg.wrap((a, a[0], b))
         assert torch.equal(out[2], b)
@@ -71,9 +80,9 @@ def test_a_dropped_output_costs_no_copy():
     assert reg.rescues == 0 and reg.aliased == 9
 
 
-def test_only_the_view_still_held_keeps_its_storage_alive():
+def test_only_the_view_still_held_keeps_its_storage_alive(swap):
     a, _ = _static()
-    reg = OutputAliases([a])
+    reg = OutputAliases([a], swap=swap)
     whole, row = reg.wrap((a, a[1]))
     del whole  # the row still uses the alias storage
     assert reg.rescue() == 1
@@ -81,9 +90,9 @@ def test_only_the_view_still_held_keeps_its_storage_alive():
     assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0]))
 
 
-def test_an_output_fed_back_as_the_next_input_reads_the_values_it_was_returned_with():
+def test_an_output_fed_back_as_the_next_input_reads_the_values_it_was_returned_with(swap):
     a, _ = _static()
-    reg = OutputAliases([a])
+    reg = OutputAliases([a], swap=swap)
     h = reg.wrap(a)
     for step in range(3):
         reg.rescue()  # before the next replay, and before its inputs are copied in
@@ -94,19 +103,19 @@ def test_an_output_fed_back_as_the_next_input_reads_the_values_it_was_returned_w
     assert reg.rescues == 3  # each step held its input until the next replay
 
 
-def test_an_output_that_requires_grad_is_copied():
+def test_an_output_that_requires_grad_is_copied(swap):
     w = torch.ones(3, requires_grad=True)
     static = w * 2
-    reg = OutputAliases([static])
+    reg = OutputAliases([static], swap=swap)
     out = reg.wrap(static)
     assert out.requires_grad and out.data_ptr() != static.data_ptr()
     assert reg.copies == 1 and reg.aliased == 0
 
 
-def test_closing_the_owner_copies_out_what_is_held_before_the_memory_goes():
+def test_closing_the_owner_copies_out_what_is_held_before_the_memory_goes(swap):
     a, _ = _static()
     owner = GraphOwner("t", 1, None, captured=True)
-    reg = OutputAliases([a])
+    reg = OutputAliases([a], swap=swap)
     owner.before_close.append(reg.close)
     held = reg.wrap(a)
     dropped = reg.wrap(a[0])
@@ -119,14 +128,65 @@ def test_closing_the_owner_copies_out_what_is_held_before_the_memory_goes():
 
 
 def test_without_the_torch_functions_outputs_are_copied_and_the_reason_logged(monkeypatch, caplog):
-    monkeypatch.setattr(outputs, "UNSUPPORTED", "this torch has no UntypedStorage._swap_data_ptr_")
+    monkeypatch.setattr(outputs, "UNSUPPORTED", "this torch has no _construct_storage_from_data_pointer")
     monkeypatch.setattr(outputs, "_warned", False)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         assert not outputs.supported()
         assert not outputs.supported()
     said = [r.getMessage() for r in caplog.records if "copied out" in r.getMessage()]
     assert said == ["capturepass: replayed outputs are copied out of the graph's memory: "
-                    "this torch has no UntypedStorage._swap_data_ptr_"]
+                    "this torch has no _construct_storage_from_data_pointer"]
+
+
+def test_a_view_the_caller_derived_is_found_moved_and_later_outputs_are_copied(caplog):
+    """Without ``_swap_data_ptr_`` a held alias is rescued by moving its tensors: a view the caller
+    made is not one the registry handed out, so the heap is searched for it once; from then on
+    that capture returns copies (its caller keeps derived views across calls)."""
+    a, _ = _static()
+    reg = OutputAliases([a], swap=False)
+    out = reg.wrap(a)
+    row, col = out[1], out[:, 2]
+    del out
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert reg.rescue() == 1
+    assert reg.searches == 1 and reg.copying is not None
+    assert [r.getMessage() for r in caplog.records if "derived tensor(s)" in r.getMessage()] == [
+        "capturepass: this torch cannot move a held output's memory under its views (no "
+        "UntypedStorage._swap_data_ptr_): 2 derived tensor(s) found on the heap and moved; "
+        "this capture's outputs are copied out from now on"]
+    a.fill_(-1.0)  # the replay
+    assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0])) and torch.equal(col, torch.tensor([2.0, 6.0, 10.0]))
+    assert row.untyped_storage()._cdata == col.untyped_storage()._cdata  # still views of one copy
+    again = reg.wrap((a, a[0]))
+    assert again[0].data_ptr() != a.data_ptr() and torch.equal(again[0], a)
+    assert again[1].data_ptr() == again[0].data_ptr()  # one copy per storage, views kept
+    assert reg.copies == 2 and reg.rescue() == 0 and reg.searches == 1
+
+
+def test_outputs_made_in_inference_mode_are_moved_in_inference_mode():
+    a, _ = _static()
+    reg = OutputAliases([a], swap=False)
+    with torch.inference_mode():
+        held = reg.wrap(a)
+    assert held.is_inference()
+    assert reg.rescue() == 1 and reg.searches == 0
+    a.zero_()
+    assert torch.equal(held, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+
+
+def test_a_holder_outside_pythons_heap_fails_the_call_rather_than_be_overwritten(monkeypatch):
+    """matmul of a 3-d tensor saves its own reshaped view for the backward: a tensor with no
+    Python object, which no search finds. Where torch cannot expire the storage either, the
+    rescue raises instead of letting the replay overwrite it."""
+    monkeypatch.delattr(torch._C, "_set_storage_data_ptr_access_error_msg", raising=False)
+    a, _ = _static()
+    reg = OutputAliases([a], swap=False)
+    out = reg.wrap(a.view(1, 3, 4))
+    y = torch.matmul(out, torch.ones(4, 2, requires_grad=True)).sum()
+    del out
+    with pytest.raises(RuntimeError, match="held outside Python's heap"):
+        reg.rescue()
+    assert y.requires_grad
 
 
 # -- inputs in place ---------------------------------------------------------------------------------
@@ -155,14 +215,14 @@ def test_a_capture_on_a_callers_tensor_goes_when_its_storage_dies_not_its_view()
     assert ex.released == [(("k",), cap, "an input it was made on was collected")]
 
 
-def test_captures_sharing_memory_rescue_each_others_held_outputs():
+def test_captures_sharing_memory_rescue_each_others_held_outputs(swap):
     """A model's captures share a pool: capture B's output may lie where capture A keeps its
     temporaries, which A's replay writes. Held aliases of every capture of the group are copied
     out before any of them replays; captures that handed nothing out cost nothing."""
     pool = torch.arange(8, dtype=torch.float32)
     temporaries_of_a, output_of_b = pool, pool[4:]  # A's temporaries were freed; B's output took part of them
     group: list[OutputAliases] = []
-    a, b = OutputAliases([temporaries_of_a]), OutputAliases([output_of_b])
+    a, b = OutputAliases([temporaries_of_a], swap=swap), OutputAliases([output_of_b], swap=swap)
     a.group = b.group = group
     held = b.wrap(output_of_b)
     assert group == [b]  # b handed out an alias since its last rescue
