@@ -153,6 +153,12 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
     return min(close, key=lambda i: (lanes[i], bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
 
 
+def _drop_outputs(cap: Any) -> bool:
+    """Whether ``cap`` let go of its outputs (``Capture.drop_outputs``)."""
+    drop = getattr(cap, "drop_outputs", None)
+    return bool(drop()) if drop is not None else False
+
+
 def replay_round(caps: Sequence[Any], order: Sequence[int]) -> list[float]:
     """Replays the captured segments of each capture in ``order`` once on the current stream,
     timed by CUDA events around each; returns seconds (one synchronize per round)."""
@@ -573,6 +579,11 @@ class Picker:
                 caps.append(c)
                 kept.append(i)
             caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
+            # Each candidate is only timed: its outputs go back to the pool for the next one's
+            # capture (``Capture.drop_outputs``), and the chosen one is captured again.
+            many = len(caps) > 1
+            if many:
+                _drop_outputs(caps[0])
             captured = [(caps[0], 0)]
             for c, i in zip(caps[1:], kept[1:]):
                 try:
@@ -583,6 +594,8 @@ class Picker:
                              self.graph, self.candidates[i].name, e)
                     c.owner.close()
                     continue
+                if many:
+                    _drop_outputs(c)
                 captured.append((c, i))
             caps[:] = [c for c, _ in captured]
             kept[:] = [i for _, i in captured]
@@ -605,7 +618,7 @@ class Picker:
                         "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)
             for c in caps[1:]:
                 c.owner.close()
-            return caps[0], out
+            return self._recaptured(executor, args, caps[0], 0), out
         medians: list[float | None] = [None] * len(self.candidates)
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6
@@ -648,7 +661,34 @@ class Picker:
                          "this device (uncaptured or breakable graphs) use it", self.graph, shape, model.describe())
             self._lane_sample(dev, key, shape, one, medians)
         self._done(record)
-        return caps[kept.index(chosen)], out
+        return self._recaptured(executor, args, caps[kept.index(chosen)], chosen), out
+
+    def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int) -> Any:
+        """``cap``, the chosen candidate's capture, or a new capture of it where measuring dropped
+        its outputs (``Capture.drop_outputs``)."""
+        if not getattr(cap, "outputs_dropped", False):
+            return cap
+        cap.owner.close()
+        return self._capture_again(executor, args, index)
+
+    def _capture_again(self, executor: Any, args: Sequence[Any], index: int) -> Any:
+        """A new capture of candidate ``index``, warmed up on copies of the inputs the graph writes
+        (the call was the cost model's warm-up). A candidate other than the cost model's that fails
+        to capture leaves the cost model's schedule (logged); the cost model's failure is the
+        executor's, as without measuring."""
+        from capturepass.runtime.replay import CaptureFailure
+
+        cand = self.candidates[index]
+        try:
+            cap, _ = executor._capture_program(cand.program, args, False, None if index == 0 else cand.name,
+                                               lane_map=getattr(cand, "lane_map", None))
+        except CaptureFailure as e:
+            if index == 0:
+                raise
+            log.warning("capturepass: %s graph: the chosen schedule %s failed to capture again (%s); running the "
+                        "cost model's schedule", self.graph, cand.name, e)
+            return self._capture_again(executor, args, 0)
+        return cap
 
     def _lane_sample(self, dev: str, key: str, shape: str, one: int, medians: Sequence[float | None]) -> None:
         """The cost model's lanes against one lane's own program, estimated and measured: a sample

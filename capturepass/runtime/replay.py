@@ -130,6 +130,7 @@ class Capture:
         self.uncaptured: set[int] = set()
         self.snapshot: Snapshot | None = None
         self._warmed: tuple[dict[fx.Node, Any], Any] | None = None  # (values, results) of warm()
+        self.outputs_dropped = False
 
     # -- the first call ---------------------------------------------------------------------------
     def run(self, args: Sequence[Any], real: bool) -> Any:
@@ -194,7 +195,14 @@ class Capture:
             # The pool is the captures' memory: a result the caller keeps would pin its block
             # there for as long as it lives, past the release of every capture.
             out = outputs.copy_out(out, _storages([*args, *program.constants.values()]))
-        self._warmed = (env, out)
+        # Until the capture, keep only what it reads of the warm-up: the values captured pieces
+        # read and breaks produced (the capture and a failure's probe use them), and the results
+        # of a real warm-up (the call's, if the capture fails). The rest (the results of a warm-up
+        # on copies, in the model's pool while no graph lives there) is freed now, for the
+        # captures to take: the measured choice warms every candidate up before it captures any.
+        keep = {n for piece in program.pieces for n in piece.live_in}
+        keep.update(n for piece in program.pieces if piece.kind == "break" for n in piece.live_out)
+        self._warmed = ({n: v for n, v in env.items() if n in keep}, out if real else None)
         return out
 
     def _capture_warmed(self, args: Sequence[Any]) -> None:
@@ -292,6 +300,28 @@ class Capture:
                 env[node] = args[i].clone()
         return env
 
+    def drop_outputs(self) -> bool:
+        """Lets go of the captured segment's outputs, for a capture that is only timed (a schedule
+        candidate of the measured choice), then closed; returns whether it did.
+
+        Their blocks go back to the model's pool, where the next candidate's capture takes them,
+        so measuring holds one candidate's outputs, not one set per candidate. The graph still
+        writes that memory when it replays, as the other candidate's graph does: harmless while
+        the replays run one at a time, nothing reads their results, and the graph reads no
+        output of its own (one captured segment: no later segment reads what it wrote, and
+        values crossing its lanes inside it are retained by its owner, not returned). A
+        capture of more than one segment, or whose segment reads staged buffers, keeps its
+        outputs (``False``). Such a capture can no longer run a call (:meth:`replay` refuses).
+        """
+        if len(self.seg_out) != 1 or any(self.seg_in.values()):
+            return False
+        for p in self.seg_out:
+            self.seg_out[p] = []
+        if self.outputs is not None:
+            self.outputs.close()  # it holds the static storages
+        self.outputs_dropped = True
+        return True
+
     # -- replays ----------------------------------------------------------------------------------
     def replay(self, args: Sequence[Any], check: bool = False) -> Any:
         """Copies the inputs in, replays the segments (breaks in between), copies written inputs back.
@@ -300,6 +330,9 @@ class Capture:
         memory first (an input may be one of them: it is read after its rescue).
         """
         program = self.program
+        if self.outputs_dropped:
+            raise ResourceError(f"{self.owner.name}: a capture whose outputs were dropped (a timed schedule "
+                                "candidate) cannot run a call")
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
         # The copies in and out are this owner's work too (an observer's owner range holds them).

@@ -237,3 +237,29 @@ def test_an_output_of_a_break_is_returned_as_it_is():
     cap = _only_capture(_executor())
     assert cap.outputs.aliased == 2  # y * 2 of calls 2 and 3; the break's results are its own
     assert cap.outputs.rescues == 1  # call 3 found call 2's y * 2 held
+
+
+def test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten(caplog):
+    """Without ``_swap_data_ptr_`` held outputs are moved tensor by tensor; a tensor with no Python
+    object (matmul's own reshape of a 3-d input, saved for the backward) cannot be, so its storage
+    is expired before the replay writes the memory: the backward raises instead of reading the
+    next call's values."""
+    if outputs.SWAP:
+        pytest.skip("this torch moves the memory under every holder (UntypedStorage._swap_data_ptr_)")
+    torch.manual_seed(0)
+    model = _Mlp()
+    with torch.no_grad():
+        compiled = _compile(model)
+        xs = [torch.randn(2, 4, 64, device="cuda") for _ in range(3)]
+        compiled(xs[0])
+        y = compiled(xs[1])[0]
+    w = torch.ones(64, 2, device="cuda", requires_grad=True)
+    loss = torch.matmul(y, w).sum()
+    del y
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="capturepass"):
+        compiled(xs[2])
+    assert "accessing it raises from now on" in caplog.text
+    cap = _only_capture(_executor())
+    assert cap.outputs.searches == 1 and cap.outputs.copying is not None
+    with pytest.raises(RuntimeError, match="was an output of a CUDA graph replay"):
+        loss.backward()

@@ -300,6 +300,51 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
     assert all(r.levelno == logging.INFO for r in caplog.records if "schedule" in r.getMessage())
 
 
+class _DroppingCap(_Cap):
+    """A capture that lets go of its outputs when asked, as a real one-segment capture does."""
+
+    outputs_dropped = False
+
+    def drop_outputs(self):
+        self.outputs_dropped = True
+        return True
+
+
+class _DroppingExecutor(_Executor):
+    def __init__(self):
+        super().__init__()
+        self.caps = []
+
+    def _warm_program(self, program, args, real, candidate, lane_map=None):
+        self.captured.append((program, real))
+        self.names.append(candidate)
+        self.caps.append(_DroppingCap(program, name=candidate or "model"))
+        return self.caps[-1], ("warm-up of", program)
+
+
+def test_measuring_drops_each_candidates_outputs_and_captures_the_choice_again(tmp_path):
+    """The candidates are only timed: each one's outputs go back to the pool before the next is
+    captured, so measuring holds one set of outputs; the chosen one is then captured anew (warmed
+    up on copies: the call was the cost model's warm-up), and every measured capture is closed."""
+    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    ex = _DroppingExecutor()
+    cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
+    measured = ex.caps[:3]
+    assert all(c.outputs_dropped and c.owner.closed for c in measured)
+    assert ex.names == [None, "one_lane", "aux1", "one_lane"]
+    assert ex.captured[3] == (cands[1].program, False)
+    assert cap is ex.caps[3] and not cap.outputs_dropped and not cap.owner.closed
+    assert out == ("warm-up of", cands[0].program)
+    assert picked[0].choice == "one_lane" and timer.replays == 3 * (2 + 6)
+
+
+def test_a_lone_candidate_keeps_its_outputs(tmp_path):
+    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0}, cands=[_Cand("model", 1, 20.0)])
+    ex = _DroppingExecutor()
+    cap, _ = p.capture(ex, [torch.randn(4, 8)], real=True)
+    assert cap is ex.caps[0] and not cap.outputs_dropped and ex.names == [None]
+
+
 def test_tie_keeps_fewer_lanes(tmp_path):
     p, _, picked, _ = _picker(tmp_path, {"model": 60.0, "one_lane": 60.0, "aux1": 60.0})
     p.capture(_Executor(), [torch.randn(2)], real=True)
