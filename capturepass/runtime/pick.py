@@ -15,6 +15,14 @@ the one with the lowest median (a candidate within :data:`TIE` of the fastest wi
 fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes the
 others' owners.
 
+Measuring holds the memory of about one capture, not one per candidate: a warm-up
+keeps only what its capture reads (``Capture._warm``), and a timed candidate's outputs
+go back to the model's pool right after its capture (``Capture.drop_outputs``), where the
+next candidate's capture takes them. The replays then write memory the other candidates'
+replays write too, which is harmless while they run one at a time and nothing reads their
+results; the chosen candidate is therefore captured once more, anew, after the others
+are closed (warmed up on copies of the inputs the graph writes).
+
 Only the captured segments are timed: breaks run eagerly around them, identical in
 every candidate, and may have effects that must not repeat. Replays write the
 static inputs the graph updates in place (a KV cache, a counter buffer) at their
