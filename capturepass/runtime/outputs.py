@@ -277,7 +277,7 @@ class OutputAliases:
             log.warning("capturepass: a replayed output is held where it cannot be moved (not a Python "
                         "tensor: autograd's saved tensors, C++); accessing it raises from now on")
             torch._C._set_storage_data_ptr_access_error_msg(
-                alias, "capturepass: this tensor was an output of a CUDA graph replay, held outside Python's "
+                alias._cdata, "capturepass: this tensor was an output of a CUDA graph replay, held outside Python's "
                        "heap when the graph replayed again, which overwrote its memory; clone it before the next call")
             return
         raise RuntimeError(

@@ -358,10 +358,9 @@ def _first_call_peak(pick_mode: str, tmp_path) -> tuple[int, int]:
 @torch.no_grad()
 def test_measuring_the_candidates_holds_no_more_memory_than_one_capture(tmp_path):
     """Each candidate's warm-up results are freed before the captures, and each timed capture's
-    outputs go back to the pool before the next is captured: the first call's peak with three
+    outputs go back to the pool before the next is captured: the first call's peak with the
     candidates measured stays within 10% of the peak with the cost model's schedule alone."""
     alone, _ = _first_call_peak("model", tmp_path)
     measured, n = _first_call_peak("measure", tmp_path)
-    assert n >= 3
-    out_bytes = 256 * 16384 * 4
-    assert measured <= 1.10 * alone, (measured / 2**20, alone / 2**20, out_bytes / 2**20)
+    assert n >= 2
+    assert measured <= 1.10 * alone, (measured / 2**20, alone / 2**20)
