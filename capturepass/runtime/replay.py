@@ -134,7 +134,8 @@ class Capture:
 
     # -- the first call ---------------------------------------------------------------------------
     def run(self, args: Sequence[Any], real: bool) -> Any:
-        """Warms up, then captures every segment; returns the warm-up's results.
+        """Warms up, then captures every segment; returns the warm-up's results (``None`` when
+        not ``real``).
 
         Args:
             args: the call's arguments.
@@ -146,6 +147,10 @@ class Capture:
         """
         with self.owner.lock:  # the model's other captures share the pool: not while one of them runs
             out = self._warm(args, real)
+            if not real:
+                # Results of a warm-up on copies: nobody reads them, and while they live in the
+                # pool the capture cannot take their blocks.
+                out = None
             self._capture_warmed(args)
             return out
 

@@ -261,5 +261,7 @@ def test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_o
     assert "accessing it raises from now on" in caplog.text
     cap = _only_capture(_executor())
     assert cap.outputs.searches == 1 and cap.outputs.copying is not None
-    with pytest.raises(RuntimeError, match="was an output of a CUDA graph replay"):
+    # Loud either way: the output itself (alive as the base of matmul's reshape) was moved, which
+    # bumps the version counter its views share, so autograd's own check may fire first.
+    with pytest.raises(RuntimeError, match="was an output of a CUDA graph replay|modified by an inplace operation"):
         loss.backward()
