@@ -569,6 +569,8 @@ class Picker:
         # captures then reuse their blocks. The cost model's first: its warm-up is the call, and
         # its failure to capture is the executor's.
         cap, out = executor._warm_program(self.candidates[0].program, args, real, None)
+        if not real:
+            out = None  # results of a warm-up on copies, which nobody reads: out of the pool now
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -583,7 +585,10 @@ class Picker:
                                 "not measured", self.graph, cand.name, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
-                c, _ = executor._warm_program(program, args, False, cand.name, lane_map=getattr(cand, "lane_map", None))
+                # Its results (on copies) are not bound: alive, they would keep blocks of the pool
+                # from the captures until measuring ends.
+                c = executor._warm_program(program, args, False, cand.name,
+                                           lane_map=getattr(cand, "lane_map", None))[0]
                 caps.append(c)
                 kept.append(i)
             caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
@@ -688,8 +693,8 @@ class Picker:
 
         cand = self.candidates[index]
         try:
-            cap, _ = executor._capture_program(cand.program, args, False, None if index == 0 else cand.name,
-                                               lane_map=getattr(cand, "lane_map", None))
+            cap = executor._capture_program(cand.program, args, False, None if index == 0 else cand.name,
+                                            lane_map=getattr(cand, "lane_map", None))[0]
         except CaptureFailure as e:
             if index == 0:
                 raise
