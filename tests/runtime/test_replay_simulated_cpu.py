@@ -43,9 +43,14 @@ class _Stream:
         pass
 
 
-@pytest.fixture
-def simulated(monkeypatch):
-    """CUDA graphs simulated on the host (see the module's docstring)."""
+@pytest.fixture(params=["swap", "move"])
+def simulated(monkeypatch, request):
+    """CUDA graphs simulated on the host (see the module's docstring); held outputs rescued by
+    swapping their storage's memory, or by moving their tensors (torch without
+    ``_swap_data_ptr_``, as on torch 2.11)."""
+    if request.param == "swap" and not outputs.SWAP:
+        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
+    monkeypatch.setattr(outputs, "SWAP", request.param == "swap")
     real_run_piece = BoundProgram.run_piece
 
     def run_piece(self, index, env):
@@ -284,3 +289,56 @@ def test_a_replay_rescues_the_held_outputs_of_the_models_other_captures(simulate
     assert b.outputs.rescues == before + 2 and mem.held_outputs == [a.outputs]
     for got, want in zip(held, model(x2)):
         assert torch.equal(got, want)
+
+
+def _call_args(ex, compiled, x) -> list:
+    """The flat arguments the executor receives for ``compiled(x)`` (parameters included)."""
+    seen, call = [], ex._call
+    ex._call = lambda args: (seen.append(list(args)), call(args))[1]
+    try:
+        compiled(x)
+    finally:
+        del ex._call
+    return seen[-1]
+
+
+@torch.no_grad()
+def test_a_timed_capture_drops_its_outputs_and_refuses_a_call(simulated):
+    """What the measured choice does to each candidate it only times: the capture lets go of its
+    outputs (here the simulated graph still holds them, as a real one holds only addresses), and
+    a call is refused."""
+    from capturepass.errors import ResourceError
+
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    x = torch.randn(4, 16)
+    compiled(x)  # the capture
+    cap = _only_capture(ex)
+    assert cap.drop_outputs() and cap.outputs_dropped
+    assert all(outs == [] for outs in cap.seg_out.values())
+    assert cap.outputs._static == {}
+    with pytest.raises(ResourceError, match="outputs were dropped"):
+        cap.replay([x])
+
+
+@torch.no_grad()
+def test_a_warm_up_on_copies_keeps_no_results_for_its_capture(simulated):
+    """Until its capture a warm-up keeps only the values the capture reads; one on copies of the
+    inputs (a schedule candidate's, a capture size's) keeps and returns no results of its own."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    args = _call_args(ex, compiled, torch.randn(4, 16))
+    cap, _ = ex._capture_program(ex.program, args, False, "probe", None, warm_only=True)
+    env, results = cap._warmed
+    assert results is None
+    read = {n for piece in ex.program.pieces for n in piece.live_in}
+    outputs_only = {n for piece in ex.program.pieces for n in piece.live_out} - read
+    assert env and set(env) <= read and outputs_only and not outputs_only & set(env)
+    cap.owner.close()
+    again, out = ex._capture_program(ex.program, args, False, "probe2", None)
+    assert out is None and again._warmed is None and again.seg_out
+    again.owner.close()
