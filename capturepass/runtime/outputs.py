@@ -262,8 +262,13 @@ class OutputAliases:
         self.searches += 1
         found = 0
         for obj in gc.get_objects():
-            if (issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided and obj.device == copy.device
-                    and obj.untyped_storage()._cdata == key):
+            if not issubclass(type(obj), torch.Tensor):
+                continue
+            try:
+                over = obj.layout == torch.strided and obj.device == copy.device and obj.untyped_storage()._cdata == key
+            except Exception:  # noqa: BLE001 - a subclass without a storage of its own is not over ours
+                continue
+            if over:
                 _repoint(obj, copy)
                 found += 1
         if self.copying is None:

@@ -163,6 +163,25 @@ def test_a_view_the_caller_derived_is_found_moved_and_later_outputs_are_copied(c
     assert reg.copies == 2 and reg.rescue() == 0 and reg.searches == 1
 
 
+class _NoStorage(torch.Tensor):
+    """A tensor subclass that has no storage to show (as some wrapper subclasses raise)."""
+
+    def untyped_storage(self):
+        raise RuntimeError("no storage here")
+
+
+def test_the_heap_search_passes_over_tensors_without_a_storage():
+    a, _ = _static()
+    reg = OutputAliases([a], swap=False)
+    out = reg.wrap(a)
+    row = out[1]
+    odd = torch.zeros(2).as_subclass(_NoStorage)
+    del out
+    assert reg.rescue() == 1 and reg.searches == 1
+    a.zero_()
+    assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0])) and odd.shape == (2,)
+
+
 def test_outputs_made_in_inference_mode_are_moved_in_inference_mode():
     a, _ = _static()
     reg = OutputAliases([a], swap=False)
