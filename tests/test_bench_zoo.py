@@ -106,7 +106,7 @@ def test_peak_sites_sum_the_blocks_live_at_the_peak_by_where_they_were_allocated
     ]
     text = zoo.peak_sites({"device_traces": [trace]})
     assert text.splitlines() == [
-        "peak of the recorded history: 140.0 MiB in 3 block(s)",
+        "peak of the recorded history: 140.0 MiB in 3 block(s), 130.0 MiB of them allocated under capturepass",
         "     130.0 MiB  torch/_dynamo/testing.py:462 rand_strided <- capturepass/backends/inner.py:24 _inductor",
         "      10.0 MiB  transformers/llama.py:122 forward",
     ]
