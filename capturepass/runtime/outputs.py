@@ -283,7 +283,8 @@ class OutputAliases:
                         "tensor: autograd's saved tensors, C++); accessing it raises from now on")
             torch._C._set_storage_data_ptr_access_error_msg(
                 alias._cdata, "capturepass: this tensor was an output of a CUDA graph replay, held outside Python's "
-                       "heap when the graph replayed again, which overwrote its memory; clone it before the next call")
+                       "heap when the graph replayed again, which writes its memory: it was expired rather "
+                       "than read stale; clone an output that must outlive the next call")
             return
         raise RuntimeError(
             "capturepass: an output of the previous replay is held outside Python's heap (autograd's saved "
