@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|resident|resources|sanitize|trace|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|resident|resources|sanitize|trace|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
+# zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
+# capturepass policy="off"; PROCS processes per cell, 3 by default), with the peak's allocation sites in
+# each worker's log (OUTDIR/zoo-bench/logs). Not part of all.
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
@@ -71,6 +74,13 @@ if [ "$what" = trace ]; then
   for mode in replay uncaptured; do
     for f in graph.json measured.json; do cp "$dumps/$mode"/*/"$f" "$out/moe-$mode-$f" 2>/dev/null; done
   done
+fi
+if [ "$what" = zoobench ]; then
+  python3 bench/zoo.py --models "${ZOO_MODELS:-llama,qwen2_moe}" \
+    --variants inductor,reduce-overhead,capturepass,capturepass-off --procs "${PROCS:-3}" --memory-sites \
+    --out "$out/zoo-bench" > "$out/zoo-bench.log" 2>&1
+  rc=$?
+  echo "bench/zoo.py: exit $rc"; cat "$out/zoo-bench/zoo-bench.md" 2>/dev/null
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
