@@ -16,12 +16,13 @@ fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes 
 others' owners.
 
 Measuring holds the memory of about one capture, not one per candidate: a warm-up
-keeps only what its capture reads (``Capture._warm``), and a timed candidate's outputs
-go back to the model's pool right after its capture (``Capture.drop_outputs``), where the
-next candidate's capture takes them. The replays then write memory the other candidates'
-replays write too, which is harmless while they run one at a time and nothing reads their
-results; the chosen candidate is therefore captured once more, anew, after the others
-are closed (warmed up on copies of the inputs the graph writes).
+keeps only what its capture reads (``Capture._warm``), and before each candidate is
+captured the one captured before it lets its outputs go back to the model's pool
+(``Capture.drop_outputs``), where the new capture takes them. The replays then write
+memory the other candidates' replays write too, which is harmless while they run one at
+a time and nothing reads their results. The last candidate captured keeps its outputs
+(one lane's own program goes last); any other chosen candidate is captured once more,
+anew, after the others are closed (warmed up on copies of the inputs the graph writes).
 
 Only the captured segments are timed: breaks run eagerly around them, identical in
 every candidate, and may have effects that must not repeat. Replays write the
@@ -592,13 +593,14 @@ class Picker:
                 caps.append(c)
                 kept.append(i)
             caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
-            # Each candidate is only timed: its outputs go back to the pool for the next one's
-            # capture (``Capture.drop_outputs``), and the chosen one is captured again.
-            many = len(caps) > 1
-            if many:
-                _drop_outputs(caps[0])
+            # The candidates are only timed: before the next one is captured, the one before it
+            # lets go of its outputs (``Capture.drop_outputs``), so that measuring holds one set;
+            # the last one captured keeps its own. One lane's own program goes last: where it is
+            # chosen (most dense models), the call needs no second capture.
+            rest = sorted(zip(caps[1:], kept[1:]), key=lambda ci: self._own_one_lane(ci[1]))
             captured = [(caps[0], 0)]
-            for c, i in zip(caps[1:], kept[1:]):
+            for c, i in rest:
+                _drop_outputs(captured[-1][0])
                 try:
                     c.capture_warmed(args)
                 except CaptureFailure as e:
@@ -607,8 +609,6 @@ class Picker:
                              self.graph, self.candidates[i].name, e)
                     c.owner.close()
                     continue
-                if many:
-                    _drop_outputs(c)
                 captured.append((c, i))
             caps[:] = [c for c, _ in captured]
             kept[:] = [i for _, i in captured]
@@ -675,6 +675,11 @@ class Picker:
             self._lane_sample(dev, key, shape, one, medians)
         self._done(record)
         return self._recaptured(executor, args, caps[kept.index(chosen)], chosen), out
+
+    def _own_one_lane(self, index: int) -> bool:
+        """Whether candidate ``index`` is one lane's own program (not a lane map of another's)."""
+        cand = self.candidates[index]
+        return cand.lanes == 1 and getattr(cand, "lane_map", None) is None
 
     def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int) -> Any:
         """``cap``, the chosen candidate's capture, or a new capture of it where measuring dropped

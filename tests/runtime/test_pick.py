@@ -322,20 +322,32 @@ class _DroppingExecutor(_Executor):
         return self.caps[-1], ("warm-up of", program)
 
 
-def test_measuring_drops_each_candidates_outputs_and_captures_the_choice_again(tmp_path):
-    """The candidates are only timed: each one's outputs go back to the pool before the next is
-    captured, so measuring holds one set of outputs; the chosen one is then captured anew (warmed
-    up on copies: the call was the cost model's warm-up), and every measured capture is closed."""
+def test_measuring_holds_one_set_of_outputs_and_one_lane_chosen_needs_no_second_capture(tmp_path):
+    """The candidates are only timed: before each capture the one captured before it drops its
+    outputs, so measuring holds one set. One lane's own program is captured last and keeps its
+    outputs: chosen, it is the call's capture as it is."""
     p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     ex = _DroppingExecutor()
     cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
-    measured = ex.caps[:3]
-    assert all(c.outputs_dropped and c.owner.closed for c in measured)
-    assert ex.names == [None, "one_lane", "aux1", "one_lane"]
-    assert ex.captured[3] == (cands[1].program, False)
-    assert cap is ex.caps[3] and not cap.outputs_dropped and not cap.owner.closed
+    model, one_lane, aux1 = ex.caps
+    assert model.outputs_dropped and aux1.outputs_dropped and not one_lane.outputs_dropped
+    assert model.owner.closed and aux1.owner.closed
+    assert cap is one_lane and not cap.owner.closed
+    assert ex.names == [None, "one_lane", "aux1"]  # warmed up once each, nothing captured again
     assert out == ("warm-up of", cands[0].program)
     assert picked[0].choice == "one_lane" and timer.replays == 3 * (2 + 6)
+
+
+def test_a_chosen_candidate_that_dropped_its_outputs_is_captured_again(tmp_path):
+    p, _, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 30.0})
+    ex = _DroppingExecutor()
+    cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
+    assert picked[0].choice == "aux1"
+    assert all(c.owner.closed for c in ex.caps[:3])
+    assert ex.names == [None, "one_lane", "aux1", "aux1"]
+    assert ex.captured[3] == (cands[2].program, False)  # warmed up on copies: the call was the model's
+    assert cap is ex.caps[3] and not cap.outputs_dropped and not cap.owner.closed
+    assert out == ("warm-up of", cands[0].program)
 
 
 def test_a_lone_candidate_keeps_its_outputs(tmp_path):
@@ -812,8 +824,9 @@ def test_every_candidate_warms_up_before_any_is_captured(tmp_path, caplog):
     ex = Recording()
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
+    # One lane's own program is captured last (it keeps its outputs: no second capture if chosen).
     assert events == [("warm", "model"), ("warm", "one_lane"), ("warm", "aux1"),
-                      ("capture", "model"), ("capture", "one_lane"), ("capture", "aux1")]
+                      ("capture", "model"), ("capture", "aux1"), ("capture", "one_lane")]
     assert picked[0].choice == "one_lane" and cap.program is cands[1].program
     assert [c["note"] for c in picked[0].candidates] == [None, None, "capture failed: RuntimeError"]
     assert any("schedule candidate aux1 failed to capture" in r.getMessage() for r in caplog.records)
