@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,9 +16,11 @@ from capturepass.ir import meta, printer
 from capturepass.ir.meta import GraphInfo, OwnerId
 from capturepass.ir.options import Options
 from capturepass.passes.base import PassContext
+from capturepass.backends import dynamo
 from capturepass.backends.compile import compile_graph
 from capturepass.runtime import context as runtime_context
 from capturepass.runtime.replay import Capture
+from capturepass.testing.models import MoEBlock
 
 _owners = itertools.count(1000)
 
@@ -203,3 +206,32 @@ def overlapping(kernels: list[dict]) -> int:
         count += start < end
         end = max(end, stop)
     return count
+
+
+def moe_block_fn():
+    """The showcase MoE block (its CPU size) as a function of its input and parameters, with them."""
+    torch.manual_seed(0)
+    model = MoEBlock()
+    params = dict(model.named_parameters())
+
+    def f(x, *ps):
+        return torch.func.functional_call(model, dict(zip(params, ps)), (x,))
+
+    return f, (torch.randn(16, 64), *params.values())
+
+
+def candidates_of(fn, inputs, **options):
+    """What the backend does for a captured CUDA graph, on the CPU: the cost model's graph compiled,
+    the candidates derived from a pristine copy (eager regions, the per-lane regions a GPU runs)."""
+    gm = aten_graph(fn, *inputs)
+    pristine = dynamo._pristine_copy(gm)
+    opts = Options.from_mapping({"inner": "eager", "regions": "lanes", "verify": True, **options})
+    examples = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled = compile_graph(gm, examples, opts, record=False)
+
+    def plan_with(overrides):
+        new = compile_graph(dynamo._pristine_copy(pristine), examples, dataclasses.replace(opts, **overrides),
+                            regions=False, record=False, log_decisions=False)
+        return new.graph, new.plan
+
+    return compiled, pristine, opts, plan_with

@@ -52,7 +52,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -105,17 +105,22 @@ def copy_out(out: Any, theirs: set[int]) -> Any:
         if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
             return v
         storage = v.untyped_storage()
-        key = storage._cdata
-        if key in theirs or not storage.nbytes():
+        if storage._cdata in theirs or not storage.nbytes():
             return v
         if v.requires_grad:
             return v.clone()
-        copy = copies.get(key)
-        if copy is None:
-            copy = copies[key] = storage.clone()
-        return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
+        return _on_copy(v, storage, copies)
 
     return fx.node.map_aggregate(out, one)
+
+
+def _on_copy(v: torch.Tensor, storage: Any, copies: dict[int, Any]) -> torch.Tensor:
+    """``v`` over the copy of ``storage`` in ``copies`` (made on first use: one copy per storage,
+    so tensors that viewed one storage view one copy), at its own offset, sizes and strides."""
+    copy = copies.get(storage._cdata)
+    if copy is None:
+        copy = copies[storage._cdata] = storage.clone()
+    return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
 
 
 def rescue_group(group: list["OutputAliases"]) -> int:
@@ -163,7 +168,7 @@ class OutputAliases:
         self._swap = SWAP if swap is None else swap
         # Since the last rescue: (alias storage, static storage, weak references to the tensors
         # handed out over the alias; kept only when a rescue moves tensors, not storages).
-        self._live: list[tuple[Any, Any, list[weakref.ref]]] = []
+        self._live: list[tuple[Any, Any, Sequence[weakref.ref]]] = []
         self.aliased = 0
         self.rescues = 0
         self.copies = 0
@@ -198,16 +203,13 @@ class OutputAliases:
                 return v.clone()
             if self.copying is not None:
                 self.copies += 1
-                copy = copies.get(key)
-                if copy is None:
-                    copy = copies[key] = static.clone()
-                return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
+                return _on_copy(v, static, copies)
             alias, refs = fresh.get(key, (None, None))
             if alias is None:
                 alias = torch._C._construct_storage_from_data_pointer(static.data_ptr(), v.device, static.nbytes())
                 refs = None if self._swap else []
                 fresh[key] = (alias, refs)
-                self._live.append((alias, static, refs if refs is not None else []))
+                self._live.append((alias, static, refs if refs is not None else ()))
                 if self.group is not None and not self._in_group:
                     self.group.append(self)
                     self._in_group = True
@@ -249,7 +251,7 @@ class OutputAliases:
         self.rescues += n
         return n
 
-    def _move(self, alias: Any, copy: Any, refs: list[weakref.ref]) -> None:
+    def _move(self, alias: Any, copy: Any, refs: Sequence[weakref.ref]) -> None:
         """Re-points every tensor over ``alias`` at ``copy``: those handed out, then (when the
         caller derived others) every tensor the heap holds over it."""
         key = alias._cdata

@@ -162,12 +162,6 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
     return min(close, key=lambda i: (lanes[i], bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
 
 
-def _drop_outputs(cap: Any) -> bool:
-    """Whether ``cap`` let go of its outputs (``Capture.drop_outputs``)."""
-    drop = getattr(cap, "drop_outputs", None)
-    return bool(drop()) if drop is not None else False
-
-
 def replay_round(caps: Sequence[Any], order: Sequence[int]) -> list[float]:
     """Replays the captured segments of each capture in ``order`` once on the current stream,
     timed by CUDA events around each; returns seconds (one synchronize per round)."""
@@ -491,8 +485,9 @@ class Picker:
                 warm-up's outputs; ``candidate`` is ``None`` for the cost model's, else the
                 candidate's name, which its owner's name bears), or only warms it up
                 (``_warm_program``, same arguments: the capture's ``capture_warmed(args)``
-                captures it); its ``static_positions`` are the parameters, which the record's
-                shape leaves out.
+                captures it, ``drop_outputs()`` lets go of its outputs and says whether it did,
+                ``outputs_dropped`` tells); its ``static_positions`` are the parameters, which the
+                record's shape leaves out.
             args: the call's arguments.
             real: the cost model's warm-up is the call (its outputs are the call's results).
             protect: tensors the timed replays write in place at the caller's addresses; restored.
@@ -570,8 +565,6 @@ class Picker:
         # captures then reuse their blocks. The cost model's first: its warm-up is the call, and
         # its failure to capture is the executor's.
         cap, out = executor._warm_program(self.candidates[0].program, args, real, None)
-        if not real:
-            out = None  # results of a warm-up on copies, which nobody reads: out of the pool now
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -586,8 +579,6 @@ class Picker:
                                 "not measured", self.graph, cand.name, type(e).__name__,
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
-                # Its results (on copies) are not bound: alive, they would keep blocks of the pool
-                # from the captures until measuring ends.
                 c = executor._warm_program(program, args, False, cand.name,
                                            lane_map=getattr(cand, "lane_map", None))[0]
                 caps.append(c)
@@ -600,7 +591,7 @@ class Picker:
             rest = sorted(zip(caps[1:], kept[1:]), key=lambda ci: self._own_one_lane(ci[1]))
             captured = [(caps[0], 0)]
             for c, i in rest:
-                _drop_outputs(captured[-1][0])
+                captured[-1][0].drop_outputs()
                 try:
                     c.capture_warmed(args)
                 except CaptureFailure as e:
@@ -684,7 +675,7 @@ class Picker:
     def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int) -> Any:
         """``cap``, the chosen candidate's capture, or a new capture of it where measuring dropped
         its outputs (``Capture.drop_outputs``)."""
-        if not getattr(cap, "outputs_dropped", False):
+        if not cap.outputs_dropped:
             return cap
         cap.owner.close()
         return self._capture_again(executor, args, index)

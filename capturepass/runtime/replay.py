@@ -147,15 +147,12 @@ class Capture:
         """
         with self.owner.lock:  # the model's other captures share the pool: not while one of them runs
             out = self._warm(args, real)
-            if not real:
-                # Results of a warm-up on copies: nobody reads them, and while they live in the
-                # pool the capture cannot take their blocks.
-                out = None
             self._capture_warmed(args)
             return out
 
     def warm(self, args: Sequence[Any], real: bool) -> Any:
-        """The warm-up alone (see :meth:`run`); :meth:`capture_warmed` captures it later. The
+        """The warm-up alone (see :meth:`run`: its results, ``None`` when not ``real``);
+        :meth:`capture_warmed` captures it later. The
         measured choice warms every candidate up before it captures any: while no graph of the
         model lives in its pool, the warm-ups run there (``CaptureMemory.warms_up_in_pool``)."""
         with self.owner.lock:
@@ -202,12 +199,15 @@ class Capture:
             out = outputs.copy_out(out, _storages([*args, *program.constants.values()]))
         # Until the capture, keep only what it reads of the warm-up: the values captured pieces
         # read and breaks produced (the capture and a failure's probe use them), and the results
-        # of a real warm-up (the call's, if the capture fails). The rest (the results of a warm-up
-        # on copies, in the model's pool while no graph lives there) is freed now, for the
-        # captures to take: the measured choice warms every candidate up before it captures any.
+        # of a real warm-up (the call's, if the capture fails). The results of a warm-up on
+        # copies, which nobody reads, are neither kept nor returned: in the model's pool while no
+        # graph lives there, they are freed now for the captures to take (the measured choice
+        # warms every candidate up before it captures any).
         keep = {n for piece in program.pieces for n in piece.live_in}
         keep.update(n for piece in program.pieces if piece.kind == "break" for n in piece.live_out)
-        self._warmed = ({n: v for n, v in env.items() if n in keep}, out if real else None)
+        if not real:
+            out = None
+        self._warmed = ({n: v for n, v in env.items() if n in keep}, out)
         return out
 
     def _capture_warmed(self, args: Sequence[Any]) -> None:
