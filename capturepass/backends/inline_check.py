@@ -15,7 +15,11 @@ The code runs each line on the lane the last ``capturepass::inline_step`` call m
 - :func:`order_violations`: a buffer read on a lane that no event orders after the kernel that
   wrote it (vector clocks over the records and waits).
 
-A kernel's first use of a buffer after its allocation counts as its write.
+A kernel's first use of a buffer after its allocation counts as its write. The items of an op
+that returns several new tensors (``buf7 = buf6[0]`` after ``buf6 = torch.ops.aten.sort...``:
+values and indices) are buffers of their own, allocated where the op ran; an item of an op whose
+schema says a result may alias an input, or of a call the checks cannot resolve, counts as a view
+of the whole result.
 
 Under Inductor's own CUDA graphs (``mode="reduce-overhead"``, with ``graph_partition``) the
 generated ``call`` calls the graph's pieces as functions (``self.partitions[N](...)``), each
@@ -28,6 +32,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch
+
 from capturepass.ir import meta
 from capturepass.ir.plan import StepKind, SyncPoint
 
@@ -37,6 +43,24 @@ _POINT = re.compile(r"torch\.ops\.capturepass\.(?:inline_step\.default\(\d+, (\d
 _ALIAS = re.compile(r"(buf\d+) = reinterpret_tensor\((buf\d+)|(buf\d+) = (buf\d+)\[")
 _REUSE = re.compile(r"(buf\d+) = (buf\d+); del (buf\d+)\s+# reuse")
 _BUF = re.compile(r"\b(buf\d+)\b")
+_OP_RESULT = re.compile(r"(buf\d+) = torch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
+_ITEM = re.compile(r"(buf\d+) = (buf\d+)\[\d+\]$")
+
+
+def _fresh_tuple(line: str) -> str | None:
+    """The buffer ``line`` binds to the results of an op that returns several tensors, none of
+    which its schema lets alias an input (``aten.sort``, ``aten.topk``); ``None`` otherwise."""
+    m = _OP_RESULT.match(line)
+    if m is None:
+        return None
+    try:
+        op = getattr(getattr(getattr(torch.ops, m.group(2)), m.group(3)), m.group(4))
+        returns = op._schema.returns
+    except (AttributeError, RuntimeError):
+        return None
+    if len(returns) < 2 or any(r.alias_info is not None for r in returns):
+        return None
+    return m.group(1)
 
 
 _PARTITION_DEF = re.compile(r"def (partition_\d+)\(args\):$")
@@ -111,6 +135,7 @@ def lane_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
     at = _points(lines)
     last = max(at, default=-1)
     lane, alloc, uses, aliases, out = 0, {}, {}, _Aliases(), []
+    tuples: set[str] = set()  # results of ops that return several new tensors
     for i, line in enumerate(lines):
         if not line or line.startswith("#"):
             continue
@@ -120,8 +145,13 @@ def lane_violations(code: str, points: Sequence[SyncPoint]) -> list[str]:
         if _REUSE.match(line):
             out.append(f"reuse: {line}")
             continue
+        if (m := _ITEM.match(line)) and aliases.base(m.group(2)) in tuples:
+            alloc[m.group(1)] = alloc.get(aliases.base(m.group(2)), lane)
+            continue
         if aliases.take(line):
             continue
+        if (fresh := _fresh_tuple(line)) is not None:
+            tuples.add(fresh)
         if (m := re.match(r"(buf\d+) = ", line)) and m.group(1) not in alloc:
             alloc[m.group(1)] = lane
         if m := re.match(r"del (buf\d+)$", line):

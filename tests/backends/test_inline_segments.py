@@ -365,6 +365,41 @@ def test_the_code_checks_find_what_they_look_for():
     assert lane_violations(code, points) == ["buf1 allocated on s1, used on s[0], freed at line 8 before the last point"]
 
 
+_SORTED = """def call(self, args):
+        buf0 = empty_strided_cuda((0, ), (1, ), torch.uint8)
+        torch.ops.capturepass.inline_step.default(7, 0, [], [buf0])
+        buf5 = torch.ops.aten.sort.stable(arg0_1, stable=False, dim=0, descending=False)
+        buf6 = buf5[0]
+        buf7 = buf5[1]
+        del buf5
+        triton_poi_fused_index_0.run(buf7, buf8, 4, stream=stream0)
+        torch.ops.capturepass.inline_step.default(7, 1, [], [buf0, buf6, buf7])
+        triton_poi_fused_cos_1.run(buf6, buf9, 4, stream=stream0)
+        torch.ops.capturepass.inline_step.default(7, 2, [], [buf0])
+        del FREED
+        torch.ops.capturepass.inline_step.default(7, 3, [buf6], [buf0])
+        return (buf9, )
+"""
+
+
+def test_the_items_of_an_op_with_several_new_results_are_buffers_of_their_own():
+    """``aten.sort`` on lane 1 returns values and indices, two new tensors (the code Inductor
+    generated for Qwen2-MoE's router at a dynamic prefill shape on the H200): the values are read
+    on lane 0, the indices only on lane 1. Freeing the indices before the last point frees nothing
+    lane 0 reads, and dropping the tuple frees nothing at all; freeing the values would."""
+    from capturepass.ir.plan import SyncPoint
+
+    points = [SyncPoint((), 1, ()), SyncPoint((), 0, ()), SyncPoint((), 1, ()), SyncPoint((), 0, ())]
+    assert lane_violations(_SORTED.replace("FREED", "buf7"), points) == []
+    assert lane_violations(_SORTED.replace("FREED", "buf6"), points) == [
+        "buf6 allocated on s1, used on s[0], freed at line 11 before the last point"]
+    # An op whose results may alias its input: an item stays a view of the whole result.
+    split = _SORTED.replace("torch.ops.aten.sort.stable(arg0_1, stable=False, dim=0, descending=False)",
+                            "torch.ops.aten.split.Tensor(arg0_1, 2)")
+    assert lane_violations(split.replace("FREED", "buf7"), points) == [
+        "buf5 allocated on s1, used on s[0], freed at line 11 before the last point"]
+
+
 _FIRST_PIECE = """
 def partition_0(args):
     arg0_1, = args
