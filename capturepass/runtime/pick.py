@@ -9,8 +9,9 @@ the backend derived (``capturepass.backends.candidates``: the cost model's and o
 each compiled; fewer lanes, short lanes merged back and every lane on one stream, as lane
 maps of the cost model's program, whose owner puts merged lanes on one stream) into its
 own owner, replays each a few times
-interleaved (CUDA events around each candidate's segment replays; warm-up rounds
-first, then as many timed rounds as ``pick_budget_ms`` allows, at least one), keeps
+interleaved (a sample is a lead-in replay, then a few replays back to back between CUDA
+events: the steady pace of one graph replayed again and again, as a served model runs it;
+warm-up rounds first, then as many timed rounds as ``pick_budget_ms`` allows, at least one), keeps
 the one with the lowest median (a candidate within :data:`TIE` of the fastest with
 fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes the
 others' owners.
@@ -77,8 +78,15 @@ PICKS_FILE = "schedules.json"
 WARMUP_ROUNDS = 2
 # Timed rounds at most: medians of more samples than this do not change the choice.
 MAX_ROUNDS = 25
-# A candidate with fewer lanes within this fraction of the fastest median wins.
-TIE = 0.01
+# Replays per sample (``replay_round``): untimed lead-in replays, then timed replays back to back.
+LEAD_IN = 1
+REPEATS = 4
+# A candidate with fewer lanes within this fraction of the fastest median wins. The candidates
+# are timed on one input; where a graph's work depends on its input's values (an MoE's routing)
+# a schedule's time moves by a few percent from one input to the next (on an H200, a Qwen2-MoE
+# decode graph's three lanes timed 1.1% faster than one lane on the call's tokens and 2.7% slower
+# on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
+TIE = 0.02
 # Bumped when what a cached choice means changes (candidate names, what is timed).
 CACHE_FORMAT = 2
 # A graph summary's choice when its shapes chose differently.
@@ -108,31 +116,32 @@ class CandidateLike(Protocol):
 
 def time_rounds(
     n: int, measure_round: Callable[[Sequence[int]], list[float]], budget_s: float,
-    warmup: int = WARMUP_ROUNDS, max_rounds: int = MAX_ROUNDS,
+    warmup: int = WARMUP_ROUNDS, max_rounds: int = MAX_ROUNDS, per_sample: int = 1,
 ) -> tuple[list[list[float]], int]:
     """Times ``n`` candidates in interleaved rounds within a budget; returns the timed samples
-    per candidate (seconds) and the number of replays run (warm-up included).
+    per candidate (seconds per replay) and the number of replays run (warm-up included).
 
-    Each round replays every candidate once, in an order rotated from round to round so that
-    no candidate always follows the same one. ``warmup`` rounds run first (not counted in the
-    samples); the last of them prices a round, and as many timed rounds follow as fit in what
-    remains of ``budget_s`` (at least one, at most ``max_rounds``).
+    Each round takes one sample of every candidate, in an order rotated from round to round so
+    that no candidate always follows the same one. ``warmup`` rounds run first (not counted in
+    the samples); the last of them prices a round, and as many timed rounds follow as fit in
+    what remains of ``budget_s`` (at least one, at most ``max_rounds``).
 
     Args:
         n: how many candidates.
-        measure_round: replays the candidates at the given indices once each, in that order;
-            returns their times in seconds, in that order.
+        measure_round: samples the candidates at the given indices once each, in that order;
+            returns their times per replay in seconds, in that order.
         budget_s: the replay time the warm-up and timed rounds may take together.
         warmup: untimed rounds first.
         max_rounds: timed rounds at most.
+        per_sample: replays one sample runs (``REPEATS + LEAD_IN`` for :func:`replay_round`).
     """
     spent, last = 0.0, [0.0] * n
     replays = 0
     for _ in range(warmup):
         last = list(measure_round(list(range(n))))
-        spent += sum(last)
-        replays += n
-    round_s = sum(last)
+        spent += sum(last) * per_sample
+        replays += n * per_sample
+    round_s = sum(last) * per_sample
     rounds = max_rounds if round_s <= 0 else int(max(0.0, budget_s - spent) // round_s)
     rounds = max(1, min(max_rounds, rounds))
     samples: list[list[float]] = [[] for _ in range(n)]
@@ -140,7 +149,7 @@ def time_rounds(
         order = [(i + r) % n for i in range(n)]
         for i, t in zip(order, measure_round(order)):
             samples[i].append(t)
-        replays += n
+        replays += n * per_sample
     return samples, replays
 
 
@@ -162,19 +171,31 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
     return min(close, key=lambda i: (lanes[i], bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
 
 
-def replay_round(caps: Sequence[Any], order: Sequence[int]) -> list[float]:
-    """Replays the captured segments of each capture in ``order`` once on the current stream,
-    timed by CUDA events around each; returns seconds (one synchronize per round)."""
+def replay_round(caps: Sequence[Any], order: Sequence[int], repeats: int = REPEATS,
+                 lead_in: int = LEAD_IN) -> list[float]:
+    """Replays the captured segments of each capture in ``order`` on the current stream and
+    returns each one's time per replay in seconds (one synchronize per round).
+
+    Each capture first replays ``lead_in`` times untimed, then ``repeats`` times back to back
+    between two CUDA events. An event records when the stream reaches it: had the timed replays
+    started on an idle stream, the host's launch of the first would be counted, and the capture
+    replayed just before (another candidate, with other buffers) would set the cache state it
+    starts from. The lead-in keeps the stream busy while the timed replays are launched, so
+    each sample is the steady pace of replays one after another, as a served model runs them.
+    """
     stream = torch.cuda.current_stream()
     marks = []
     for i in order:
+        for _ in range(lead_in):
+            replay_segments(caps[i])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        replay_segments(caps[i])
+        for _ in range(repeats):
+            replay_segments(caps[i])
         end.record(stream)
         marks.append((start, end))
     marks[-1][1].synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in marks]
+    return [start.elapsed_time(end) / 1e3 / repeats for start, end in marks]
 
 
 def replay_segments(cap: Any) -> None:
@@ -418,6 +439,8 @@ class Picker:
             graph record and the dump folder).
         measure_round: replays captures and times them (:func:`replay_round`; tests pass a
             fake with the same signature).
+        per_sample: the replays one sample of ``measure_round`` runs (the budget's price of a
+            round and the record's count).
         device_name: names the device for the cache key (:func:`device_name`; tests pass a fake).
         calibration: where the one-lane candidate's measured time goes as a sample of the
             device's cost model (``runtime.calibration``; ``None``: nowhere).
@@ -441,8 +464,10 @@ class Picker:
         calibration: Any = None,
         rooflines: Sequence[tuple[float, int]] = (),
         hint_key: str | None = None,
+        per_sample: int = REPEATS + LEAD_IN,
     ) -> None:
         self.graph = graph
+        self.per_sample = per_sample
         self.candidates = list(candidates)
         self.graph_key = graph_key
         self.budget_ms = float(budget_ms)
@@ -606,8 +631,8 @@ class Picker:
             saved = [(t, t.clone()) for t in protect]
             try:
                 samples, replays = time_rounds(
-                    len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3
-                )
+                    len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3,
+                    per_sample=self.per_sample)
             except Exception as e:  # noqa: BLE001 - the call must not fail for want of a measurement
                 failed = e
         except BaseException:
