@@ -359,7 +359,13 @@ def _first_call_peak(pick_mode: str, tmp_path) -> tuple[int, int]:
 def test_measuring_the_candidates_holds_no_more_memory_than_one_capture(tmp_path):
     """Each candidate's warm-up results are freed before the captures, and each timed capture's
     outputs go back to the pool before the next is captured: the first call's peak with the
-    candidates measured stays within 10% of the peak with the cost model's schedule alone."""
+    candidates measured stays within 10% of the peak with the cost model's schedule alone.
+
+    Inductor tunes a Triton kernel at its first launch, cloning the buffers it writes (once per
+    kernel: the choice is cached on disk). With a cold cache that lands in the warm-up of a
+    candidate compiled for measuring, while the call's results are live (16 MiB more here on the
+    H200, none once tuned), so every kernel is tuned by a first round before the peaks compared."""
+    _first_call_peak("measure", tmp_path / "tune")
     alone, _ = _first_call_peak("model", tmp_path)
     measured, n = _first_call_peak("measure", tmp_path)
     assert n >= 2
