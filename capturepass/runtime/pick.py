@@ -88,7 +88,7 @@ REPEATS = 4
 # on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
 TIE = 0.02
 # Bumped when what a cached choice means changes (candidate names, what is timed).
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 # A graph summary's choice when its shapes chose differently.
 MIXED = "mixed"
 
