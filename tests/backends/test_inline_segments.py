@@ -400,6 +400,31 @@ def test_the_items_of_an_op_with_several_new_results_are_buffers_of_their_own():
         "buf5 allocated on s1, used on s[0], freed at line 11 before the last point"]
 
 
+def test_a_sort_whose_values_and_indices_go_to_two_lanes_compiles_once(caplog):
+    """Through Inductor: ``sort`` on a side lane, its values read on the main lane, then its
+    indices used and freed on the side lane before the run ends. Taking the two items for one
+    buffer made this a lane finding and six lane regions (Qwen2-MoE's router: 60 on the H200)."""
+
+    def f(x, w):
+        with L("aux"):
+            v, i = torch.sort(x.flatten())
+        a = (v.view(16, 16) @ w).sin()
+        with L("aux"):
+            j = i.view(16, 16).remainder(7).float() * a
+            k = (j @ w).relu()
+        b = (a @ w).cos()
+        return b @ w + k
+
+    x, w = torch.randn(16, 16), torch.randn(16, 16)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        _, out, codes = _compile_and_code(f, x, w)
+    torch.testing.assert_close(out, f(x, w))
+    assert "lane regions" not in caplog.text
+    (region,) = last_compiled()[-1].program.regions
+    assert len({p.lane for p in region.inline.points}) == 2
+    assert re.search(r"(buf\d+) = torch\.ops\.aten\.sort\.\w+\(", codes[0])
+
+
 _FIRST_PIECE = """
 def partition_0(args):
     arg0_1, = args
