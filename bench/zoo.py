@@ -22,9 +22,10 @@ another; compiles run in parallel, timings one process at a time under a file lo
 
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
 many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
-``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the timed
+``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the first
 calls (``--memory-sites``: the blocks live at the peak, by where they were allocated, into each
-worker's log). The table gives capturepass default against the faster of reduce-overhead and
+worker's log, and the variant's own peak: the most that the blocks its calls allocated held at
+once, without the bench's references and copies, the figure the memory bars compare). The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
 schedule chosen for it (what the whole call adds to the replay is the host's share), and each
@@ -155,6 +156,12 @@ def _arrive(lock_path: str, reached: str, release: str) -> None:
         time.sleep(0.2)
 
 
+def run_variant(fn, ids):
+    """One call of the variant under test. Its name marks, in a memory history, the blocks the
+    variant allocated (:func:`own_peak`) apart from the bench's own (references, copies)."""
+    return fn(input_ids=ids, use_cache=False)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One model and variant in this process: prints one JSON line per shape."""
     import logging
@@ -186,20 +193,23 @@ def worker(args: argparse.Namespace) -> None:
                 ids.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
             ref = model(input_ids=ids[3], use_cache=False).logits.float()
             start = time.perf_counter()
-            fn(input_ids=ids[0], use_cache=False)
+            run_variant(fn, ids[0])
             if cuda:
                 torch.cuda.synchronize()
             compile_s = time.perf_counter() - start
             for x in ids[1:3]:
-                fn(input_ids=x, use_cache=False)
-            got = fn(input_ids=ids[3], use_cache=False).logits.float()
+                run_variant(fn, x)
+            got = run_variant(fn, ids[3]).logits.float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, rel_err=err)
-            timed_calls[label] = (lambda x=ids[1]: fn(input_ids=x, use_cache=False))
+            timed_calls[label] = (lambda x=ids[1]: run_variant(fn, x))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
+        own = None
         if cuda and args.memory_sites:
+            snapshot = torch.cuda.memory._snapshot()
+            own = own_peak(snapshot) / 2**20
             print(f"memory of {args.model} {args.variant} over its compiles and first calls (above the "
-                  f"weights):\n{peak_sites(torch.cuda.memory._snapshot())}", file=sys.stderr, flush=True)
+                  f"weights):\n{peak_sites(snapshot)}", file=sys.stderr, flush=True)
             torch.cuda.memory._record_memory_history(enabled=None)
         with turn(args.lock):
             for label, call in timed_calls.items():
@@ -216,8 +226,8 @@ def worker(args: argparse.Namespace) -> None:
             replays = replay_times(args.iters) if cuda and args.variant.startswith("capturepass") else None
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
-        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, graphs=graphs,
-                              replays=replays, **r)), flush=True)
+        print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, peak_mib=peak, own_peak_mib=own,
+                              graphs=graphs, replays=replays, **r)), flush=True)
 
 
 def device_mallocs(device: str) -> int:
@@ -317,6 +327,27 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def own_peak(snapshot: dict, marker: str = "run_variant") -> int:
+    """The most memory the variant itself held at once over a memory history: the blocks
+    allocated under a call of ``marker`` (:func:`run_variant`: its compile, captures, calls and
+    the outputs it returned), not the bench's references and copies nor the weights.
+
+    The peak above the weights (``peak_mib``) falls wherever the bench's own tensors and the
+    variant's meet, which differs between variants (a reference held during one variant's
+    capture, during another's warm-up); this is the figure the memory bars compare."""
+    live: dict[int, int] = {}
+    now = best = 0
+    for entry in (e for trace in snapshot.get("device_traces", []) for e in trace):
+        if entry["action"] == "alloc":
+            if any(f["name"] == marker for f in entry.get("frames") or []):
+                live[entry["addr"]] = entry["size"]
+                now += entry["size"]
+                best = max(best, now)
+        elif entry["action"] == "free_requested" and entry["addr"] in live:
+            now -= live.pop(entry["addr"])
+    return best
+
+
 def host_profile(call, iters: int, top: int = 30) -> str:
     """The functions ``iters`` calls spend their host time in (cProfile, by own time): where a
     variant's host time per call differs from another's, the difference shows here."""
@@ -389,8 +420,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile each variant's calls on the host (cProfile) into its worker log")
     p.add_argument("--memory-sites", action="store_true",
-                   help="on a GPU, also record the allocations over the compiles and first calls, and "
-                        "write the blocks live at their peak, by allocation site, into each worker's log")
+                   help="on a GPU, also record the allocations over the compiles and first calls: the "
+                        "variant's own peak goes into the table, the blocks live at the peak, by allocation "
+                        "site, into each worker's log")
     p.add_argument("--out", default=None, help="directory for zoo-bench.json and zoo-bench.md")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -503,7 +535,11 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
 
     def compile_cell(m: str, v: str, s: str) -> str:
         c, pk = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib")
-        return "" if c is None else f"{c:.1f} / {pk:.0f}"
+        if c is None:
+            return ""
+        own = [r["own_peak_mib"] for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s)
+               and r.get("own_peak_mib") is not None]
+        return f"{c:.1f} / {pk:.0f}" + (f" ({statistics.median(own):.0f} own)" if own else "")
 
     def host_cell(m: str, v: str, s: str) -> str:
         got = [r for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s) and "host_ms" in r]

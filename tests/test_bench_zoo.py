@@ -110,3 +110,32 @@ def test_peak_sites_sum_the_blocks_live_at_the_peak_by_where_they_were_allocated
         "     130.0 MiB  torch/_dynamo/testing.py:462 rand_strided <- capturepass/backends/inner.py:24 _inductor",
         "      10.0 MiB  transformers/llama.py:122 forward",
     ]
+
+
+def test_own_peak_counts_only_the_blocks_the_variants_calls_allocated():
+    """The bench's reference (allocated outside ``run_variant``) is live across the variant's
+    first call and lifts the overall peak; the variant's own peak is its blocks alone, freed
+    ones included only while they lived."""
+    zoo = _load("zoo")
+    frame = lambda f, line, name: {"filename": f, "line": line, "name": name}  # noqa: E731
+    bench = [frame("/x/site-packages/transformers/llama.py", 122, "forward"), frame("/x/bench/zoo.py", 190, "worker")]
+    variant = [frame("/x/capturepass/runtime/replay.py", 177, "_warm"), frame("/x/bench/zoo.py", 161, "run_variant"),
+               frame("/x/bench/zoo.py", 195, "worker")]
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 30 * mib, "frames": bench},     # the eager reference
+        {"action": "alloc", "addr": 2, "size": 20 * mib, "frames": variant},   # a warm-up temporary
+        {"action": "alloc", "addr": 3, "size": 15 * mib, "frames": variant},
+        {"action": "free_requested", "addr": 2, "size": 20 * mib, "frames": variant},
+        {"action": "alloc", "addr": 4, "size": 10 * mib, "frames": variant},   # 25 live: below 35
+        {"action": "free_requested", "addr": 1, "size": 30 * mib, "frames": bench},
+    ]
+    snapshot = {"device_traces": [trace]}
+    assert zoo.own_peak(snapshot) == 35 * mib
+    assert zoo.peak_sites(snapshot).splitlines()[0].startswith("peak of the recorded history: 65.0 MiB")
+    rows = [dict(model="llama", variant="capturepass", shape="decode[8,1]", ms=0.3, compile_s=2.0, peak_mib=65.0,
+                 own_peak_mib=35.0, rel_err=0.0),
+            dict(model="llama", variant="reduce-overhead", shape="decode[8,1]", ms=0.3, compile_s=2.0, peak_mib=50.0,
+                 own_peak_mib=None, rel_err=0.0)]
+    table = zoo.report(rows, ["llama"], ["reduce-overhead", "capturepass"])
+    assert "| llama | decode[8,1] | 2.0 / 50 | 2.0 / 65 (35 own) |" in table.splitlines()
