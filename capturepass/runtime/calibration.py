@@ -34,6 +34,7 @@ nominal model alone, the same on every machine.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import statistics
@@ -46,7 +47,9 @@ import torch.fx as fx
 from capturepass.ir import cost, meta
 from capturepass.runtime import files
 
-FORMAT = 1
+# Bumped when what a sample measures changes (2: the picker's samples are replays back to back,
+# after a lead-in, where they were single replays from an idle stream).
+FORMAT = 2
 # Samples kept per device: the latest graphs and shapes measured.
 MAX_SAMPLES = 64
 
@@ -87,6 +90,13 @@ class CalibrationStore:
         data = files.read_json(path, "capturepass: the calibration file %s cannot be read (%s: %s); the cost model "
                                      "starts from its nominal device")
         if data is None:
+            return None
+        if isinstance(data, dict) and data.get("device") == device and isinstance(data.get("format"), int) \
+                and data["format"] < FORMAT:
+            # Samples of an earlier kind of measurement: not mixed with this one's, replaced by it.
+            files.warn_once(f"read:{path}", "capturepass: %s holds samples of an earlier format (%d); the cost "
+                            "model starts from its nominal device and the next measurement replaces them", path,
+                            data["format"], level=logging.INFO)
             return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("device") != device \
                 or not isinstance(data.get("samples"), list):

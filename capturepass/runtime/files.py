@@ -20,13 +20,13 @@ _warned: set[str] = set()
 _warn_lock = threading.Lock()
 
 
-def warn_once(key: str, message: str, *args: Any) -> None:
-    """Logs ``message`` as a warning the first time ``key`` is seen in this process."""
+def warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
+    """Logs ``message`` (a warning, or ``level``) the first time ``key`` is seen in this process."""
     with _warn_lock:
         if key in _warned:
             return
         _warned.add(key)
-    log.warning(message, *args)
+    log.log(level, message, *args)
 
 
 def read_json(path: str, unreadable: str) -> Any:

@@ -58,8 +58,9 @@ def test_nothing_to_fit_adds_nothing(tmp_path):
     assert not os.path.exists(store.path(DEVICE))
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 1, "device": "x", "samples": []}),
-                                     json.dumps({"format": 1, "device": DEVICE, "samples": [],
+@pytest.mark.parametrize("content", ["{not json",
+                                     json.dumps({"format": calibration.FORMAT, "device": "x", "samples": []}),
+                                     json.dumps({"format": calibration.FORMAT, "device": DEVICE, "samples": [],
                                                  "model": {"scale": "a"}})])
 def test_a_bad_file_warns_once_and_the_model_is_nominal(tmp_path, caplog, content):
     store = CalibrationStore(tmp_path)
@@ -70,6 +71,22 @@ def test_a_bad_file_warns_once_and_the_model_is_nominal(tmp_path, caplog, conten
         assert store.model(DEVICE) is None and store.model(DEVICE) is None
     assert len([r for r in caplog.records if "calibration" in r.getMessage()]) == 1
     assert store.add(DEVICE, "g0", GRAPHS[0], 1e-3).samples == 1  # a measurement starts it afresh
+
+
+def test_samples_of_an_earlier_format_are_replaced_without_a_warning(tmp_path, caplog):
+    """A file an earlier capturepass wrote (its samples measured another way) is not mixed with
+    this one's: the model is nominal until the next measurement replaces it (logged at INFO)."""
+    store = CalibrationStore(tmp_path)
+    with open(store.path(DEVICE), "w") as f:
+        json.dump({"format": calibration.FORMAT - 1, "device": DEVICE, "samples": [], "model": None}, f)
+    files._warned.clear()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        assert store.model(DEVICE) is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "holds samples of an earlier format" in caplog.text
+    assert store.add(DEVICE, "g0", GRAPHS[0], 1e-3).samples == 1
+    with open(store.path(DEVICE)) as f:
+        assert json.load(f)["format"] == calibration.FORMAT
 
 
 def test_an_unwritable_folder_warns_once_and_the_model_still_comes_back(tmp_path, caplog):
