@@ -33,13 +33,19 @@ def _executor(kind: str = "inference"):
     return [g for g in last_compiled() if g.name == kind][-1].executor
 
 
-class TinyBranches(torch.nn.Module):
-    """A chain of matmuls with two tiny elementwise branches hinted onto their own lanes: the
-    branches save less than their forks and joins cost, so one lane is as fast or faster."""
+class Branches(torch.nn.Module):
+    """Two tiny elementwise branches hinted onto their own lanes beside a chain of ``depth``
+    matmuls (``d`` by ``wide``; a chain of more than one needs ``wide == d``).
 
-    def __init__(self, d: int = 256) -> None:
+    As built by default, the branches save less than their forks and joins cost, so one lane is
+    as fast or faster. With one matmul of a wide result (``wide`` much above ``d``) the outputs
+    dwarf the input, so what the measured choice holds at once shows in the peak."""
+
+    def __init__(self, d: int = 256, wide: int = 256, depth: int = 4) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(d, d, device="cuda") * d**-0.5, requires_grad=False)
+        assert depth == 1 or wide == d, "a chain of matmuls needs square weights"
+        self.depth = depth
+        self.w = torch.nn.Parameter(torch.randn(d, wide, device="cuda") * d**-0.5, requires_grad=False)
 
     def forward(self, x):
         with capturepass.lane("a"):
@@ -47,7 +53,7 @@ class TinyBranches(torch.nn.Module):
         with capturepass.lane("b"):
             c = torch.tanh(x[:, 8:16]).mean()
         h = x
-        for _ in range(4):
+        for _ in range(self.depth):
             h = torch.relu(h @ self.w)
         return h + b + c
 
@@ -100,7 +106,7 @@ def test_moe_block_picks_a_measured_candidate_and_equals_eager(tmp_path, caplog)
 @torch.no_grad()
 def test_tiny_branches_choice_follows_the_rule_and_equals_eager(tmp_path):
     torch.manual_seed(0)
-    model = TinyBranches()
+    model = Branches()
     compiled = torch.compile(model, backend="capturepass",
                              options={"policy": "hints", "verify": True, "pick_cache_dir": str(tmp_path)})
     for _ in range(3):
@@ -315,29 +321,13 @@ def test_second_process_reads_the_cache(tmp_path):
     assert "chose schedule" not in log2
 
 
-class WideBranches(torch.nn.Module):
-    """Two small branches on their own lanes beside a matmul with a wide result: the outputs
-    dwarf the input, so what the measured choice holds at once shows in the peak."""
-
-    def __init__(self, d: int = 256, wide: int = 16384) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(d, wide, device="cuda") * d**-0.5, requires_grad=False)
-
-    def forward(self, x):
-        with capturepass.lane("a"):
-            b = torch.sigmoid(x[:, :8]).sum()
-        with capturepass.lane("b"):
-            c = torch.tanh(x[:, 8:16]).mean()
-        return torch.relu(x @ self.w) + b + c
-
-
 def _first_call_peak(pick_mode: str, tmp_path) -> tuple[int, int]:
     import gc
 
     torch._dynamo.reset()
     gc.collect()
     torch.manual_seed(0)
-    model = WideBranches()
+    model = Branches(wide=16384, depth=1)
     compiled = torch.compile(model, backend="capturepass", options={
         "policy": "hints", "pick": pick_mode, "pick_cache_dir": str(tmp_path / pick_mode)})
     x = torch.randn(256, 256, device="cuda")
