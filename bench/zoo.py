@@ -276,16 +276,13 @@ def host_time(call, iters: int, device: str) -> float:
     return host
 
 
-def peak_sites(snapshot: dict, top: int = 12) -> str:
-    """The blocks live at the peak of a memory history (``torch.cuda.memory._snapshot()`` after
-    ``_record_memory_history(stacks="python")``), summed by where they were allocated: the
-    innermost frame, and the nearest capturepass frame that led to it. Where a variant's peak
-    differs from another's, the difference shows here; the first line also gives the share of the
-    peak allocated under a capturepass frame."""
+def _peak(entries) -> tuple[int, list[dict]]:
+    """The most bytes the allocations among ``entries`` (a memory history's trace entries) held
+    at once, and the blocks live then. A free of a block not among them is passed over."""
     live: dict[int, dict] = {}
     now = best = 0
     best_live: list[dict] = []
-    for entry in (e for trace in snapshot.get("device_traces", []) for e in trace):
+    for entry in entries:
         if entry["action"] == "alloc":
             live[entry["addr"]] = entry
             now += entry["size"]
@@ -295,6 +292,16 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
             continue
         if now > best:
             best, best_live = now, list(live.values())
+    return best, best_live
+
+
+def peak_sites(snapshot: dict, top: int = 12) -> str:
+    """The blocks live at the peak of a memory history (``torch.cuda.memory._snapshot()`` after
+    ``_record_memory_history(stacks="python")``), summed by where they were allocated: the
+    innermost frame, and the nearest capturepass frame that led to it. Where a variant's peak
+    differs from another's, the difference shows here; the first line also gives the share of the
+    peak allocated under a capturepass frame."""
+    best, best_live = _peak(e for trace in snapshot.get("device_traces", []) for e in trace)
 
     def where(frame: dict) -> str:
         path = frame["filename"]
@@ -335,17 +342,8 @@ def own_peak(snapshot: dict, marker: str = "run_variant") -> int:
     The peak above the weights (``peak_mib``) falls wherever the bench's own tensors and the
     variant's meet, which differs between variants (a reference held during one variant's
     capture, during another's warm-up); this is the figure the memory bars compare."""
-    live: dict[int, int] = {}
-    now = best = 0
-    for entry in (e for trace in snapshot.get("device_traces", []) for e in trace):
-        if entry["action"] == "alloc":
-            if any(f["name"] == marker for f in entry.get("frames") or []):
-                live[entry["addr"]] = entry["size"]
-                now += entry["size"]
-                best = max(best, now)
-        elif entry["action"] == "free_requested" and entry["addr"] in live:
-            now -= live.pop(entry["addr"])
-    return best
+    return _peak(e for trace in snapshot.get("device_traces", []) for e in trace
+                 if e["action"] != "alloc" or any(f["name"] == marker for f in e.get("frames") or []))[0]
 
 
 def host_profile(call, iters: int, top: int = 30) -> str:
