@@ -50,7 +50,9 @@ def test_rows_set_the_pickers_figures_beside_the_replays_alone():
         "| qwen2_moe | [8, 1] | model | 615.0 | 617.9 | 0.995 |",
         "| qwen2_moe | [8, 1] | one_lane (chosen) | 613.1 | 616.8 | 0.994 |",
         "| qwen2_moe | [8, 1] | aux1 | 627.8 |  |  |",
-        "| qwen2_moe | [8, 1] | whole call: default (replays one_lane) / model / off | | 624.6 / 629.5 / 627.1 | |",
+        "| qwen2_moe | [8, 1] | whole call: default (replays one_lane) | 624.6 | 613.2 | 1.019 |",
+        '| qwen2_moe | [8, 1] | whole call: pick="model" | 629.5 | 617.9 | 1.019 |',
+        '| qwen2_moe | [8, 1] | whole call: policy="off" | 627.1 | 616.8 | 1.017 |',
     ]
 
 
@@ -59,4 +61,6 @@ def test_rows_of_a_graph_that_measured_nothing():
     got = bench.rows("llama", "[2, 128]", None, {"default": 1.0, "model": 2.0, "off": 3.0},
                      {"default": 4.0, "model": 5.0, "off": 6.0})
     assert got[0] == "| llama | [2, 128] | model |  | 2.0 |  |"
-    assert got[-1].startswith("| llama | [2, 128] | whole call: default (replays (none measured))")
+    assert got[-3:] == ["| llama | [2, 128] | whole call: default (replays (none measured)) | 4.0 | 1.0 | 4.000 |",
+                        '| llama | [2, 128] | whole call: pick="model" | 5.0 | 2.0 | 2.500 |',
+                        '| llama | [2, 128] | whole call: policy="off" | 6.0 | 3.0 | 2.000 |']
