@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from capturepass.runtime.owner import GraphOwner
 
-_state = threading.local()
+
+class _State(threading.local):
+    """This thread's instrumentation and executing owner. Class-level defaults: reading an
+    attribute a ``threading.local`` lacks goes through a raised and caught ``AttributeError``
+    (about 0.3 us), and the instrumentation is read on every call and region call."""
+
+    instrumentation: "Instrumentation | None" = None
+    owner: "GraphOwner | None" = None
+
+
+_state = _State()
 
 
 class Instrumentation:
@@ -47,7 +57,7 @@ class Instrumentation:
 
 def instrumentation() -> Instrumentation | None:
     """The instrumentation of this thread, if any."""
-    return getattr(_state, "instrumentation", None)
+    return _state.instrumentation
 
 
 class _set:
@@ -63,7 +73,7 @@ class _set:
         self.name, self.value = name, value
 
     def __enter__(self) -> None:
-        self.prev = getattr(_state, self.name, None)
+        self.prev = getattr(_state, self.name)
         setattr(_state, self.name, self.value)
 
     def __exit__(self, *exc: object) -> None:
@@ -77,7 +87,7 @@ def instrumented(inst: Instrumentation) -> contextlib.AbstractContextManager:
 
 def current_owner() -> "GraphOwner | None":
     """The owner whose graph this thread is running, if any."""
-    return getattr(_state, "owner", None)
+    return _state.owner
 
 
 def current_segment() -> int | None:

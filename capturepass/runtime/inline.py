@@ -44,7 +44,11 @@ if TYPE_CHECKING:
     from capturepass.runtime.owner import GraphOwner
     from capturepass.runtime.program import RegionSpec
 
-_state = threading.local()
+class _State(threading.local):
+    call: "_Call | None" = None  # a class-level default: a missing attribute costs a caught exception
+
+
+_state = _State()
 
 
 # NOTE: the op reads no data, so any layout does. Without ``flexible_layout`` Inductor holds
@@ -64,7 +68,7 @@ def inline_step(key: int, index: int, reads: list[torch.Tensor], guards: list[to
     ``guards`` are declared written (and never are): what the code before it computed last and
     what the code after it reads, so that both stay on their side of it.
     """
-    call = getattr(_state, "call", None)
+    call = _state.call
     if call is None or call.key != key:
         raise ResourceError(
             f"capturepass::inline_step of fused segment {key} ran outside its runner: a segment compiled "
@@ -116,7 +120,7 @@ def runner(spec: "RegionSpec", owner: "GraphOwner", lanes: "Lanes") -> Callable[
 
     def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
         call = _Call(key, points, streams)
-        call.prev = getattr(_state, "call", None)
+        call.prev = _state.call
         _state.call = call
         try:
             return fn(*args)
