@@ -1,15 +1,17 @@
 """Transformers architectures outside the model zoo, through ``backend="capturepass"``, against eager.
 
-The zoo (:mod:`capturepass.testing.zoo`) is the tested corpus; this sweep tries further decoder
-architectures as a new user would: each built from a tiny config (two layers, hidden 64, float32,
-random weights), compiled with default options, and called at three shapes, the second and third
-of which make Dynamo recompile the graph with dynamic sizes. Every call's logits are compared with
-eager's at the zoo's CPU tolerance. Dynamo's caches are reset between models: transformers' shared
-wrappers are one frame for every model, whose recompile limit would otherwise run later models
-eagerly (and equal to eager for no merit).
+The zoo (:mod:`capturepass.testing.zoo`) is the tested corpus; this sweep tries further
+architectures as a new user would: decoders (logits of a causal LM), encoders (masked-LM logits
+under an attention mask) and vision models (image-classification logits, or the last hidden state),
+each built from a tiny config (two layers, width 64 or less, float32, random weights), compiled with
+default options, and called at three shapes, the second and third of which make Dynamo recompile
+the graph with dynamic sizes. Every call's first output is compared with eager's at the zoo's
+tolerance. Dynamo's caches are reset between models: transformers' shared wrappers are one frame
+for every model, whose recompile limit would otherwise run later models eagerly (and equal to
+eager for no merit).
 
     python3 scripts/arch_sweep.py                     # every architecture below, on the CPU
-    python3 scripts/arch_sweep.py --models opt,bloom --device cuda
+    python3 scripts/arch_sweep.py --models opt,swin --device cuda
 
 Prints one line per model (``OK`` with the largest absolute difference, or ``FAIL`` with the
 error's last frames) and exits 1 if any failed.
@@ -26,37 +28,72 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=128)
-# Per architecture, the config fields that differ from SMALL (names of its own, or a valid padding id).
-ARCHITECTURES: dict[str, dict] = {
-    "phi3": dict(pad_token_id=0),
-    "stablelm": {},
-    "starcoder2": {},
-    "olmo2": {},
-    "cohere": {},
-    "granite": {},
-    "nemotron": {},
-    "glm": dict(pad_token_id=0),
-    "helium": dict(head_dim=16),
-    "exaone4": {},
-    "smollm3": dict(pad_token_id=0),
-    "ernie4_5": {},
-    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
-    "bloom": dict(n_layer=2, n_head=4),
-    "codegen": dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_ctx=128, n_positions=128),
-    "mpt": dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128),
-    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
-                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
-    "minimax": dict(num_local_experts=4, num_experts_per_tok=2, block_size=8),
-    "jamba": dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
-                  attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8, mamba_dt_rank=8),
-    "mamba": dict(state_size=8, use_mambapy=False),
+ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
+               max_position_embeddings=128)
+VIT = dict(ENCODER, image_size=32, patch_size=8)
+# Per architecture: the head (causal, masked or image), its base config and the fields of its own.
+ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
+    "phi3": ("causal", SMALL, dict(pad_token_id=0)),
+    "stablelm": ("causal", SMALL, {}),
+    "starcoder2": ("causal", SMALL, {}),
+    "olmo2": ("causal", SMALL, {}),
+    "cohere": ("causal", SMALL, {}),
+    "granite": ("causal", SMALL, {}),
+    "nemotron": ("causal", SMALL, {}),
+    "glm": ("causal", SMALL, dict(pad_token_id=0)),
+    "helium": ("causal", SMALL, dict(head_dim=16)),
+    "exaone4": ("causal", SMALL, {}),
+    "smollm3": ("causal", SMALL, dict(pad_token_id=0)),
+    "ernie4_5": ("causal", SMALL, {}),
+    "opt": ("causal", SMALL, dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "bloom": ("causal", SMALL, dict(n_layer=2, n_head=4)),
+    "codegen": ("causal", SMALL, dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_ctx=128, n_positions=128)),
+    "mpt": ("causal", SMALL, dict(d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128)),
+    "dbrx": ("causal", SMALL, dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+                                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                   ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})),
+    "minimax": ("causal", SMALL, dict(num_local_experts=4, num_experts_per_tok=2, block_size=8)),
+    "jamba": ("causal", SMALL, dict(num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                    attn_layer_period=2, attn_layer_offset=1, use_mamba_kernels=False, mamba_d_state=8,
+                                    mamba_dt_rank=8)),
+    "mamba": ("causal", SMALL, dict(state_size=8, use_mambapy=False)),
+    "distilbert": ("masked", {}, dict(dim=64, hidden_dim=128, n_layers=2, n_heads=4, vocab_size=512,
+                                      max_position_embeddings=128)),
+    "electra": ("masked", ENCODER, dict(embedding_size=64)),
+    "albert": ("masked", ENCODER, dict(embedding_size=32)),
+    "deberta-v2": ("masked", ENCODER, {}),
+    "modernbert": ("masked", ENCODER, dict(global_attn_every_n_layers=2, local_attention=8, pad_token_id=0)),
+    "mpnet": ("masked", ENCODER, {}),
+    "swin": ("image", {}, dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4)),
+    "convnext": ("image", {}, dict(image_size=32, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2)),
+    "resnet": ("image", {}, dict(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")),
+    "beit": ("image", VIT, {}),
+    "dinov2": ("backbone", VIT, {}),
 }
-SHAPES = ((2, 8), (3, 8), (3, 5))
+TOKENS = ((2, 8), (3, 8), (3, 5))  # batch, sequence
+IMAGES = (2, 3, 4)  # batch of 3x32x32 images
+
+
+def _inputs(head: str, vocab: int, device: str) -> list[dict]:
+    import torch
+
+    if head in ("image", "backbone"):
+        return [{"pixel_values": torch.randn(b, 3, 32, 32, generator=torch.Generator().manual_seed(b)).to(device)}
+                for b in IMAGES]
+    out = []
+    for shape in TOKENS:
+        ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape))).to(device)
+        if head == "causal":
+            out.append({"input_ids": ids, "use_cache": False})
+        else:
+            mask = torch.ones(shape, dtype=torch.long, device=device)
+            mask[0, shape[1] // 2:] = 0  # a padded row
+            out.append({"input_ids": ids, "attention_mask": mask})
+    return out
 
 
 def check(name: str, device: str) -> float:
-    """The largest absolute difference from eager over :data:`SHAPES` (raises on a failure)."""
+    """The largest absolute difference from eager over the model's three inputs (raises on a failure)."""
     import torch
     import transformers
 
@@ -64,19 +101,18 @@ def check(name: str, device: str) -> float:
     from capturepass.testing import zoo
 
     torch._dynamo.reset()
-    fields = dict(SMALL, **ARCHITECTURES[name])
-    config = transformers.AutoConfig.for_model(name, **fields)
+    head, base, own = ARCHITECTURES[name]
+    config = transformers.AutoConfig.for_model(name, **dict(base, **own))
+    auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
+            "image": transformers.AutoModelForImageClassification, "backbone": transformers.AutoModel}[head]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval().to(device)
+    model = auto.from_config(config).eval().to(device)
     compiled = torch.compile(model, backend="capturepass")
     tol = zoo.TOLERANCE[device]
     worst = 0.0
     with torch.no_grad():
-        for shape in SHAPES:
-            g = torch.Generator().manual_seed(sum(shape))
-            ids = torch.randint(0, config.vocab_size, shape, generator=g).to(device)
-            ref = model(input_ids=ids, use_cache=False).logits
-            got = compiled(input_ids=ids, use_cache=False).logits
+        for kwargs in _inputs(head, getattr(config, "vocab_size", 0), device):
+            ref, got = model(**kwargs)[0], compiled(**kwargs)[0]
             torch.testing.assert_close(got, ref, **tol)
             worst = max(worst, float((ref - got).abs().max()))
     return worst
