@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from capturepass.runtime.owner import GraphOwner
     from capturepass.runtime.program import RegionSpec
 
+
 class _State(threading.local):
     call: "_Call | None" = None  # a class-level default: a missing attribute costs a caught exception
 
