@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -125,6 +125,27 @@ def _tracing(tc: Any) -> contextlib.AbstractContextManager:
     from torch._guards import tracing
 
     return tracing(tc)
+
+
+@contextlib.contextmanager
+def _recompiling(tc: Any) -> Iterator[None]:
+    """Where a compile after the original one runs (a rebuild after a capture failed, a schedule
+    candidate compiled at a capture): in the original compile's tracing context (Inductor reads
+    its shape environment), outside the dispatch modes of the call it happens in.
+
+    NOTE: AOT autograd runs a compiled graph's first call under a dispatch mode of its own
+    (``_AnalyzeCustomOpInputOutputMode``, which checks custom ops for aliasing and declines
+    every tensor subclass). An Inductor compile under it fails on the first op it traces
+    ("Attempting to use FunctionalTensor on its own": the mode declines functionalization's
+    tensors), so every region of a graph rebuilt during its first call ran eagerly.
+    """
+    if tc is not None and _tracing_context() is tc:
+        yield  # inside the original compile: its own state
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), _tracing(tc):
+        yield
 
 
 def _tracing_context() -> Any:
@@ -220,7 +241,7 @@ def _aten_compiler(
                 breaks.clear()
                 breaks.update(not_capturable)
                 graph = _pristine_copy(pristine)
-                with _tracing(tc):
+                with _recompiling(tc):
                     new = run_passes(graph, not_capturable, False)
                 compiled.graph, compiled.plan, compiled.program = new.graph, new.plan, new.program
                 compiled.counters, compiled.timings = new.counters, new.timings
@@ -229,9 +250,8 @@ def _aten_compiler(
             rebuild = rebuild_program
 
             def make_picker() -> Picker | None:
-                # After a rebuild this runs at a call, outside the compile: re-enter its tracing context.
-                scope = _tracing(tc) if _tracing_context() is not tc else contextlib.nullcontext()
-                with scope, cost.device_model(device_model):
+                # After a rebuild this runs at a call, outside the compile.
+                with _recompiling(tc), cost.device_model(device_model):
                     new = _picker(kind, compiled, pristine, graph_opts, plan_with, tc, dump_dir, on_cuda=gi.on_cuda,
                                   breaks=breaks, hint_key=hint_key, hinted=hinted)
                 if new is not None:
@@ -293,15 +313,14 @@ def _picker(
     rebuilt = bool(breaks)
 
     def compile_plan(plan: Any) -> Any:
-        with _tracing(tc):  # a candidate compiled after the compile (a rebuild) needs its shape env
+        with _recompiling(tc):  # a candidate may be compiled after the compile (a rebuild, a capture)
             return driver.compile_regions(plan, eager_fallback=rebuilt, inline=driver.inline_route(opts, plan))
 
     cands = candidates.derive(compiled.graph, compiled.plan, compiled.program, opts, plan_with, compile_plan)
     if len(cands) > 1 and not rebuilt and hinted is None:
-        # NOTE: compiled now, inside the compile: torch 2.11's Inductor failed on every region
-        # compiled at the first capture instead ("Attempting to use FunctionalTensor on its own",
-        # although the compile's tracing context is re-entered), so a candidate left for later
-        # was never measured.
+        # Compiled now, inside the compile: the first capture measures every candidate anyway, and
+        # one that fails to compile is left out here, with the reason logged, rather than in the
+        # middle of a call.
         kept = [cands[0]]
         for cand in cands[1:]:
             try:

@@ -371,3 +371,43 @@ def test_a_rebuild_that_fails_leaves_the_graph_uncaptured(fails_under_capture):
     assert "rebuilding the graph with it as a break failed (CapturePassError: %grouped requires the whole " \
            "forward" in executor.uncaptured_reason
     torch.testing.assert_close(compiled(x), model(x))
+
+
+def _first_call_mode() -> torch.utils._python_dispatch.TorchDispatchMode:
+    """The dispatch mode AOT autograd runs a compiled graph's first call under (it checks custom
+    ops for aliasing); where this torch has none, a mode that passes plain tensors through and
+    declines the rest, as it does."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    mode = getattr(runtime_wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+    if mode is not None:
+        return mode()
+
+    class _Declines(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is not torch.Tensor for t in types):
+                return NotImplemented
+            return func(*args, **(kwargs or {}))
+
+    return _Declines()
+
+
+@torch.no_grad()
+def test_a_rebuild_during_the_first_call_compiles_with_inductor(fails_under_capture, caplog):
+    """A capture fails during the model's first call, which AOT autograd runs under a dispatch
+    mode of its own: the rebuild's Inductor compiles must not run under it (torch 2.11's failed
+    on every region, "Attempting to use FunctionalTensor on its own", and each ran eagerly)."""
+    failing, _ = fails_under_capture
+    failing.add("cptest_sem.grouped")
+    model = _Grouped()
+    x = torch.randn(4, 8)
+    compiled = _compile(model, inner="inductor")
+    compiled(x)
+    executor = _record().executor
+    with caplog.at_level(logging.WARNING, logger="capturepass"), _first_call_mode():
+        executor._capture_failed(_failure(executor, model, x, "cptest_sem.grouped"))
+    assert [b.node for b in meta.graph_info(_record().graph).breaks] == ["grouped"]
+    assert "runs its graph eagerly" not in caplog.text
+    regions = [r for r in _record().program.regions if not r.eager]
+    assert regions and all(r.compiler == "inductor" for r in regions)
+    torch.testing.assert_close(compiled(x), model(x))
