@@ -195,9 +195,26 @@ def _sym_exprs(val: object) -> list:
     return []
 
 
+def _binds(val: object) -> list:
+    """The size symbols an input whose fake value is ``val`` binds in Inductor on its own.
+
+    A tensor binds each symbol that is a whole size or stride of it. A SymInt binds the symbol
+    it was created as, which Inductor reads before the shape environment's replacements: a
+    SymInt created as ``s72`` and since found equal to ``s43`` (DeBERTa-v2's attention-mask
+    batch, under the input ids' batch) prints as ``s43`` but binds ``s72``, so a region given
+    it for ``s43`` failed Inductor's codegen ("expected [s43] to have been codegen-ed").
+    """
+    if isinstance(val, torch.SymInt):
+        expr = val.node.expr
+        created = getattr(val.node, "_expr", expr)
+        return [expr] if created == expr and getattr(expr, "is_Symbol", False) else []
+    return [e for e in _sym_exprs(val) if getattr(e, "is_Symbol", False)]
+
+
 def symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
-    """Graph inputs that bind a size symbol on their own: a SymInt input that is the symbol,
-    else a tensor input with the symbol as a whole size or stride (first found wins)."""
+    """Graph inputs that bind a size symbol on their own (:func:`_binds`): a SymInt input that
+    is the symbol, else a tensor input with the symbol as a whole size or stride (first found
+    wins)."""
     providers: dict[object, fx.Node] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for want_symint in (True, False):
@@ -205,9 +222,8 @@ def symbol_providers(gm: fx.GraphModule) -> dict[object, fx.Node]:
             val = n.meta.get("val")
             if isinstance(val, torch.SymInt) != want_symint:
                 continue
-            for expr in _sym_exprs(val):
-                if getattr(expr, "is_Symbol", False):
-                    providers.setdefault(expr, n)
+            for expr in _binds(val):
+                providers.setdefault(expr, n)
     return providers
 
 
@@ -228,8 +244,7 @@ def unbound_symbols(nodes: list[fx.Node], members: set[fx.Node]) -> set:
                 continue
             for expr in _sym_exprs(a.meta.get("val")):
                 used |= expr.free_symbols
-                if getattr(expr, "is_Symbol", False):
-                    bound.add(expr)
+            bound.update(_binds(a.meta.get("val")))
     return used - bound
 
 

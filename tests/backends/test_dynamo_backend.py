@@ -459,6 +459,36 @@ def test_regions_get_the_size_symbols_their_inputs_do_not_bind():
     assert sym_inputs, "no region took a size input"
 
 
+def test_a_size_input_replaced_by_another_symbol_binds_no_region():
+    """Two inputs whose batch sizes Dynamo made dynamic one by one (automatic dynamic) have two
+    symbols, one replaced by the other once an op finds them equal: the replaced one's SymInt
+    input prints as the other but binds only itself in Inductor, so a region that sees only
+    ``3*s`` rows must be given another input that binds ``s`` (DeBERTa-v2 on the H200 failed
+    with "For 4*s43, expected [s43] to have been codegen-ed")."""
+
+    def f(ids, mask, w1, w2, w3):
+        x = ids * mask.unsqueeze(-1)
+        t = x.reshape(-1, x.shape[-1])
+        a = torch.relu(t @ w1)
+        b = torch.sigmoid(t @ w2)
+        return ((a * b) @ w3).view(x.shape[0], x.shape[1], -1) + x
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w1, w2, w3 = torch.randn(8, 16), torch.randn(8, 16), torch.randn(16, 8)
+    compiled = torch.compile(f, backend="capturepass", options={"regions": "lanes"})
+    with new_compiles() as graphs:
+        for batch in (2, 3, 5):
+            ids, mask = torch.randn(batch, 3, 8), torch.randn(batch, 3)
+            torch.testing.assert_close(compiled(ids, mask, w1, w2, w3), f(ids, mask, w1, w2, w3))
+    dynamic = graphs[-1]
+    replaced = [n for n in dynamic.graph.graph.nodes if n.op == "placeholder"
+                and isinstance(v := n.meta.get("val"), torch.SymInt) and v.node._expr != v.node.expr]
+    assert replaced, "no size input was replaced by another symbol: the case is not made"
+    for region in dynamic.program.regions:
+        assert not set(region.inputs) & set(replaced), f"region {region.index} takes a replaced size input"
+
+
 def test_a_host_segment_returns_only_what_leaves_it():
     """On the host the lanes of a segment are one region: the events and releases between them
     are left out, and the values they name stay inside it (Inductor reuses their buffers)."""
