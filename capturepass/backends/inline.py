@@ -388,6 +388,12 @@ def _fused_region(plan: Plan, run: list[Step], regions: list[RegionPlan], provid
 
     inputs = {a for n in all_nodes for a in n.all_input_nodes
               if a not in members and _is_tensor(a) and hops.module_attr(a) is None}
+    # A release or retention of the run reads its values as inputs of the fused graph too: a
+    # view read by a region and its base released on another lane are two inputs of one storage
+    # (DeBERTa-v2's keys on the H200, whose guarded view made AOT autograd build a synthetic base,
+    # which failed under dynamic shapes).
+    inputs |= {a for st in run if st.kind in (StepKind.RELEASE, StepKind.RETAIN)
+               for a in st.payload.all_input_nodes if a not in members and _is_tensor(a)}
     _root = _Roots([n for n in plan.graph.graph.nodes if n in members or n in inputs], inputs)
     lane_of = {n: (0 if n in moved else r.lane) for r in regions for n in r.nodes}
     # NOTE: Inductor re-inplaces a functional write (scatter, index_put) into its input's
