@@ -92,7 +92,9 @@ def capturing() -> Iterator[None]:
             drain()
 
 
-def _safe() -> bool:
+def release_allowed() -> bool:
+    """Whether memory may be released now: no capture of ours is in progress, and the current
+    stream is not capturing (a free inside a capture would invalidate it)."""
     if _capturing:
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
@@ -153,13 +155,13 @@ def _storages_preserved() -> bool:
 def _died(ref: "weakref.ref[Executor]", instance: Any) -> None:
     with _lock:
         PENDING.append((ref, instance))
-    if _safe():
+    if release_allowed():
         drain()
 
 
 def drain() -> None:
     """Releases the owners of every instance that died (when no capture is in progress)."""
-    if not _safe():
+    if not release_allowed():
         return
     with _lock:
         todo = list(PENDING)

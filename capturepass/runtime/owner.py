@@ -38,7 +38,7 @@ import torch
 
 from capturepass.errors import CapturePassError
 from capturepass.ir.meta import ResourceBinding
-from capturepass.runtime import capture, pools
+from capturepass.runtime import capture, lifetime, pools
 from capturepass.runtime.events import POOL
 from capturepass.runtime.lanes import CudaLanes, HostLanes, Lanes
 from capturepass.runtime.workspaces import Workspaces
@@ -150,14 +150,17 @@ class CaptureMemory:
                 self._holders.add(owner)
             return self._pool
 
-    def release_pool(self, owner: Any = None) -> None:
-        """One owner's graphs are gone."""
+    def release_pool(self, owner: Any = None) -> bool:
+        """One owner's graphs are gone; returns whether they were the pool's last (the pool is
+        then torch's to free)."""
         with self.lock:
             self._users = max(0, self._users - 1)
             if owner is not None:
                 self._holders.discard(owner)
-            if self._users == 0:
-                self._keeper = None  # the pool is torch's to free once its graphs are gone
+            if self._users == 0 and self._pool is not None:
+                self._keeper = self._pool = None
+                return True
+            return False
 
     def warms_up_in_pool(self) -> bool:
         """Whether a warm-up runs in the pool: only while no graph lives there.
@@ -443,8 +446,7 @@ class GraphOwner:
             self._resources.clear()
             self.workspaces.release()
             pools.release_owner(self.name)
-            if self._holds_pool and self.shared is not None:
-                self.shared.release_pool(self)
+            pool_gone = self._holds_pool and self.shared is not None and self.shared.release_pool(self)
             self._holds_pool = False
             self.pool = None
             self.capture_stream = None
@@ -457,6 +459,13 @@ class GraphOwner:
                 clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
                 if clear is not None:
                     clear()
+            if pool_gone and lifetime.release_allowed():
+                # NOTE: a pool whose last graph is gone is only freed at the allocator's next
+                # cache release (an out-of-memory retry, or empty_cache): until then its memory
+                # stays reserved, to this process alone. A process that captured and released
+                # grew by a pool per cycle (the soak on the H200: 100 MiB per cycle, to 128 GiB,
+                # when the other processes on the device ran out of memory).
+                torch.cuda.empty_cache()
 
     def __del__(self) -> None:
         try:

@@ -411,7 +411,9 @@ def test_target_and_draft_owners_are_disjoint():
 
 @torch.no_grad()
 def test_soak_capture_replay_close_is_flat():
-    """1000 cycles of capture, replay and release keep memory, leases and retained objects flat."""
+    """1000 cycles of capture, replay and release keep memory, leases and retained objects flat:
+    memory allocated, and memory reserved (a released pool is returned to the device, not kept
+    until the allocator runs out)."""
     torch.manual_seed(0)
     model = MoEBlock(64, 128, 4, 32, 2, device="cuda")
     compiled = _compile(model, cudagraphs="monolithic", verify=False)
@@ -422,7 +424,7 @@ def test_soak_capture_replay_close_is_flat():
     ex.release_captures()
     gc.collect()
     torch.cuda.synchronize()
-    base_mem, base_leases = torch.cuda.memory_allocated(), POOL.live()
+    base_mem, base_reserved, base_leases = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), POOL.live()
     for i in range(1000):
         out = compiled(x)  # captures, replays
         assert ex.num_captures == 1
@@ -434,6 +436,7 @@ def test_soak_capture_replay_close_is_flat():
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base_mem
+    assert torch.cuda.memory_reserved() <= base_reserved
     assert POOL.live() == base_leases
     assert sum(o.num_retained for o in ex.owners) == 0
 
