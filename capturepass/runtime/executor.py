@@ -464,6 +464,17 @@ class Executor(Releases):
         return None
 
     def _capture_new(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
+        try:
+            return self._capture_shape(args, key, real)
+        finally:
+            if self._on_cuda and lifetime.release_allowed():
+                # NOTE: what the warm-ups and the candidates the measured choice did not keep
+                # left in the allocator's caches (their pools, side streams' blocks) stays
+                # reserved to this process until its next cache release (torch.cuda.graph
+                # empties the cache before each capture for the same reason).
+                torch.cuda.empty_cache()
+
+    def _capture_shape(self, args: Sequence[Any], key: tuple, real: bool) -> tuple[Capture, Any]:
         if self._picker is not None and profiling.active() is None:
             self._picker = self._picker.for_program(self.program)  # another picker after a rebuild
             if self._picker is not None:
