@@ -57,7 +57,40 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Se
     artifact = torch._inductor.standalone_compile(
         gm, example_inputs, dynamic_shapes="from_tracing_context", aot=True, **kwargs
     )
-    return artifact
+    return _runtime_wrapper(artifact) or artifact
+
+
+def _runtime_wrapper(artifact: Any) -> Callable[..., Sequence[Any]] | None:
+    """AOT autograd's runtime wrapper inside a ``standalone_compile`` artifact, as a function of
+    the region's inputs; ``None`` where this torch builds the artifact otherwise.
+
+    The artifact's own call passes through four more layers (the artifact, its bundle, a
+    ``torch._dynamo.disable`` wrapper and ``aot_module_simplified``'s ``forward``, which
+    prepends the graph's parameters) before the runtime wrapper: about 0.9 us per region call
+    on an x86 CPU, which every uncaptured call pays per region. A region is only called from
+    inside the graph Dynamo compiled, which already runs with Dynamo's frame evaluation off,
+    and its graph has no parameters (every tensor is an input).
+    """
+    bundle = getattr(artifact, "inner_fn", None)
+    disabled = getattr(bundle, "compiled_fn", None)
+    forward = getattr(disabled, "__wrapped__", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
+    if code is None or cells is None or len(code.co_freevars) != len(cells):
+        return None
+    free = dict(zip(code.co_freevars, cells))
+    if set(free) != {"compiled_fn", "params_buffers_flat"}:
+        return None
+    try:
+        wrapper, params = free["compiled_fn"].cell_contents, free["params_buffers_flat"].cell_contents
+    except ValueError:  # an empty cell
+        return None
+    if not callable(wrapper) or not isinstance(params, list) or params:
+        return None
+
+    def call(*args: Any) -> Sequence[Any]:
+        return wrapper(list(args))
+
+    return call
 
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Sequence[Any]]:

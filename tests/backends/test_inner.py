@@ -62,3 +62,42 @@ def test_standalone_compile_still_forces_compile_time_tuning_on_its_own():
                                        "triton.autotune_at_compile_time": None}):
         torch._inductor.standalone_compile(gm, [torch.randn(4)], dynamic_shapes="from_example_inputs")
     assert seen.values == [True]
+
+
+def _wrapped_regions():
+    from capturepass.backends.compile import last_compiled
+
+    return [getattr(r.fn, "fn", r.fn) for r in last_compiled()[-1].program.regions if r.compiler == "inductor"]
+
+
+def test_a_region_is_called_through_aot_autograds_runtime_wrapper_which_still_writes_its_inputs():
+    """Where torch builds the artifact as ``standalone_compile`` does today, a region is called
+    through AOT autograd's runtime wrapper, without the artifact's layers; the wrapper still
+    applies what the region writes to its inputs (a KV cache written at positions)."""
+
+    def step(x, cache, pos):
+        cache.index_copy_(0, pos, x)
+        return (cache.sum(0) * 2 + x).relu()
+
+    compiled = torch.compile(step, backend="capturepass")
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x, cache, pos = torch.randn(2, 8, generator=g), torch.randn(6, 8, generator=g), torch.tensor([1, 4])
+        want_cache = cache.clone()
+        want = step(x, want_cache, pos)
+        torch.testing.assert_close(compiled(x, cache, pos), want)
+        torch.testing.assert_close(cache, want_cache)
+    fns = _wrapped_regions()
+    assert fns and all(f.__qualname__ == "_runtime_wrapper.<locals>.call" for f in fns)
+
+
+def test_an_artifact_built_otherwise_is_called_as_it_is():
+    """An artifact without the layers the unwrapping expects is kept whole."""
+
+    class Artifact:
+        def __call__(self, *args):
+            return args
+
+    art = Artifact()
+    assert inner._runtime_wrapper(art) is None
+    assert inner._runtime_wrapper(object()) is None
