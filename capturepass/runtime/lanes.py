@@ -28,7 +28,8 @@ from capturepass.runtime.events import POOL, EventPool
 Runner = Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]
 
 
-def _call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+def run_here(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+    """Runs a region on the current stream (the runner of the main lane, and of every lane on the host)."""
     return fn(*args)
 
 
@@ -93,7 +94,7 @@ class HostLanes(Lanes):
         self._roles: list[str] = []
 
     def region_runner(self, lane: int) -> Runner:
-        return _call
+        return run_here
 
     def new_event(self, role: str) -> int:
         self._roles.append(role)
@@ -139,7 +140,7 @@ class CudaLanes(Lanes):
     def region_runner(self, lane: int) -> Runner:
         stream = self.streams[lane - 1] if lane else None
         if stream is None:
-            return _call
+            return run_here
 
         def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
             with torch.cuda.stream(stream):

@@ -42,6 +42,7 @@ from capturepass.ir.meta import EventRole, GraphInfo
 from capturepass.ir.plan import Inline, Plan, RegionPlan, Step, StepKind
 from capturepass.runtime import comms, context, naming
 from capturepass.runtime.inline import runner as inline_runner
+from capturepass.runtime.lanes import run_here
 from capturepass.runtime.owner import GraphOwner
 
 if TYPE_CHECKING:
@@ -130,11 +131,12 @@ class RegionCall:
         self.__qualname__ = self.__name__
         self._fn = spec.fn
         self._run = run
+        self._direct = run is run_here  # on the current stream: no runner between
 
     def __call__(self, *args: Any) -> Sequence[Any]:
         inst = context.instrumentation()
         if inst is None or inst.region is None:
-            return self._run(self._fn, args)
+            return self._fn(*args) if self._direct else self._run(self._fn, args)
         with inst.region(self.spec):
             return self._run(self._fn, args)
 
@@ -318,16 +320,6 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassPiece")
 
 
-def _piece_call(module: fx.GraphModule, index: int) -> Callable[..., Any]:
-    forward = module.forward  # the generated code itself: no nn.Module call machinery per call
-
-    def call(*args: Any) -> Any:
-        return forward(*args)
-
-    call.__name__ = call.__qualname__ = f"piece_{index}"
-    return call
-
-
 def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[..., Any]:
     """The generated function of a whole call: ``f(*inputs, *constants)`` -> the outputs."""
     graph = fx.Graph()
@@ -336,10 +328,12 @@ def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[...
         env[n] = graph.placeholder(n.name)
     for n in program.constants:
         env[n] = graph.placeholder(f"const_{n.name}")
-    for i, (piece, module) in enumerate(zip(program.pieces, modules)):
-        outs = graph.call_function(_piece_call(module, i), tuple(env[n] for n in piece.live_in))
-        for k, node in enumerate(piece.live_out):
-            env[node] = graph.call_function(operator.getitem, (outs, k))
+    for piece, module in zip(program.pieces, modules):
+        # Each piece's code is copied in: one function for the whole call, no call per piece.
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        outs = graph.graph_copy(module.graph, {p: env[n] for p, n in zip(placeholders, piece.live_in, strict=True)})
+        for node, value in zip(piece.live_out, outs, strict=True):
+            env[node] = value
     graph.output(fx.node.map_arg(program.output, lambda n: env[n]))
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassCall").forward
 
