@@ -7,14 +7,11 @@ Plain functions over plain records (no GPU needed): see :mod:`capturepass.measur
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from capturepass.errors import TraceError
 PREFIX = "capturepass.trace/"
 FORMAT = "capturepass-measured/1"  # the measurement documents build_measurements makes
 # Profiler timestamps are microseconds with nanosecond digits; two kernels of one lane

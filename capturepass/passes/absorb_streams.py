@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from capturepass.ir.meta import HINT_KEY
 from capturepass.ir.meta import Stage
-from capturepass.passes.base import HINTS, Pass, PassContext
+from capturepass.passes.base import Pass, PassContext
 
 
 def _stream_ops() -> frozenset:

@@ -25,7 +25,6 @@ Objects a custom op passes to ``capturepass.retain`` are kept as they are.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
