@@ -347,9 +347,10 @@ def test_a_rebuild_runs_a_region_eagerly_where_the_inner_compiler_fails(monkeypa
 
 
 def test_a_whole_call_runs_one_generated_function_equal_to_threading_the_pieces():
-    """The outer program's whole call (host lanes) is one generated function over the pieces;
-    captures and replays thread an environment through the same pieces instead. Both give the
-    same values; a call with another number of arguments takes the environment path."""
+    """The outer program's whole call (host lanes) is one generated function, the pieces' code
+    copied into it: it calls every region itself, in program order, and no piece. Captures and
+    replays thread an environment through the pieces instead. Both give the same values; a call
+    with another number of arguments takes the environment path."""
     from capturepass.runtime.owner import GraphOwner
 
     _, _, _, ctx = case_before_after("cross_segment_release", "emit")
@@ -371,6 +372,8 @@ def test_a_whole_call_runs_one_generated_function_equal_to_threading_the_pieces(
         for got, want in zip(whole, CASES["cross_segment_release"].fn(*args)):
             torch.testing.assert_close(got, want)
         code = bound._whole.__self__.code  # the generated function itself
-        assert [line.split(" = ")[0].strip() for line in code.splitlines() if "_piece_" in line] == ["piece_0", "piece_1", "piece_2"]
+        calls = [line.split(" = ")[0].strip() for line in code.splitlines() if "= capturepass_runtime_program_region_" in line]
+        assert calls == [f"region_{r.index}" for r in program.regions] and len(calls) == 6
+        assert "piece" not in code
     finally:
         owner.close()
