@@ -503,3 +503,31 @@ def test_a_fused_segment_whose_code_fails_the_lane_checks_keeps_its_lane_regions
         in caplog.text
     regions = last_compiled()[-1].program.regions
     assert len(regions) > 1 and all(r.inline is None for r in regions)
+
+
+def test_a_view_whose_base_a_release_reads_is_not_guarded(caplog):
+    """After a break, a region reads a view made before it while the base's own lane releases
+    the base: the view and the base are two inputs of the fused graph over one storage. A guard
+    on the view made AOT autograd merge them into a synthetic base, which failed under dynamic
+    shapes on torch 2.11 (DeBERTa-v2's keys on the H200); the run keeps its lane regions."""
+
+    def f(x, w):
+        with L("aux0"):
+            a = (x @ w).relu()
+        v = a.view(-1, 4)
+        s = x.abs().mean().item()  # a host read: a break between two segments
+        out = (v * torch.full_like(v, s)).sin()
+        with L("aux0"):
+            b = (x @ w).cos()  # the base's lane works on after the view's last read: a release
+        return out, b
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), caplog.at_level("INFO", logger="capturepass"):
+        compiled = torch.compile(f, backend="capturepass", options={
+            "regions": "segments", "cudagraphs": "breakable", "policy": "hints", "verify": True})
+        for seed in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(compiled(x, w), f(x, w))
+    plan = last_compiled()[-1].plan
+    assert any(s.kind == StepKind.RELEASE for s in plan.steps)
+    assert "%view shares its storage with another input of the run and cannot be guarded" in caplog.text
