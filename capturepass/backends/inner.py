@@ -1,8 +1,10 @@
 """Inner compilers: what compiles each region.
 
-- ``inductor``: ``torch._inductor.standalone_compile`` with the ambient tracing
-  context's shape environment, so dynamic sizes stay symbolic across regions, and Inductor's
-  configuration as ``torch.compile`` would use it (:func:`_as_torch_compile`).
+- ``inductor``: Inductor's compile of an AOT autograd inference graph (``compile_fx_forward``,
+  :func:`_forward_compiler`), in the frame's fake mode, so dynamic sizes stay symbolic across
+  regions; where torch has none, ``torch._inductor.standalone_compile`` with the ambient
+  tracing context's shape environment and Inductor's configuration as ``torch.compile`` would
+  use it (:func:`_as_torch_compile`).
 - ``eager``: the region's FX graph itself (no code generation).
 - ``tensorrt``: ``torch_tensorrt.dynamo.compile``. Torch-TensorRT cannot be
   installed on the machines capturepass is tested on, so this adapter is
@@ -11,7 +13,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -52,7 +56,78 @@ def _as_torch_compile() -> dict[str, Any]:
     return {"config_patches": {"triton.autotune_at_compile_time": setting}}
 
 
+@functools.cache
+def _forward_compiler() -> Callable[[fx.GraphModule, list[Any]], Callable[..., Sequence[Any]]] | None:
+    """Inductor's compile of an inference graph AOT autograd produced (``compile_fx_forward``: the
+    joint-graph passes, the user-visible output strides, then ``compile_fx_inner``), called
+    directly; ``None`` where this torch has no such function of the expected signature.
+
+    A region's graph is a piece of the graph AOT autograd already produced for the whole
+    frame: functional, decomposed, its input writes kept as copies. ``standalone_compile``
+    would trace it through AOT autograd once more (about a tenth of each compile, and a
+    runtime wrapper on every call) to produce the same graph.
+    """
+    try:
+        cf = importlib.import_module("torch._inductor.compile_fx")
+        virtualized = importlib.import_module("torch._inductor.virtualized")
+    except ImportError:
+        return None
+    forward, make_extra = getattr(cf, "compile_fx_forward", None), getattr(cf, "create_compiler_config_extra", None)
+    if forward is None or make_extra is None:
+        return _standalone_because("it has no compile_fx_forward")
+    wanted = {"num_orig_model_outputs", "num_example_inputs", "compiler_config_extra", "is_inference"}
+    if not wanted <= set(inspect.signature(forward).parameters):
+        return _standalone_because("its compile_fx_forward takes other arguments")
+    # Its argument is the graph in newer releases, Inductor's config module in older ones.
+    extra_of: Callable[[fx.GraphModule], Any]
+    takes = list(inspect.signature(make_extra).parameters)
+    if takes == ["gm"]:
+        extra_of = make_extra
+    elif takes == ["config"]:
+        extra_of = lambda gm: make_extra(torch._inductor.config)  # noqa: E731
+    else:
+        return _standalone_because("its create_compiler_config_extra takes other arguments")
+
+    def compile_forward(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Sequence[Any]]:
+        gm = copy.deepcopy(gm)  # the joint-graph passes rewrite the graph they are given
+        for node in gm.graph.nodes:
+            # What AOT autograd's trace would note, and Inductor names kernels and comments by.
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                node.meta.setdefault("original_aten", node.target)
+        extra = extra_of(gm)
+        extra.cudagraphs.value = False  # capturepass captures; Inductor must not
+        outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        # A tracing context of its own: Inductor records output strides in the ambient one,
+        # which belongs to the frame's compile.
+        with virtualized.V.set_fake_mode(fake_mode), \
+                torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            code = forward(gm, list(example_inputs), num_orig_model_outputs=len(outputs),
+                           num_example_inputs=len(example_inputs), compiler_config_extra=extra,
+                           is_inference=True)
+
+        def call(*args: Any) -> Sequence[Any]:
+            return code(list(args))
+
+        return call
+
+    return compile_forward
+
+
+def _standalone_because(why: str) -> None:
+    log.info("capturepass: this torch's Inductor is called through standalone_compile (%s): each region "
+             "is traced by AOT autograd once more", why)
+    return None
+
+
 def _inductor(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Sequence[Any]]:
+    forward = _forward_compiler()
+    if forward is not None:
+        return forward(gm, example_inputs)
+    return _standalone(gm, example_inputs)
+
+
+def _standalone(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Sequence[Any]]:
     kwargs: dict[str, Any] = {"options": _as_torch_compile()} if _takes_options() else {}
     artifact = torch._inductor.standalone_compile(
         gm, example_inputs, dynamic_shapes="from_tracing_context", aot=True, **kwargs

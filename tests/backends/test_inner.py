@@ -70,23 +70,56 @@ def _wrapped_regions():
     return [getattr(r.fn, "fn", r.fn) for r in last_compiled()[-1].program.regions if r.compiler == "inductor"]
 
 
-def test_a_region_is_called_through_aot_autograds_runtime_wrapper_which_still_writes_its_inputs():
-    """Where torch builds the artifact as ``standalone_compile`` does today, a region is called
-    through AOT autograd's runtime wrapper, without the artifact's layers; the wrapper still
-    applies what the region writes to its inputs (a KV cache written at positions)."""
+def _step(x, cache, pos):
+    cache.index_copy_(0, pos, x)
+    return (cache.sum(0) * 2 + x).relu()
 
-    def step(x, cache, pos):
-        cache.index_copy_(0, pos, x)
-        return (cache.sum(0) * 2 + x).relu()
 
-    compiled = torch.compile(step, backend="capturepass")
+def _check_writes_inputs() -> None:
+    compiled = torch.compile(_step, backend="capturepass")
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         x, cache, pos = torch.randn(2, 8, generator=g), torch.randn(6, 8, generator=g), torch.tensor([1, 4])
         want_cache = cache.clone()
-        want = step(x, want_cache, pos)
+        want = _step(x, want_cache, pos)
         torch.testing.assert_close(compiled(x, cache, pos), want)
         torch.testing.assert_close(cache, want_cache)
+
+
+@pytest.mark.skipif(inner._forward_compiler() is None, reason="this torch has no compile_fx_forward to call")
+def test_a_region_is_compiled_by_inductors_forward_compile_without_a_second_aot_trace(monkeypatch):
+    """The region graph is already AOT autograd's: Inductor compiles it as it is (no
+    ``standalone_compile``), and what the region writes to its inputs (a KV cache written at
+    positions, kept by AOT autograd as a copy into the input) is still written."""
+
+    def no_standalone(*args, **kwargs):
+        raise AssertionError("standalone_compile called")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", no_standalone)
+    _check_writes_inputs()
+    fns = _wrapped_regions()
+    assert fns and all(f.__qualname__ == "_forward_compiler.<locals>.compile_forward.<locals>.call" for f in fns)
+
+
+@pytest.mark.skipif(inner._forward_compiler() is None, reason="this torch has no compile_fx_forward to call")
+def test_kernels_are_named_by_their_aten_ops():
+    """Inductor names kernels after the ATen ops they fuse (what a profiler trace shows)."""
+
+    def f(x):
+        return (x.sin() * 2,)
+
+    x = torch.randn(16, 16)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = torch._inductor.utils.run_and_get_code(torch.compile(f, backend="capturepass"), x)
+    assert "cpp_fused_mul_sin_0(" in codes[0] or "triton_poi_fused_mul_sin_0" in codes[0], codes[0]
+
+
+def test_without_a_forward_compile_a_region_is_called_through_aot_autograds_runtime_wrapper(monkeypatch):
+    """Where torch has no ``compile_fx_forward`` to call, ``standalone_compile`` compiles a
+    region; it is called through AOT autograd's runtime wrapper inside the artifact, which
+    still applies what the region writes to its inputs."""
+    monkeypatch.setattr(inner, "_forward_compiler", lambda: None)
+    _check_writes_inputs()
     fns = _wrapped_regions()
     assert fns and all(f.__qualname__ == "_runtime_wrapper.<locals>.call" for f in fns)
 
