@@ -71,7 +71,7 @@ def _forward_compiler() -> Callable[[fx.GraphModule, list[Any]], Callable[..., S
         cf = importlib.import_module("torch._inductor.compile_fx")
         virtualized = importlib.import_module("torch._inductor.virtualized")
     except ImportError:
-        return None
+        return _standalone_because("it has no torch._inductor.compile_fx")
     forward, make_extra = getattr(cf, "compile_fx_forward", None), getattr(cf, "create_compiler_config_extra", None)
     if forward is None or make_extra is None:
         return _standalone_because("it has no compile_fx_forward")
