@@ -502,8 +502,11 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
 
 def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
     """A markdown table: medians over processes, the ratios the never-slower bar reads."""
+    def values(m: str, v: str, s: str, key: str) -> list:
+        return [r[key] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s]
+
     def med(m: str, v: str, s: str, key: str) -> float | None:
-        vals = [r[key] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s]
+        vals = values(m, v, s, key)
         return statistics.median(vals) if vals else None
 
     def spread(m: str, v: str, s: str, median: float | None) -> str:
@@ -511,7 +514,7 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
         # and tunes its own kernels): the range across processes says what a ratio can mean.
         if median is None:
             return ""
-        vals = [r["ms"] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s]
+        vals = values(m, v, s, "ms")
         return f"{median:.4f}" if len(vals) < 2 else f"{median:.4f} ({min(vals):.4f}-{max(vals):.4f})"
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))

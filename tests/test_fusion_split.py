@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import pytest
 import torch
 
 import capturepass
@@ -20,17 +19,10 @@ def _load():
     return mod
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
-    torch._dynamo.reset()
-
-
 def _code(fn, *args, **options):
     compiled = torch.compile(fn, backend="capturepass", options={"regions": "segments", **options})
-    out, codes = torch._inductor.utils.run_and_get_code(compiled, *args)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the code is generated, not read back
+        out, codes = torch._inductor.utils.run_and_get_code(compiled, *args)
     return out, codes[0]
 
 
