@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -136,6 +137,57 @@ class _Fusion:
         if node.op == "call_function" and _is_free(node):
             return any(self._reads_device_data(a) for a in node.all_input_nodes)
         return not self.computes_a_constant(node)
+
+
+def _fused_groups(nodes: list[fx.Node], fuses: Callable[[fx.Node], bool],
+                  is_free: Callable[[fx.Node], bool]) -> dict[fx.Node, fx.Node]:
+    """The groups of kernels Inductor fuses into one: each fusing node of ``nodes`` with a
+    representative of its group (absent: a group of one).
+
+    A fusing producer whose only reader (through views) is a fusing node is computed inside
+    that reader's kernel, so the two are one group. A producer read by several nodes is left
+    out: its readers may run apart (two branches that start from one value). Two chains of
+    such nodes that a fusing node joins are one group, as Inductor computes them in the join's
+    kernel; a matrix product or any other kernel of its own ends a chain, so the branches'
+    heavy work stays free to run on lanes of its own.
+    """
+    members = set(nodes)
+
+    def producer(n: fx.Node) -> fx.Node | None:
+        while n.op == "call_function" and is_free(n):
+            ins = n.all_input_nodes
+            if not ins:
+                return None
+            n = ins[0]
+        return n if n in members and not is_free(n) else None
+
+    def readers(n: fx.Node) -> set[fx.Node]:
+        out: set[fx.Node] = set()
+        stack = list(n.users)
+        while stack:
+            u = stack.pop()
+            if u.op == "call_function" and is_free(u):
+                stack.extend(u.users)
+            else:
+                out.add(u)
+        return out
+
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent.get(n, n) is not n:
+            parent[n] = parent.get(parent[n], parent[n])
+            n = parent[n]
+        return n
+
+    for node in nodes:
+        if is_free(node) or not fuses(node):
+            continue
+        for a in node.all_input_nodes:
+            p = producer(a)
+            if p is not None and fuses(p) and readers(p) == {node}:
+                parent[find(p)] = find(node)
+    return {n: find(n) for n in list(parent) + list(parent.values())}
 
 
 class AssignStreams(Pass):
@@ -373,6 +425,8 @@ class AssignStreams(Pass):
             return n if n in finish else None
 
         fusing = _Fusion(order)
+        group = _fused_groups(nodes, fusing.fuses, is_free)
+        group_lane: dict[fx.Node, LaneId] = {}
         for node in nodes:
             if is_free(node) or fusing.computes_a_constant(node):
                 continue  # placed with their readers (_place_free_nodes)
@@ -393,12 +447,19 @@ class AssignStreams(Pass):
                 finish[node], where[node] = end, MAIN_LANE
                 continue
             fixed = lanes.get(node)
+            root = group.get(node)
             if fixed is not None:
                 options = [fixed]
-            elif fusing.fuses(node) and any(fusing.fuses(p) for p in data):
+            elif root is not None and root in group_lane:
+                # Inductor fuses the group into one kernel on one lane: a member on another
+                # lane would launch a kernel of its own between two events.
+                options = [group_lane[root]]
+            elif fusing.fuses(node) and data:
                 # Inductor fuses it into a producer's kernel on that lane; on a lane none of its
                 # producers is on, it would launch a kernel of its own (the producer's value
                 # realized for the event between them), which its launch floor does not show.
+                # A producer that is a library call (a matrix product) counts too: its output
+                # is read where it was made, and the lanes it could move to gain nothing.
                 options = sorted({where[p] for p in data}, key=lambda lane: lane.index)
             else:
                 options = candidates
@@ -415,6 +476,8 @@ class AssignStreams(Pass):
             end, lane = best[0], best[3]
             ready[lane] = end
             finish[node], where[node] = end, lane
+            if root is not None:
+                group_lane.setdefault(root, lane)
             if fixed is None and lane != MAIN_LANE:
                 lanes[node] = lane
         return fusing.constants
