@@ -244,3 +244,27 @@ def test_running_again_changes_nothing():
     gm, _, after, _ = case_before_after("host_break", "assign_streams")
     again, _ = run_one(gm, "assign_streams", policy="hints")
     assert again == after
+
+
+def _rotary_pair(x, wq, wk, cos, sin):
+    def rope(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[:, half:], t[:, :half]], -1) * sin
+
+    return rope(torch.mm(x, wq)), rope(torch.mm(x, wk))
+
+
+def test_a_group_inductor_fuses_into_one_kernel_runs_on_one_lane():
+    """A rotary embedding of two products: each product may run on a lane of its own, but each
+    embedding's negation, concatenation, products and sum are one kernel of Inductor's, on one
+    lane (split over lanes, each piece would launch a kernel between two events)."""
+    args = (torch.randn(2048, 2048), torch.randn(2048, 2048), torch.randn(2048, 2048),
+            torch.randn(2048, 2048), torch.randn(2048, 2048))
+    gm = aten_graph(_rotary_pair, *args)
+    _, after, _ = before_after(gm, "assign_streams", policy="auto")
+    lanes = _lanes(gm)
+    first = ["neg", "cat", "mul", "mul_1", "add"]
+    second = ["neg_1", "cat_1", "mul_2", "mul_3", "add_1"]
+    assert {lanes[n] for n in first} == {lanes["mm"]}, lanes
+    assert {lanes[n] for n in second} == {lanes["mm_1"]}, lanes
+    assert lanes["mm"] != lanes["mm_1"], lanes
