@@ -425,7 +425,9 @@ class AssignStreams(Pass):
             return n if n in finish else None
 
         fusing = _Fusion(order)
-        group = _fused_groups(nodes, fusing.fuses, is_free)
+        # A hinted node is no member: a hint is a cut the user asked for, and a group through
+        # it would pull the code before it onto the code after it.
+        group = _fused_groups(nodes, lambda n: n not in lanes and fusing.fuses(n), is_free)
         group_lane: dict[fx.Node, LaneId] = {}
         for node in nodes:
             if is_free(node) or fusing.computes_a_constant(node):
@@ -454,7 +456,7 @@ class AssignStreams(Pass):
                 # Inductor fuses the group into one kernel on one lane: a member on another
                 # lane would launch a kernel of its own between two events.
                 options = [group_lane[root]]
-            elif fusing.fuses(node) and data:
+            elif fusing.fuses(node) and any(fusing.fuses(p) for p in data):
                 # Inductor fuses it into a producer's kernel on that lane; on a lane none of its
                 # producers is on, it would launch a kernel of its own (the producer's value
                 # realized for the event between them), which its launch floor does not show.
