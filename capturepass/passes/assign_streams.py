@@ -139,13 +139,23 @@ class _Fusion:
         return not self.computes_a_constant(node)
 
 
+def _inlined(node: fx.Node) -> bool:
+    """Whether Inductor computes ``node`` inside its reader's kernel: a pointwise op, or a
+    concatenation (lowered as one). A reduction's output is a buffer of its own: its readers
+    are another kernel."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target.overloadpacket is torch.ops.aten.cat
+
+
 def _fused_groups(nodes: list[fx.Node], fuses: Callable[[fx.Node], bool],
                   is_free: Callable[[fx.Node], bool]) -> dict[fx.Node, fx.Node]:
     """The groups of kernels Inductor fuses into one: each fusing node of ``nodes`` with a
     representative of its group (absent: a group of one).
 
-    A fusing producer whose only reader (through views) is a fusing node is computed inside
-    that reader's kernel, so the two are one group. A producer read by several nodes is left
+    A pointwise producer (:func:`_inlined`) whose only reader (through views) is a fusing node
+    is computed inside that reader's kernel, so the two are one group. A producer read by several nodes is left
     out: its readers may run apart (two branches that start from one value). Two chains of
     such nodes that a fusing node joins are one group, as Inductor computes them in the join's
     kernel; a matrix product or any other kernel of its own ends a chain, so the branches'
@@ -185,7 +195,7 @@ def _fused_groups(nodes: list[fx.Node], fuses: Callable[[fx.Node], bool],
             continue
         for a in node.all_input_nodes:
             p = producer(a)
-            if p is not None and fuses(p) and readers(p) == {node}:
+            if p is not None and fuses(p) and _inlined(p) and readers(p) == {node}:
                 parent[find(p)] = find(node)
     return {n: find(n) for n in list(parent) + list(parent.values())}
 
