@@ -20,9 +20,9 @@ The runtime measures these as captured graphs and keeps the fastest per shape
     busiest lane's runs on the main stream.
 
   A map that puts every lane on the main stream is no candidate: on the H200 the cost model's
-  program run that way took 10 to 27% longer than ``one_lane``'s own compile (Llama and
-  Qwen2-MoE decoders, decode and prefill; BENCHMARKS.md): its sync points bound Inductor's
-  fusion and its buffers are not reused across lanes.
+  program run that way took 7 to 13% longer than ``one_lane``'s own compile (Llama and
+  Qwen2-MoE decoders, decode and prefill; BENCHMARKS.md, fifteenth run): the sync points left
+  on one lane bound Inductor's fusion and its buffers are not reused across lanes.
 
 Candidates that put every kernel on the same stream as an earlier one of their kind are one
 candidate (the earlier name is kept). A graph whose cost model used one lane has one
