@@ -217,6 +217,8 @@ class AssignStreams(Pass):
         talking = [n for n in analysis.compute_nodes(graph) if _is_collective(n)]
         if talking:
             _order_for_collectives(graph)
+        elif opts.policy == "auto" and opts.max_aux_lanes > 0:
+            _order_by_critical_path(graph)
         nodes = list(analysis.compute_nodes(graph))
         lane_names: list[str] = [meta.MAIN_LANE_NAME]
         lanes: dict[fx.Node, LaneId] = {}
@@ -572,6 +574,65 @@ def _order_for_collectives(graph: fx.Graph) -> None:
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     for node in new:
         out.prepend(node)
+
+
+def _order_by_critical_path(graph: fx.Graph) -> None:
+    """Reschedules the program order for lanes: among the nodes ready at once, the one with the
+    longest estimated path to the end of its span first.
+
+    The list scheduler walks the program in order and a lane runs its kernels in that order, so
+    a branch written after a short one (a MoE block's experts after its router) starts behind
+    it on whatever lane it gets. Issuing the ready node that heads the longest remaining path
+    first (HLFET list scheduling) starts the critical path at once and leaves the short
+    branches to fill the other lanes. Between barriers (:func:`_is_barrier`) only; data edges
+    and storage-effect edges are kept; ties go to program order.
+    """
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    deps = effects.order_deps(body)
+    spans: list[list[fx.Node]] = [[]]
+    for node in body:
+        if _is_barrier(node):
+            spans.append([node])
+            spans.append([])
+        else:
+            spans[-1].append(node)
+    new: list[fx.Node] = []
+    for span in spans:
+        new.extend(_critical_first(span, deps) if len(span) > 1 else span)
+    if new == body:
+        return
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for node in new:
+        out.prepend(node)
+
+
+def _critical_first(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
+    index = {n: i for i, n in enumerate(span)}
+    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
+    for node in span:
+        preds[node].update(a for a in node.all_input_nodes if a in index)
+        preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
+    for n in span:
+        for p in preds[n]:
+            succs[p].append(n)
+    level: dict[fx.Node, float] = {}
+    for n in reversed(span):  # program order is topological, for both kinds of edge
+        c = meta.info(n).cost if meta.has_info(n) else None
+        level[n] = cost.node_time(c) + max((level[u] for u in succs[n]), default=0.0)
+    missing = {n: len(preds[n]) for n in span}
+    ready = [(-level[n], index[n], n) for n in span if missing[n] == 0]
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in succs[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, (-level[u], index[u], u))
+    assert len(out) == len(span), "the dependencies of a span form a cycle"
+    return out
 
 
 def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
