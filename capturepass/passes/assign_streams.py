@@ -215,6 +215,7 @@ class AssignStreams(Pass):
         opts = ctx.options
         graph = gm.graph
         talking = [n for n in analysis.compute_nodes(graph) if _is_collective(n)]
+        written = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
         if talking:
             _order_for_collectives(graph)
         elif opts.policy == "auto" and opts.max_aux_lanes > 0:
@@ -274,6 +275,13 @@ class AssignStreams(Pass):
         self._place_free_nodes(nodes, lanes, constants)
 
         used = {lanes.get(n, MAIN_LANE) for n in nodes} | {MAIN_LANE}
+        if used == {MAIN_LANE} and not talking:
+            # One lane after all: the program keeps the order it was written in (Inductor's
+            # fusion and buffer reuse were tuned on it), as with policy="off".
+            out = next(n for n in reversed(graph.nodes) if n.op == "output")
+            for node in written:
+                out.prepend(node)
+            nodes = list(analysis.compute_nodes(graph))
         # Drop automatic lanes the schedule left empty, renumbering densely.
         keep = [i for i, _ in enumerate(lane_names) if LaneId(i) in used]
         renumber = {LaneId(old): LaneId(new) for new, old in enumerate(keep)}
