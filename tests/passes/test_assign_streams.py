@@ -268,3 +268,49 @@ def test_a_group_inductor_fuses_into_one_kernel_runs_on_one_lane():
     assert {lanes[n] for n in first} == {lanes["mm"]}, lanes
     assert {lanes[n] for n in second} == {lanes["mm_1"]}, lanes
     assert lanes["mm"] != lanes["mm_1"], lanes
+
+
+def _router_before_experts(x, wr, w1, w2, ws):
+    # Written as a MoE block is: the router (one small product and a softmax) before the
+    # experts (two large products), which do not read it until the end; a shared product beside.
+    gate = torch.softmax(torch.mm(x, wr), dim=-1)
+    experts = torch.mm(torch.mm(x, w1).relu(), w2)
+    shared = torch.mm(x, ws)
+    return experts * gate[:, :1] + shared
+
+
+def _compute_order(gm) -> list[str]:
+    return [n.name for n in gm.graph.nodes if meta.effect_of(n) is Effect.COMPUTE]
+
+
+def test_the_longest_path_is_issued_first():
+    """A lane runs its kernels in program order: the experts' chain, written after the router,
+    is issued before it, so that the critical path starts at once and the router fills a lane
+    beside it."""
+    args = (torch.randn(64, 2048), torch.randn(2048, 8), torch.randn(2048, 8192),
+            torch.randn(8192, 2048), torch.randn(2048, 2048))
+    gm = aten_graph(_router_before_experts, *args)
+    assert _compute_order(gm).index("mm") < _compute_order(gm).index("mm_1")
+    _, after, _ = before_after(gm, "assign_streams", policy="auto")
+    order = _compute_order(gm)
+    assert order.index("mm_1") < order.index("mm"), order   # the experts' first product first
+    assert order.index("mm_2") < order.index("mm"), order   # then its second: still the longest
+    lanes = _lanes(gm)
+    assert len(set(lanes.values())) > 1, lanes
+    # Every node still comes after what it reads.
+    seen: set = set()
+    for n in gm.graph.nodes:
+        assert all(a in seen for a in n.all_input_nodes), n.name
+        seen.add(n)
+
+
+def test_a_schedule_on_one_lane_keeps_the_written_order():
+    # Every lane shorter than the threshold goes back to main: one lane, and the program stays
+    # as written (Inductor's fusion and buffer reuse see the order policy="off" gives them).
+    args = (torch.randn(64, 2048), torch.randn(2048, 8), torch.randn(2048, 8192),
+            torch.randn(8192, 2048), torch.randn(2048, 2048))
+    gm = aten_graph(_router_before_experts, *args)
+    written = _compute_order(gm)
+    before_after(gm, "assign_streams", policy="auto", merge_lanes_below_us=1e9)
+    assert set(_lanes(gm).values()) == {0}
+    assert _compute_order(gm) == written
