@@ -6,7 +6,11 @@ Lanes come from the policy:
 - ``hints``: hinted nodes on their named lanes, the rest on main;
 - ``auto``: hinted nodes on their lanes; the rest are list-scheduled over the
   main lane and up to ``max_aux_lanes`` automatic lanes (``aux0``, ``aux1``,
-  ...). The scheduler walks the graph in program order and puts each node on
+  ...). First the program is reordered so that, among the nodes ready at
+  once, the one heading the longest estimated path to the end goes first (a
+  lane runs its kernels in program order: a MoE block's experts, written after
+  its router, would start behind it; its capture went from 0.1523 to 0.1417 ms
+  on the H200). The scheduler then walks that order and puts each node on
   the lane where it would finish earliest, given the estimated cost of every
   node (``ir.cost``), the time each lane is busy, and a price for every
   cross-lane edge. Independent branches (a MoE's shared expert beside its
@@ -21,7 +25,8 @@ Lanes come from the policy:
   every member of a group runs on the lane its first member got (the zoo's
   Llama: 13 kernels and 14 sync points where each node chose alone made 19 and
   23; one lane makes 8). Kernels that read no device data (``iota``, ``full``
-  and what only they feed) follow their readers, as views do.
+  and what only they feed) follow their readers, as views do. A schedule that
+  ends on one lane gets the program's written order back.
 
 Collectives (ops whose capability says ``collective``: the functional
 collectives of ``torch.distributed``) get a lane kind of their own: unless the
