@@ -561,15 +561,13 @@ class AssignStreams(Pass):
                     lanes.pop(node, None)
 
 
-def _order_for_collectives(graph: fx.Graph) -> None:
-    """Reschedules the program order: collectives as early as possible, their waits as late.
+SpanOrder = Callable[[list[fx.Node], dict[fx.Node, list[effects.Dep]]], list[fx.Node]]
 
-    Between barriers (:func:`_is_barrier`), nodes are issued in a topological order of
-    their data edges, storage-effect edges and the order of the collectives among
-    themselves, choosing among the ready nodes: a collective first; then a node some
-    later collective needs; then any other node that is not a wait; then a wait. Ties go
-    to program order, so a graph is rescheduled the same way on every rank.
-    """
+
+def _reorder(graph: fx.Graph, order_span: SpanOrder) -> None:
+    """Rewrites the program order span by span: between barriers (:func:`_is_barrier`), which
+    nothing crosses, ``order_span`` gives each span's new order (a topological order of its
+    data and storage-effect edges)."""
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     deps = effects.order_deps(body)
     spans: list[list[fx.Node]] = [[]]
@@ -581,12 +579,57 @@ def _order_for_collectives(graph: fx.Graph) -> None:
             spans[-1].append(node)
     new: list[fx.Node] = []
     for span in spans:
-        new.extend(_ordered_span(span, deps) if len(span) > 1 else span)
+        new.extend(order_span(span, deps) if len(span) > 1 else span)
     if new == body:
         return
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     for node in new:
         out.prepend(node)
+
+
+def _span_preds(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> dict[fx.Node, set[fx.Node]]:
+    """Each node's predecessors within ``span``: what it reads and what its storage effects follow."""
+    index = set(span)
+    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
+    for node in span:
+        preds[node].update(a for a in node.all_input_nodes if a in index)
+        preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+    return preds
+
+
+def _heap_order(span: list[fx.Node], preds: dict[fx.Node, set[fx.Node]],
+                key: Callable[[fx.Node], tuple]) -> list[fx.Node]:
+    """The topological order of ``span`` that issues, of the nodes ready at once, the one with
+    the least ``key``."""
+    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
+    for n in span:
+        for p in preds[n]:
+            succs[p].append(n)
+    missing = {n: len(preds[n]) for n in span}
+    ready = [(key(n), n) for n in span if missing[n] == 0]
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        out.append(n)
+        for u in succs[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, (key(u), u))
+    assert len(out) == len(span), "the dependencies of a span form a cycle"
+    return out
+
+
+def _order_for_collectives(graph: fx.Graph) -> None:
+    """Reschedules the program order: collectives as early as possible, their waits as late.
+
+    Between barriers (:func:`_is_barrier`), nodes are issued in a topological order of
+    their data edges, storage-effect edges and the order of the collectives among
+    themselves, choosing among the ready nodes: a collective first; then a node some
+    later collective needs; then any other node that is not a wait; then a wait. Ties go
+    to program order, so a graph is rescheduled the same way on every rank.
+    """
+    _reorder(graph, _ordered_span)
 
 
 def _order_by_critical_path(graph: fx.Graph) -> None:
@@ -600,31 +643,12 @@ def _order_by_critical_path(graph: fx.Graph) -> None:
     branches to fill the other lanes. Between barriers (:func:`_is_barrier`) only; data edges
     and storage-effect edges are kept; ties go to program order.
     """
-    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    deps = effects.order_deps(body)
-    spans: list[list[fx.Node]] = [[]]
-    for node in body:
-        if _is_barrier(node):
-            spans.append([node])
-            spans.append([])
-        else:
-            spans[-1].append(node)
-    new: list[fx.Node] = []
-    for span in spans:
-        new.extend(_critical_first(span, deps) if len(span) > 1 else span)
-    if new == body:
-        return
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for node in new:
-        out.prepend(node)
+    _reorder(graph, _critical_first)
 
 
 def _critical_first(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
     index = {n: i for i, n in enumerate(span)}
-    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
-    for node in span:
-        preds[node].update(a for a in node.all_input_nodes if a in index)
-        preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+    preds = _span_preds(span, deps)
     succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
     for n in span:
         for p in preds[n]:
@@ -633,32 +657,17 @@ def _critical_first(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]])
     for n in reversed(span):  # program order is topological, for both kinds of edge
         c = meta.info(n).cost if meta.has_info(n) else None
         level[n] = cost.node_time(c) + max((level[u] for u in succs[n]), default=0.0)
-    missing = {n: len(preds[n]) for n in span}
-    ready = [(-level[n], index[n], n) for n in span if missing[n] == 0]
-    heapq.heapify(ready)
-    out: list[fx.Node] = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        out.append(n)
-        for u in succs[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, (-level[u], index[u], u))
-    assert len(out) == len(span), "the dependencies of a span form a cycle"
-    return out
+    return _heap_order(span, preds, lambda n: (-level[n], index[n]))
 
 
 def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
     index = {n: i for i, n in enumerate(span)}
-    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
+    preds = _span_preds(span, deps)
     previous: fx.Node | None = None
     for node in span:
-        mine = preds[node]
-        mine.update(a for a in node.all_input_nodes if a in index)
-        mine.update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
         if _is_collective(node):
             if previous is not None:
-                mine.add(previous)  # every rank must issue the collectives in one order
+                preds[node].add(previous)  # every rank must issue the collectives in one order
             previous = node
     feeds: set[fx.Node] = set()
     stack = [n for n in span if _is_collective(n)]
@@ -668,27 +677,11 @@ def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -
                 feeds.add(p)
                 stack.append(p)
 
-    def rank(n: fx.Node) -> int:
+    def rank(n: fx.Node) -> tuple[int, int]:
         if _is_collective(n):
-            return 0
+            return 0, index[n]
         if collectives.is_wait(n):
-            return 3
-        return 1 if n in feeds else 2
+            return 3, index[n]
+        return (1 if n in feeds else 2), index[n]
 
-    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
-    missing = {n: len(preds[n]) for n in span}
-    for n in span:
-        for p in preds[n]:
-            succs[p].append(n)
-    ready = [(rank(n), index[n], n) for n in span if missing[n] == 0]
-    heapq.heapify(ready)
-    out: list[fx.Node] = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        out.append(n)
-        for u in succs[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, (rank(u), index[u], u))
-    assert len(out) == len(span), "the dependencies of a span form a cycle"
-    return out
+    return _heap_order(span, preds, rank)
