@@ -158,6 +158,17 @@ def _inlined(node: fx.Node) -> bool:
     return torch.Tag.pointwise in target.tags or target.overloadpacket is torch.ops.aten.cat
 
 
+def _kernel_behind(n: fx.Node, is_free: Callable[[fx.Node], bool]) -> fx.Node | None:
+    """The node that produced ``n``'s data, through views and tuple selections (``None``: a
+    free node with no input, such as host arithmetic on constants)."""
+    while n.op == "call_function" and is_free(n):
+        ins = n.all_input_nodes
+        if not ins:
+            return None
+        n = ins[0]
+    return n
+
+
 def _fused_groups(nodes: list[fx.Node], fuses: Callable[[fx.Node], bool],
                   is_free: Callable[[fx.Node], bool]) -> dict[fx.Node, fx.Node]:
     """The groups of kernels Inductor fuses into one: each fusing node of ``nodes`` with a
@@ -173,12 +184,8 @@ def _fused_groups(nodes: list[fx.Node], fuses: Callable[[fx.Node], bool],
     members = set(nodes)
 
     def producer(n: fx.Node) -> fx.Node | None:
-        while n.op == "call_function" and is_free(n):
-            ins = n.all_input_nodes
-            if not ins:
-                return None
-            n = ins[0]
-        return n if n in members and not is_free(n) else None
+        k = _kernel_behind(n, is_free)
+        return k if k in members and not is_free(k) else None
 
     def readers(n: fx.Node) -> set[fx.Node]:
         out: set[fx.Node] = set()
@@ -446,13 +453,8 @@ class AssignStreams(Pass):
             return answer
 
         def source(n: fx.Node) -> fx.Node | None:
-            # Look through views and tuple selection to the kernel that produced the data.
-            while n.op == "call_function" and is_free(n):
-                ins = n.all_input_nodes
-                if not ins:
-                    return None
-                n = ins[0]
-            return n if n in finish else None
+            k = _kernel_behind(n, is_free)
+            return k if k in finish else None
 
         fusing = _Fusion(order)
         # A hinted node is no member: a hint is a cut the user asked for, and a group through
@@ -597,14 +599,19 @@ def _span_preds(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> 
     return preds
 
 
-def _heap_order(span: list[fx.Node], preds: dict[fx.Node, set[fx.Node]],
-                key: Callable[[fx.Node], tuple]) -> list[fx.Node]:
-    """The topological order of ``span`` that issues, of the nodes ready at once, the one with
-    the least ``key``."""
+def _span_succs(span: list[fx.Node], preds: dict[fx.Node, set[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+    """Each node's successors within ``span``, from ``preds``."""
     succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
     for n in span:
         for p in preds[n]:
             succs[p].append(n)
+    return succs
+
+
+def _heap_order(span: list[fx.Node], preds: dict[fx.Node, set[fx.Node]], succs: dict[fx.Node, list[fx.Node]],
+                key: Callable[[fx.Node], tuple]) -> list[fx.Node]:
+    """The topological order of ``span`` that issues, of the nodes ready at once, the one with
+    the least ``key``."""
     missing = {n: len(preds[n]) for n in span}
     ready = [(key(n), n) for n in span if missing[n] == 0]
     heapq.heapify(ready)
@@ -649,15 +656,12 @@ def _order_by_critical_path(graph: fx.Graph) -> None:
 def _critical_first(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
     index = {n: i for i, n in enumerate(span)}
     preds = _span_preds(span, deps)
-    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
-    for n in span:
-        for p in preds[n]:
-            succs[p].append(n)
+    succs = _span_succs(span, preds)
     level: dict[fx.Node, float] = {}
     for n in reversed(span):  # program order is topological, for both kinds of edge
         c = meta.info(n).cost if meta.has_info(n) else None
         level[n] = cost.node_time(c) + max((level[u] for u in succs[n]), default=0.0)
-    return _heap_order(span, preds, lambda n: (-level[n], index[n]))
+    return _heap_order(span, preds, succs, lambda n: (-level[n], index[n]))
 
 
 def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
@@ -684,4 +688,4 @@ def _ordered_span(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -
             return 3, index[n]
         return (1 if n in feeds else 2), index[n]
 
-    return _heap_order(span, preds, rank)
+    return _heap_order(span, preds, _span_succs(span, preds), rank)
