@@ -294,6 +294,9 @@ class AssignStreams(Pass):
             for node in written:
                 out.prepend(node)
             nodes = list(analysis.compute_nodes(graph))
+        elif not talking:
+            _order_by_lane(graph, lanes)
+            nodes = list(analysis.compute_nodes(graph))
         # Drop automatic lanes the schedule left empty, renumbering densely.
         keep = [i for i, _ in enumerate(lane_names) if LaneId(i) in used]
         renumber = {LaneId(old): LaneId(new) for new, old in enumerate(keep)}
@@ -651,6 +654,74 @@ def _order_by_critical_path(graph: fx.Graph) -> None:
     and storage-effect edges are kept; ties go to program order.
     """
     _reorder(graph, _critical_first)
+
+
+def _order_by_lane(graph: fx.Graph, lanes: dict[fx.Node, LaneId]) -> None:
+    """Reorders the program so that each lane's kernels run in long stretches: from the nodes
+    ready at once, one of the lane issued last, else the earliest in program order.
+
+    Each lane keeps its own order, and the order across lanes is only the program's: the
+    waits order the lanes on the device. But the compiled code switches lanes where the program
+    does, and each switch is a sync point that Inductor cannot fuse across (the values computed
+    before it that are read after it are buffers of their own). Between barriers only; data
+    edges and storage-effect edges are kept.
+    """
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    deps = effects.order_deps(body)
+    spans: list[list[fx.Node]] = [[]]
+    for node in body:
+        if _is_barrier(node):
+            spans.append([node])
+            spans.append([])
+        else:
+            spans[-1].append(node)
+    new: list[fx.Node] = []
+    for span in spans:
+        new.extend(_lane_stretches(span, deps, lanes) if len(span) > 1 else span)
+    if new == body:
+        return
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for node in new:
+        out.prepend(node)
+
+
+def _lane_stretches(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]],
+                    lanes: dict[fx.Node, LaneId]) -> list[fx.Node]:
+    index = {n: i for i, n in enumerate(span)}
+    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
+    for node in span:
+        preds[node].update(a for a in node.all_input_nodes if a in index)
+        preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
+    for n in span:
+        for p in preds[n]:
+            succs[p].append(n)
+
+    def lane(n: fx.Node) -> int | None:
+        # A node with no kernel (a constant's attribute, host arithmetic) runs on no lane.
+        return lanes.get(n, MAIN_LANE).index if meta.effect_of(n) is meta.Effect.COMPUTE else None
+
+    missing = {n: len(preds[n]) for n in span}
+    ready = [(index[n], n) for n in span if missing[n] == 0]
+    heapq.heapify(ready)
+    out: list[fx.Node] = []
+    current: int | None = None
+    while ready:
+        pick = next((e for e in sorted(ready) if lane(e[1]) in (None, current)), None) if current is not None else None
+        if pick is None:
+            pick = ready[0]
+        ready.remove(pick)
+        heapq.heapify(ready)
+        n = pick[1]
+        out.append(n)
+        if lane(n) is not None:
+            current = lane(n)
+        for u in succs[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, (index[u], u))
+    assert len(out) == len(span), "the dependencies of a span form a cycle"
+    return out
 
 
 def _critical_first(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]]) -> list[fx.Node]:
