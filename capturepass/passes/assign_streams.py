@@ -692,35 +692,45 @@ def _lane_stretches(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]],
     for node in span:
         preds[node].update(a for a in node.all_input_nodes if a in index)
         preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
-    succs: dict[fx.Node, list[fx.Node]] = {n: [] for n in span}
-    for n in span:
-        for p in preds[n]:
-            succs[p].append(n)
 
     def lane(n: fx.Node) -> int | None:
         # A node with no kernel (a constant's attribute, host arithmetic) runs on no lane.
         return lanes.get(n, MAIN_LANE).index if meta.effect_of(n) is meta.Effect.COMPUTE else None
 
-    missing = {n: len(preds[n]) for n in span}
-    ready = [(index[n], n) for n in span if missing[n] == 0]
-    heapq.heapify(ready)
+    # Each lane's nodes in their program order, which stays theirs; the others go as soon as
+    # what they read is out. The program order is topological for every edge, so the lane
+    # whose next node comes first in it can always go on.
+    queues: dict[int | None, list[fx.Node]] = {}
+    for n in span:
+        queues.setdefault(lane(n), []).append(n)
+    heads = {k: 0 for k in queues}
+    done: set[fx.Node] = set()
     out: list[fx.Node] = []
+
+    def go(k: int | None) -> bool:
+        q, i = queues[k], heads[k]
+        if i == len(q) or not preds[q[i]] <= done:
+            return False
+        out.append(q[i])
+        done.add(q[i])
+        heads[k] = i + 1
+        return True
+
     current: int | None = None
-    while ready:
-        pick = next((e for e in sorted(ready) if lane(e[1]) in (None, current)), None) if current is not None else None
-        if pick is None:
-            pick = ready[0]
-        ready.remove(pick)
-        heapq.heapify(ready)
-        n = pick[1]
-        out.append(n)
-        if lane(n) is not None:
-            current = lane(n)
-        for u in succs[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, (index[u], u))
-    assert len(out) == len(span), "the dependencies of a span form a cycle"
+    while len(out) < len(span):
+        while None in queues and go(None):
+            pass
+        if current is not None and go(current):
+            continue
+        waiting = [(index[queues[k][heads[k]]], k) for k in queues if k is not None and heads[k] < len(queues[k])]
+        if not waiting:
+            continue
+        for _, k in sorted(waiting):
+            if go(k):
+                current = k
+                break
+        else:
+            raise AssertionError("the dependencies of a span form a cycle")
     return out
 
 

@@ -314,3 +314,31 @@ def test_a_schedule_on_one_lane_keeps_the_written_order():
     before_after(gm, "assign_streams", policy="auto", merge_lanes_below_us=1e9)
     assert set(_lanes(gm).values()) == {0}
     assert _compute_order(gm) == written
+
+
+def _interleaved(x, w):
+    with L("side"):
+        a = torch.mm(x, w)
+    b = torch.mm(w, x)
+    with L("side"):
+        a2 = torch.mm(a, w)
+    b2 = torch.mm(b, x)
+    with L("side"):
+        a3 = a2.sin()
+    return a3 + b2.cos()
+
+
+def test_each_lane_runs_in_long_stretches_of_the_program():
+    """Written alternating between two lanes, the program is reordered into one stretch per
+    lane (each switch of lane is a sync point of the compiled code), each lane keeping its own
+    order."""
+    gm = aten_graph(_interleaved, torch.randn(64, 64), torch.randn(64, 64))
+    _, after, _ = before_after(gm, "assign_streams", policy="hints")
+    lanes = _lanes(gm)
+    order = [n for n in _compute_order(gm) if n in lanes]
+    seq = [lanes[n] for n in order]
+    switches = sum(a != b for a, b in zip(seq, seq[1:]))
+    assert switches <= 2, list(zip(order, seq))
+    side = [n for n in order if lanes[n] == 1]
+    assert side == ["mm", "mm_2", "sin"], side
+    assert [n for n in order if lanes[n] == 0][:2] == ["mm_1", "mm_3"], order
