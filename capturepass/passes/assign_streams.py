@@ -666,32 +666,13 @@ def _order_by_lane(graph: fx.Graph, lanes: dict[fx.Node, LaneId]) -> None:
     before it that are read after it are buffers of their own). Between barriers only; data
     edges and storage-effect edges are kept.
     """
-    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    deps = effects.order_deps(body)
-    spans: list[list[fx.Node]] = [[]]
-    for node in body:
-        if _is_barrier(node):
-            spans.append([node])
-            spans.append([])
-        else:
-            spans[-1].append(node)
-    new: list[fx.Node] = []
-    for span in spans:
-        new.extend(_lane_stretches(span, deps, lanes) if len(span) > 1 else span)
-    if new == body:
-        return
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
-    for node in new:
-        out.prepend(node)
+    _reorder(graph, lambda span, deps: _lane_stretches(span, deps, lanes))
 
 
 def _lane_stretches(span: list[fx.Node], deps: dict[fx.Node, list[effects.Dep]],
                     lanes: dict[fx.Node, LaneId]) -> list[fx.Node]:
     index = {n: i for i, n in enumerate(span)}
-    preds: dict[fx.Node, set[fx.Node]] = {n: set() for n in span}
-    for node in span:
-        preds[node].update(a for a in node.all_input_nodes if a in index)
-        preds[node].update(d.earlier for d in deps.get(node, ()) if d.earlier in index)
+    preds = _span_preds(span, deps)
 
     def lane(n: fx.Node) -> int | None:
         # A node with no kernel (a constant's attribute, host arithmetic) runs on no lane.
