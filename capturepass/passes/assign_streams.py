@@ -294,7 +294,8 @@ class AssignStreams(Pass):
             for node in written:
                 out.prepend(node)
             nodes = list(analysis.compute_nodes(graph))
-        elif not talking:
+        elif not talking and opts.policy == "auto":
+            # Under policy="hints" the program keeps the order its author wrote.
             _order_by_lane(graph, lanes)
             nodes = list(analysis.compute_nodes(graph))
         # Drop automatic lanes the schedule left empty, renumbering densely.
