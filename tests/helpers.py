@@ -171,6 +171,17 @@ def run_bench(script: str, *args: str, timeout: float = 120) -> "subprocess.Comp
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def written_lanes(graph: fx.Graph) -> dict[fx.Node, int | None]:
+    """Each node of a graph the pass route wrote to the lane it runs on: the lane of the last
+    ``capturepass::lane_step`` before it (``None`` before the first)."""
+    lane, lanes = None, {}
+    for node in graph.nodes:
+        if node.target is torch.ops.capturepass.lane_step.default:
+            lane = node.args[3]
+        lanes[node] = lane
+    return lanes
+
+
 def two_lanes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Two chains of matmuls that read only ``x``, one hinted onto the lane ``aux``."""
     import capturepass

@@ -189,6 +189,84 @@ def _standalone(region: RegionPlan) -> None:
     region.graph.recompile()
 
 
+@dataclasses.dataclass(frozen=True)
+class BiasSplit:
+    """An ``addmm`` of Inductor's post-grad graph that :func:`split_bias_adds` split: ``source``
+    (the ``addmm`` in the graph Inductor compiles), and in the copy the pipeline plans,
+    ``mm`` (the product) and ``add`` (its sum with the bias, which stands for ``source``)."""
+
+    source: fx.Node
+    mm: fx.Node
+    add: fx.Node
+
+
+def _reaches(start: list[fx.Node], target: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether ``target`` is an ancestor of (or is) one of ``start``: only nodes placed after
+    ``target`` can have it as an ancestor, so the walk stops at any node placed before it."""
+    seen: set[fx.Node] = set()
+    stack = list(start)
+    while stack:
+        node = stack.pop()
+        if node is target:
+            return True
+        if node in seen or order[node] < order[target]:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return False
+
+
+def split_bias_adds(graph: fx.Graph, value_map: dict[fx.Node, fx.Node],
+                    only: frozenset[fx.Node] | None = None) -> list[BiasSplit]:
+    """Splits each ``addmm(bias, a, b)`` of ``graph`` (the copy of a post-grad graph that
+    ``value_map`` maps into) whose bias is an activation computed on another path into
+    ``mm(a, b)`` and ``add(bias, mm)``.
+
+    Inductor's post-grad patterns fuse ``mm + add`` into ``addmm`` (cuBLAS adds the bias in
+    the product's epilogue). That makes the product wait for its bias, so a product that
+    could run on one lane while the bias is computed on another (a shared expert's down
+    projection beside the routed experts' sum) runs after it, on the critical path. A bias
+    the product's operands depend on (a residual stream) gains nothing from the split and is
+    left fused, as is a bias that is not the product's full shape (a broadcast vector), a
+    graph input, or scaled (``alpha``, ``beta``). The sum is the one eager computed before
+    Inductor fused it.
+
+    Args:
+        graph: the copy the pipeline will plan (changed in place).
+        value_map: the compiled graph's nodes to their copies in ``graph``; an ``addmm`` that
+            is split maps to its ``add`` afterwards.
+        only: the compiled graph's ``addmm`` nodes that may be split (``None``: any).
+
+    Returns:
+        the splits made, in program order.
+    """
+    addmm = torch.ops.aten.addmm.default
+    original = {copy: node for node, copy in value_map.items()}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    splits = []
+    for node in list(graph.find_nodes(op="call_function", target=addmm)):
+        source = original.get(node)
+        if source is None or (only is not None and source not in only):
+            continue
+        bias, a, b = node.args[:3]
+        value, bias_value = node.meta.get("val"), getattr(bias, "meta", {}).get("val")
+        if (len(node.args) > 3 or node.kwargs or not isinstance(bias, fx.Node) or bias.op != "call_function"
+                or value is None or bias_value is None or tuple(bias_value.shape) != tuple(value.shape)
+                or _reaches([a, b], bias, order)):
+            continue
+        with graph.inserting_before(node):
+            mm = graph.call_function(torch.ops.aten.mm.default, (a, b))
+            add = graph.call_function(torch.ops.aten.add.Tensor, (bias, mm))
+        for copy in (mm, add):
+            copy.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        node.replace_all_uses_with(add)
+        graph.erase_node(node)
+        value_map[source] = add
+        _fill_values([mm, add], [n for n in graph.find_nodes(op="placeholder")])
+        splits.append(BiasSplit(source, mm, add))
+    return splits
+
+
 def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, opts: Options,
                 title: str = "post-grad graph", lane_factor: float | None = None) -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.

@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 
 import capturepass
 from capturepass.testing.models import MoEBlock
-from tests.helpers import overlapping, profiled_kernels, two_lanes
+from capturepass.backends import post_grad
+from tests.helpers import overlapping, profiled_kernels, two_lanes, written_lanes
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +51,35 @@ def test_pass_route_moe_block_equals_eager(mode, caplog):
             assert torch.cuda.current_stream() == caller
     assert len(_written(caplog)) == 1, [r.getMessage() for r in caplog.records]
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@torch.no_grad()
+def test_pass_route_runs_the_shared_experts_down_projection_beside_the_experts(monkeypatch):
+    """Inductor fuses the shared expert's down projection and its sum with the routed experts
+    into one ``addmm`` on the GPU; the pass splits the product off, runs it on another lane
+    than the sum, and the result equals eager."""
+    written = []
+
+    def apply_lanes(graph, *args, **kwargs):
+        applied = apply(graph, *args, **kwargs)
+        written.append((applied, graph))
+        return applied
+
+    apply = post_grad.apply_lanes
+    monkeypatch.setattr(post_grad, "apply_lanes", apply_lanes)
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model)
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ((applied, graph),) = written
+    assert applied.lanes >= 2, applied
+    assert graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default) == []
+    (out,) = graph.output_node().args[0]
+    assert out.target is torch.ops.aten.add.Tensor, out.format_node()
+    product = next(a for a in out.args if a.target is torch.ops.aten.mm.default)
+    lanes = written_lanes(graph)
+    assert lanes[product] != lanes[out]
 
 
 @torch.no_grad()

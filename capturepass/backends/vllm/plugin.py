@@ -147,13 +147,8 @@ class PostGradPass:
         from capturepass.ir.meta import OwnerId
 
         post_grad.restore_options()
-        copy = fx.Graph()
-        value_map: dict[fx.Node, fx.Node] = {}
-        out = copy.graph_copy(graph, value_map)
-        copy.output(out)
         root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
-        gm = fx.GraphModule(root, copy)
-        inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        inputs = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
         piece = next(_piece_ids)
         opts = driver.resolve(None)
         dump_dir = None if opts.dump_dir is None else os.path.join(
@@ -162,11 +157,27 @@ class PostGradPass:
         # the backend route's measured choices made one, prices them.
         device = dynamo.cuda_device(inputs)
         device_model = dynamo.calibrated_model(opts, device)
-        with cost.device_model(device_model):
-            compiled = driver.compile_graph(
-                gm, inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
-                dump_dir=dump_dir, regions=False, record=False,
-            )
+
+        def plan(split: frozenset[fx.Node] | None) -> tuple[Any, dict[fx.Node, fx.Node], list[post_grad.BiasSplit]]:
+            copy = fx.Graph()
+            value_map: dict[fx.Node, fx.Node] = {}
+            copy.output(copy.graph_copy(graph, value_map))
+            splits = post_grad.split_bias_adds(copy, value_map, split) if split != frozenset() else []
+            with cost.device_model(device_model):
+                compiled = driver.compile_graph(
+                    fx.GraphModule(root, copy), inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
+                    dump_dir=dump_dir, regions=False, record=False,
+                )
+            return compiled, value_map, splits
+
+        compiled, value_map, splits = plan(None)
+        # A split whose product the schedule keeps on its sum's lane only costs a kernel (the
+        # sum cuBLAS would have added in the product's epilogue): planned again without it.
+        kept = frozenset(s.source for s in splits if meta.lane_of(s.mm) != meta.lane_of(s.add))
+        if len(kept) < len(splits) and len(meta.graph_info(compiled.graph).lanes) > 1:
+            log.info("capturepass: post-grad piece %d: %d of %d addmm split off their bias stay on one lane; "
+                     "planned again with them fused", piece, len(splits) - len(kept), len(splits))
+            compiled, value_map, splits = plan(kept)
         gi = meta.graph_info(compiled.graph)
         if device_model is not None:
             log.info("capturepass: post-grad piece %d: %s", piece, device_model.describe())
