@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_map
 
 from capturepass.backends import inline as inline_segments
@@ -216,6 +217,12 @@ def _reaches(start: list[fx.Node], target: fx.Node, order: dict[fx.Node, int]) -
     return False
 
 
+def _same_shape(a: Any, b: Any) -> bool:
+    """Whether two shapes are known equal without a guard (a post-grad graph's shapes may be
+    symbolic: comparing them must not add a guard to a compile that is under way)."""
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
 def split_bias_adds(graph: fx.Graph, value_map: dict[fx.Node, fx.Node],
                     only: frozenset[fx.Node] | None = None) -> list[BiasSplit]:
     """Splits each ``addmm(bias, a, b)`` of ``graph`` (the copy of a post-grad graph that
@@ -251,7 +258,7 @@ def split_bias_adds(graph: fx.Graph, value_map: dict[fx.Node, fx.Node],
         bias, a, b = node.args[:3]
         value, bias_value = node.meta.get("val"), getattr(bias, "meta", {}).get("val")
         if (len(node.args) > 3 or node.kwargs or not isinstance(bias, fx.Node) or bias.op != "call_function"
-                or value is None or bias_value is None or tuple(bias_value.shape) != tuple(value.shape)
+                or value is None or bias_value is None or not _same_shape(bias_value.shape, value.shape)
                 or _reaches([a, b], bias, order)):
             continue
         with graph.inserting_before(node):

@@ -54,6 +54,18 @@ def test_a_bias_from_another_path_is_split_off_its_product():
     torch.testing.assert_close(fx.GraphModule(torch.nn.Module(), copy)(*args), gm(*args))
 
 
+def test_a_symbolic_graph_is_split_without_a_guard():
+    """A piece compiled for a range of sizes (vLLM's) has symbolic shapes: the split compares
+    them without adding a guard to the compile it runs in."""
+    args = (torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16), torch.randn(16, 16))
+    gm = make_fx(_beside, tracing_mode="symbolic")(*args)
+    shape_env = gm.graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode.shape_env
+    before = list(shape_env.guards)
+    _, splits, _ = _split(gm)
+    assert len(splits) == 1 and list(shape_env.guards) == before
+    assert isinstance(splits[0].mm.meta["val"].shape[0], torch.SymInt)
+
+
 @pytest.mark.parametrize("f, shapes", [
     # a residual stream: the product's operand depends on the bias
     (lambda x, w1, w2: (lambda h: torch.addmm(h, torch.relu(h), w2))(x @ w1), [(8, 16), (16, 16), (16, 16)]),
