@@ -85,14 +85,17 @@ def test_an_addmm_the_split_cannot_help_stays_fused(f, shapes):
     assert len(copy.find_nodes(op="call_function", target=aten.addmm.default)) == 1
 
 
-def test_the_pass_runs_a_split_product_beside_its_bias(monkeypatch):
+def test_the_pass_runs_a_split_product_beside_its_bias(monkeypatch, caplog):
     """The product, no longer fused with the sum, runs on one lane while its bias is computed on
-    another; the sum waits for both."""
+    another; the sum waits for both, and the log names the ``addmm`` split."""
     monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
     gm, args = _traced(lambda x, w1, w2, w3, w4: _beside(x, w1, w2, w3) @ w4, (8, 16), (16, 16), (16, 16), (16, 16),
                        (16, 16))
     want = gm(*args)
-    capturepass.post_grad_pass(gm.graph)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        capturepass.post_grad_pass(gm.graph)
+    (said,) = [r.getMessage() for r in caplog.records if "sync points written" in r.getMessage()]
+    assert said.endswith("; 1 addmm split off a bias from another path (%addmm)"), said
     gm.recompile()
     assert gm.graph.find_nodes(op="call_function", target=aten.addmm.default) == []
     lanes = written_lanes(gm.graph)

@@ -190,8 +190,10 @@ class PostGradPass:
                       "compiles such a piece",
                       "this torch's Inductor also lowers user streams itself, which the pass does not use yet"
                       if lowers else why, ", ".join(post_grad.lane_blind_options()))
-            log.info("capturepass: post-grad piece %d: %d lanes, %d sync points written into the graph",
-                     piece, applied.lanes, applied.points)
+            log.info("capturepass: post-grad piece %d: %d lanes, %d sync points written into the graph%s",
+                     piece, applied.lanes, applied.points,
+                     f"; {len(splits)} addmm split off a bias from another path "
+                     f"({', '.join('%' + s.source.name for s in splits)})" if splits else "")
         else:
             log.info("capturepass: post-grad piece %d: %d lane(s), %d segment(s); the graph is left as it "
                      "was: %s", piece, len(gi.lanes), len(gi.segments), applied.why)
