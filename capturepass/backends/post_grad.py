@@ -274,6 +274,15 @@ def split_bias_adds(graph: fx.Graph, value_map: dict[fx.Node, fx.Node],
     return splits
 
 
+def split_pays(split: BiasSplit) -> bool:
+    """Whether a planned split can gain anything: its product runs on another lane than its
+    bias, beside it (the sum's lane does not matter: a product on the sum's lane runs before
+    that lane waits for the bias). On the bias's lane the two run one after the other as
+    before, and the split only costs the kernel of the sum cuBLAS would have added in the
+    product's epilogue."""
+    return meta.lane_of(split.mm) != meta.lane_of(split.add.args[0])
+
+
 def apply_lanes(graph: fx.Graph, value_map: dict[fx.Node, fx.Node], plan: Plan, opts: Options,
                 title: str = "post-grad graph", lane_factor: float | None = None) -> Applied:
     """Rewrites ``graph`` (Inductor's post-grad graph) with the lanes of ``plan``.

@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import capturepass
 from capturepass.backends import post_grad
+from capturepass.ir import meta
 from tests.helpers import written_lanes
 
 aten = torch.ops.aten
@@ -85,6 +86,20 @@ def test_an_addmm_the_split_cannot_help_stays_fused(f, shapes):
     assert len(copy.find_nodes(op="call_function", target=aten.addmm.default)) == 1
 
 
+@pytest.mark.parametrize("lanes, pays", [
+    ((0, 0, 0), False),  # product, bias and sum on one lane: only a kernel more
+    ((1, 0, 0), True),  # the product beside the bias
+    ((0, 1, 0), True),  # the product runs before its lane waits for the bias
+    ((1, 1, 0), False),  # the product after (or before) the bias on their lane: nothing beside
+])
+def test_a_split_pays_only_with_the_product_beside_its_bias(lanes, pays):
+    gm, _ = _traced(_beside, (8, 16), (16, 16), (16, 16), (16, 16))
+    _, (split,), _ = _split(gm)
+    for node, lane in zip((split.mm, split.add.args[0], split.add), lanes):
+        meta.create(node, "test", lane=meta.LaneId(lane))
+    assert post_grad.split_pays(split) is pays
+
+
 def test_the_pass_runs_a_split_product_beside_its_bias(monkeypatch, caplog):
     """The product, no longer fused with the sum, runs on one lane while its bias is computed on
     another; the sum waits for both, and the log names the ``addmm`` split."""
@@ -105,8 +120,8 @@ def test_the_pass_runs_a_split_product_beside_its_bias(monkeypatch, caplog):
     torch.testing.assert_close(gm(*args), want)
 
 
-def test_a_split_the_schedule_keeps_on_one_lane_is_planned_again_fused(monkeypatch, caplog):
-    """Where the product runs on its sum's lane the split only costs a kernel: the pass plans
+def test_a_split_the_schedule_keeps_on_its_bias_lane_is_planned_again_fused(monkeypatch, caplog):
+    """Where the product runs on its bias's lane the split only costs a kernel: the pass plans
     the graph again with the ``addmm`` as Inductor fused it."""
     monkeypatch.setenv("CAPTUREPASS_OPTIONS", '{"regions": "segments", "verify": true}')
 
@@ -120,7 +135,7 @@ def test_a_split_the_schedule_keeps_on_one_lane_is_planned_again_fused(monkeypat
         capturepass.post_grad_pass(gm.graph)
     gm.recompile()
     said = [r.getMessage() for r in caplog.records]
-    assert any("1 of 1 addmm split off their bias stay on one lane; planned again with them fused" in m for m in said)
+    assert any("1 of 1 addmm split off their bias run on its lane; planned again with them fused" in m for m in said)
     assert any("2 lanes" in m and "sync points written" in m for m in said)
     assert len(gm.graph.find_nodes(op="call_function", target=aten.addmm.default)) == 1
     torch.testing.assert_close(gm(*args), want)

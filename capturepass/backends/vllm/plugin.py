@@ -171,11 +171,10 @@ class PostGradPass:
             return compiled, value_map, splits
 
         compiled, value_map, splits = plan(None)
-        # A split whose product the schedule keeps on its sum's lane only costs a kernel (the
-        # sum cuBLAS would have added in the product's epilogue): planned again without it.
-        kept = frozenset(s.source for s in splits if meta.lane_of(s.mm) != meta.lane_of(s.add))
+        # A split the schedule left on one lane only costs a kernel: planned again without it.
+        kept = frozenset(s.source for s in splits if post_grad.split_pays(s))
         if len(kept) < len(splits) and len(meta.graph_info(compiled.graph).lanes) > 1:
-            log.info("capturepass: post-grad piece %d: %d of %d addmm split off their bias stay on one lane; "
+            log.info("capturepass: post-grad piece %d: %d of %d addmm split off their bias run on its lane; "
                      "planned again with them fused", piece, len(splits) - len(kept), len(splits))
             compiled, value_map, splits = plan(kept)
         gi = meta.graph_info(compiled.graph)
