@@ -266,6 +266,8 @@ def split_bias_adds(graph: fx.Graph, value_map: dict[fx.Node, fx.Node],
             add = graph.call_function(torch.ops.aten.add.Tensor, (bias, mm))
         for copy in (mm, add):
             copy.meta = {k: v for k, v in node.meta.items() if k != "val"}
+        # The two stand where the addmm stood: a later addmm's walk may pass through them.
+        order[mm] = order[add] = order.pop(node)
         node.replace_all_uses_with(add)
         graph.erase_node(node)
         value_map[source] = add

@@ -55,6 +55,19 @@ def test_a_bias_from_another_path_is_split_off_its_product():
     torch.testing.assert_close(fx.GraphModule(torch.nn.Module(), copy)(*args), gm(*args))
 
 
+def test_an_addmm_reading_an_earlier_split_is_split_too():
+    """A chain of two such ``addmm`` (the second's operand reads the first's result): the
+    second's walk passes through the nodes the first split made."""
+
+    def chain(x, w1, w2, w3, w4, w5):
+        return torch.addmm(torch.tanh(x @ w4), torch.relu(_beside(x, w1, w2, w3)), w5)
+
+    gm, args = _traced(chain, (8, 16), (16, 16), (16, 16), (16, 16), (16, 16), (16, 16))
+    copy, splits, _ = _split(gm)
+    assert len(splits) == 2
+    torch.testing.assert_close(fx.GraphModule(torch.nn.Module(), copy)(*args), gm(*args))
+
+
 def test_a_symbolic_graph_is_split_without_a_guard():
     """A piece compiled for a range of sizes (vLLM's) has symbolic shapes: the split compares
     them without adding a guard to the compile it runs in."""
