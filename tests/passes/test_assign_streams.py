@@ -334,7 +334,7 @@ def test_each_lane_runs_in_long_stretches_of_the_program():
     order. Under policy="hints" the program keeps the order its author wrote."""
     gm = aten_graph(_interleaved, torch.randn(64, 64), torch.randn(64, 64))
     # The hinted lane is the one aux lane: the scheduler leaves the rest on main.
-    _, after, _ = before_after(gm, "assign_streams", policy="auto", max_aux_lanes=1)
+    before_after(gm, "assign_streams", policy="auto", max_aux_lanes=1)
     lanes = _lanes(gm)
     order = [n for n in _compute_order(gm) if n in lanes]
     seq = [lanes[n] for n in order]
