@@ -162,7 +162,7 @@ class PostGradPass:
             copy = fx.Graph()
             value_map: dict[fx.Node, fx.Node] = {}
             copy.output(copy.graph_copy(graph, value_map))
-            splits = post_grad.split_bias_adds(copy, value_map, split) if split != frozenset() else []
+            splits = post_grad.split_bias_adds(copy, value_map, split)
             with cost.device_model(device_model):
                 compiled = driver.compile_graph(
                     fx.GraphModule(root, copy), inputs, opts, name="post_grad", owner=OwnerId(1_000_000 + piece),
