@@ -85,7 +85,10 @@ SIZES: dict[str, dict] = {
                         num_key_value_heads=16, moe_intermediate_size=512, n_routed_experts=16,
                         num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, q_lora_rank=384,
                         kv_lora_rank=256, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
-                        vocab_size=32000),
+                        vocab_size=32000,
+                        # Derived from the two above when a config is made; the catalogue's stale
+                        # values would otherwise be carried over.
+                        head_dim=32, qk_head_dim=96),
     "gpt2": dict(n_embd=1024, n_inner=4096, n_layer=4, n_head=16, vocab_size=32000),
 }
 SHARED_EXPERT = ("qwen2_moe", "deepseek_v3")

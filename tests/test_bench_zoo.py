@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +39,10 @@ def test_zoo_bench_models_build_at_their_sizes(name):
     assert vocab == 32000
     width = getattr(config, "hidden_size", None) or config.n_embd
     assert width >= 1024
+    # A forward on the meta device checks the shapes a config derives from the sizes it was given.
+    with torch.no_grad():
+        logits = model(torch.zeros(2, 3, dtype=torch.long, device="meta")).logits
+    assert logits.shape == (2, 3, vocab)
 
 
 def test_zoo_bench_report_ratios():
