@@ -7,7 +7,9 @@ Qwen1.5-MoE-A2.7B's: 60 experts top-4 beside a 5632-wide shared expert). Shapes:
 batch (``--decode B``: B sequences of one token) and a prefill (``--prefill B,S``).
 
 Variants, each in its own process (so that no compile cache or pool of one variant helps
-another; compiles run in parallel, timings one process at a time under a file lock):
+another; compiles run in parallel, timings one process at a time under a file lock, which
+capturepass's measured choice also takes, through ``CAPTUREPASS_PICK_LOCK``, while it times its
+candidates):
 
 - ``eager``;
 - ``inductor``: ``torch.compile(model)``;
@@ -467,7 +469,10 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
     lock = tempfile.NamedTemporaryFile(prefix="zoo-bench-lock-", delete=False).name
     procs = []
     for m, v in jobs:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"))
+        # capturepass's measured choice times its candidates under the timing lock too: the
+        # workers' compiles overlap, and a choice timed beside another worker's replays is noise.
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"),
+                   CAPTUREPASS_PICK_LOCK=lock)
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,
                "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)] + \

@@ -36,6 +36,7 @@ DUMP_DIR_ENV = "CAPTUREPASS_DUMP_DIR"
 VERIFY_ENV = "CAPTUREPASS_VERIFY"
 OPTIONS_ENV = "CAPTUREPASS_OPTIONS"  # a JSON object of options, under those given in code
 CACHE_DIR_ENV = "CAPTUREPASS_CACHE_DIR"  # where measured schedule choices are kept
+PICK_LOCK_ENV = "CAPTUREPASS_PICK_LOCK"  # a file whose lock processes sharing a GPU time their candidates under
 
 
 def env_options() -> dict[str, Any]:

@@ -57,6 +57,7 @@ to the graph record's decisions, and written to the graph's dump folder
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,7 +68,7 @@ from typing import Any, Protocol
 
 import torch
 
-from capturepass.ir.options import CACHE_DIR_ENV
+from capturepass.ir.options import CACHE_DIR_ENV, PICK_LOCK_ENV
 from capturepass.runtime import files
 
 log = logging.getLogger("capturepass")
@@ -304,6 +305,45 @@ def load_records(folder: str | None) -> list[dict[str, Any]]:
     if not isinstance(doc, dict) or not isinstance(doc.get("picks"), list):
         raise ValueError(f"{path}: expected an object with a list 'picks'")
     return [e for e in doc["picks"] if isinstance(e, dict)]
+
+
+_lock_warned = False
+
+
+@contextlib.contextmanager
+def measuring_turn():
+    """Holds an exclusive lock on the file ``CAPTUREPASS_PICK_LOCK`` names (when set) while the
+    candidates are timed.
+
+    Kernels of another process running on the same GPU share its multiprocessors and memory
+    bandwidth with the replays being timed, and a schedule timed beside them can lose to one
+    timed alone. Processes that compile on one GPU at once (several models served by one
+    device, a benchmark's workers) set the same path and time their candidates one process at
+    a time. Where the lock cannot be taken (no ``fcntl``, a path that cannot be opened), the
+    candidates are timed without it, with a warning the first time.
+    """
+    global _lock_warned
+    path = os.environ.get(PICK_LOCK_ENV)
+    if not path:
+        yield
+        return
+    try:
+        import fcntl
+
+        f = open(path, "a")
+    except (ImportError, OSError) as e:
+        if not _lock_warned:
+            _lock_warned = True
+            log.warning("capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the schedule candidates "
+                        "without it", PICK_LOCK_ENV, path, type(e).__name__, e)
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # -- the cache ---------------------------------------------------------------------------------------
@@ -630,9 +670,10 @@ class Picker:
             kept[:] = [i for _, i in captured]
             saved = [(t, t.clone()) for t in protect]
             try:
-                samples, replays = time_rounds(
-                    len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3,
-                    per_sample=self.per_sample)
+                with measuring_turn():
+                    samples, replays = time_rounds(
+                        len(caps), lambda order: self.measure_round(caps, order), self.budget_ms / 1e3,
+                        per_sample=self.per_sample)
             except Exception as e:  # noqa: BLE001 - the call must not fail for want of a measurement
                 failed = e
         except BaseException:

@@ -182,6 +182,56 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
     assert all(r.levelno == logging.INFO for r in caplog.records if "schedule" in r.getMessage())
 
 
+def _locked_elsewhere(path) -> bool:
+    """Whether another open file cannot take ``path``'s lock now (flock locks belong to an open
+    file, so a second one conflicts within one process too)."""
+    fcntl = pytest.importorskip("fcntl")
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_path, monkeypatch):
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
+    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    held = []
+    measure = p.measure_round
+
+    def measure_round(caps, order):
+        held.append(_locked_elsewhere(lock))
+        return measure(caps, order)
+
+    p.measure_round = measure_round
+    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    assert held and all(held)  # every round, warm-up included
+    assert not _locked_elsewhere(lock)  # let go once the choice is made
+    assert picked[0].choice == "one_lane"
+    # Without the variable nothing is locked.
+    monkeypatch.delenv("CAPTUREPASS_PICK_LOCK")
+    held.clear()
+    p2, _, _, _ = _picker(tmp_path / "b", {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    p2.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
+    p2.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    assert held and not any(held)
+
+
+def test_a_lock_that_cannot_be_opened_warns_once_and_still_chooses(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "no" / "such" / "dir" / "gpu.lock"))
+    monkeypatch.setattr(pick, "_lock_warned", False)
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        for sub in ("a", "b"):
+            p, _, picked, _ = _picker(tmp_path / sub, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            assert picked[0].choice == "one_lane"
+    warned = [r.getMessage() for r in caplog.records if "CAPTUREPASS_PICK_LOCK" in r.getMessage()]
+    assert len(warned) == 1 and "the lock cannot be taken (FileNotFoundError" in warned[0]
+
+
 class _DroppingCap(_Cap):
     """A capture that lets go of its outputs when asked, as a real one-segment capture does."""
 
