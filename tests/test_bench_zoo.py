@@ -146,3 +146,12 @@ def test_own_peak_counts_only_the_blocks_the_variants_calls_allocated():
                  own_peak_mib=None, rel_err=0.0)]
     table = zoo.report(rows, ["llama"], ["reduce-overhead", "capturepass"])
     assert "| llama | decode[8,1] | 2.0 / 50 | 2.0 / 65 (35 own) |" in table.splitlines()
+
+
+def test_only_synchronising_calls_count_as_syncs_not_the_modes_notice():
+    bench = _load("zoo")
+    notice = ("Synchronization debug mode is a prototype feature and does not yet detect all "
+              "synchronizing operations")
+    assert bench.count_syncs([notice]) == 0
+    raised = bench.SYNC_WARNING + " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:160.)"
+    assert bench.count_syncs([notice, raised, "other", bench.SYNC_WARNING]) == 2
