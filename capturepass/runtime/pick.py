@@ -56,8 +56,8 @@ to the graph record's decisions, and written to the graph's dump folder
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -327,23 +327,19 @@ def measuring_turn():
     if not path:
         yield
         return
-    try:
-        import fcntl
-
-        f = open(path, "a")
-    except (ImportError, OSError) as e:
-        if not _lock_warned:
-            _lock_warned = True
-            log.warning("capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the schedule candidates "
-                        "without it", PICK_LOCK_ENV, path, type(e).__name__, e)
-        yield
-        return
-    with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as stack:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            import fcntl
+
+            f = stack.enter_context(open(path, "a"))
+            fcntl.flock(f, fcntl.LOCK_EX)
+            stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+        except (ImportError, OSError) as e:  # no fcntl, a path that cannot be opened, a file system without locks
+            if not _lock_warned:
+                _lock_warned = True
+                log.warning("capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the schedule "
+                            "candidates without it", PICK_LOCK_ENV, path, type(e).__name__, e)
+        yield
 
 
 # -- the cache ---------------------------------------------------------------------------------------
