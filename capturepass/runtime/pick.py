@@ -307,9 +307,6 @@ def load_records(folder: str | None) -> list[dict[str, Any]]:
     return [e for e in doc["picks"] if isinstance(e, dict)]
 
 
-_lock_warned = False
-
-
 @contextlib.contextmanager
 def measuring_turn():
     """Holds an exclusive lock on the file ``CAPTUREPASS_PICK_LOCK`` names (when set) while the
@@ -320,9 +317,8 @@ def measuring_turn():
     timed alone. Processes that compile on one GPU at once (several models served by one
     device, a benchmark's workers) set the same path and time their candidates one process at
     a time. Where the lock cannot be taken (no ``fcntl``, a path that cannot be opened), the
-    candidates are timed without it, with a warning the first time.
+    candidates are timed without it, with a warning the first time for that path.
     """
-    global _lock_warned
     path = os.environ.get(PICK_LOCK_ENV)
     if not path:
         yield
@@ -335,10 +331,8 @@ def measuring_turn():
             fcntl.flock(f, fcntl.LOCK_EX)
             stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
         except (ImportError, OSError) as e:  # no fcntl, a path that cannot be opened, a file system without locks
-            if not _lock_warned:
-                _lock_warned = True
-                log.warning("capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the schedule "
-                            "candidates without it", PICK_LOCK_ENV, path, type(e).__name__, e)
+            files.warn_once(f"lock:{path}", "capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the "
+                            "schedule candidates without it", PICK_LOCK_ENV, path, type(e).__name__, e)
         yield
 
 

@@ -222,7 +222,7 @@ def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_pa
 
 def test_a_lock_that_cannot_be_opened_warns_once_and_still_chooses(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "no" / "such" / "dir" / "gpu.lock"))
-    monkeypatch.setattr(pick, "_lock_warned", False)
+    monkeypatch.setattr(files, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         for sub in ("a", "b"):
             p, _, picked, _ = _picker(tmp_path / sub, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})

@@ -174,7 +174,7 @@ class PostGradPass:
         # A split the schedule left on one lane only costs a kernel: planned again without it.
         kept = frozenset(s.source for s in splits if post_grad.split_pays(s))
         if len(kept) < len(splits) and len(meta.graph_info(compiled.graph).lanes) > 1:
-            log.info("capturepass: post-grad piece %d: %d of %d addmm split off their bias run on its lane; "
+            log.info("capturepass: post-grad piece %d: %d of %d addmm split off their bias run on the bias's lane; "
                      "planned again with them fused", piece, len(splits) - len(kept), len(splits))
             compiled, value_map, splits = plan(kept)
         gi = meta.graph_info(compiled.graph)
