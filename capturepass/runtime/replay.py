@@ -351,11 +351,15 @@ class Capture:
             elif self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.
+            dsts, srcs = [], []
             for i, buf in self.inputs.items():
                 arg = args[i]
                 if arg.data_ptr() != buf.data_ptr():
-                    buf.copy_(arg)
-                    self.input_copies += 1
+                    dsts.append(buf)
+                    srcs.append(arg)
+            if dsts:
+                copy_in(dsts, srcs)
+                self.input_copies += len(dsts)
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
             for node, buf in self.input_nodes:
@@ -410,8 +414,8 @@ class Capture:
             if env[node] != captured:
                 return self._fall_back(p, piece, f"reads the host value %{node.name} = {env[node]!r}, captured "
                                        f"with {captured!r}")
-        for node, buf in staged:
-            buf.copy_(env[node])
+        if staged:
+            copy_in([buf for _, buf in staged], [env[node] for node, _ in staged])
         return True
 
     def _fall_back(self, p: int, piece: Any, why: str) -> bool:
@@ -419,6 +423,27 @@ class Capture:
                     self.owner.name, piece.segment, why)
         self.uncaptured.add(p)
         return False
+
+
+def copy_in(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copies each of ``srcs`` into the tensor of ``dsts`` at its position, in one launch where it can.
+
+    On CUDA a ``copy_`` of a dense tensor of the same dtype is a ``cudaMemcpyAsync``, one per
+    input, which a copy engine runs; the replay launched after them waits for it. One
+    ``torch._foreach_copy_`` does every copy in one kernel on the stream, as PyTorch's cudagraph
+    trees copy their inputs. It runs its copies at once, so it is used only where no source
+    shares memory with a destination (a source read after another copy wrote it).
+    """
+    if len(dsts) > 0 and _FOREACH_COPY is not None:
+        written = {d.untyped_storage().data_ptr() for d in dsts}
+        if not any(s.untyped_storage().data_ptr() in written for s in srcs):
+            _FOREACH_COPY(list(dsts), list(srcs))
+            return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s)
+
+
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _storage_of(obj: Any) -> tuple[int, int] | None:
