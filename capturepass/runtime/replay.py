@@ -351,15 +351,11 @@ class Capture:
             elif self.outputs is not None:
                 self.outputs.rescue()
             # Static and in-place inputs are where the capture saw them: their addresses are part of the key.
-            dsts, srcs = [], []
             for i, buf in self.inputs.items():
                 arg = args[i]
                 if arg.data_ptr() != buf.data_ptr():
-                    dsts.append(buf)
-                    srcs.append(arg)
-            if dsts:
-                copy_in(dsts, srcs)
-                self.input_copies += len(dsts)
+                    buf.copy_(arg)
+                    self.input_copies += 1
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
             for node, buf in self.input_nodes:
@@ -414,8 +410,8 @@ class Capture:
             if env[node] != captured:
                 return self._fall_back(p, piece, f"reads the host value %{node.name} = {env[node]!r}, captured "
                                        f"with {captured!r}")
-        if staged:
-            copy_in([buf for _, buf in staged], [env[node] for node, _ in staged])
+        for node, buf in staged:
+            buf.copy_(env[node])
         return True
 
     def _fall_back(self, p: int, piece: Any, why: str) -> bool:
@@ -423,27 +419,6 @@ class Capture:
                     self.owner.name, piece.segment, why)
         self.uncaptured.add(p)
         return False
-
-
-def copy_in(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """Copies each of ``srcs`` into the tensor of ``dsts`` at its position, in one launch where it can.
-
-    On CUDA a ``copy_`` of a dense tensor of the same dtype is one ``cudaMemcpyAsync`` per
-    input (about 8.5 us of host time each on an H200's host); one ``torch._foreach_copy_``
-    does every copy in one kernel launch on the stream (6.6 us for four inputs there), as
-    PyTorch's cudagraph trees copy their inputs. It runs its copies at once, so it is used only
-    where no source shares memory with a destination (a source read after another copy wrote it).
-    """
-    if len(dsts) > 0 and _FOREACH_COPY is not None:
-        written = {d.untyped_storage().data_ptr() for d in dsts}
-        if not any(s.untyped_storage().data_ptr() in written for s in srcs):
-            _FOREACH_COPY(list(dsts), list(srcs))
-            return
-    for d, s in zip(dsts, srcs):
-        d.copy_(s)
-
-
-_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def _storage_of(obj: Any) -> tuple[int, int] | None:

@@ -342,23 +342,3 @@ def test_a_warm_up_on_copies_keeps_no_results_for_its_capture(simulated):
     again, out = ex._capture_program(ex.program, args, False, "probe2", None)
     assert out is None and again._warmed is None and again.seg_out
     again.owner.close()
-
-
-def test_inputs_are_copied_in_one_launch_unless_a_source_shares_a_destinations_memory(monkeypatch):
-    from capturepass.runtime import replay
-
-    calls = []
-    real = torch._foreach_copy_
-    monkeypatch.setattr(replay, "_FOREACH_COPY", lambda d, s: (calls.append(len(d)), real(d, s)))
-    dsts = [torch.zeros(4), torch.zeros(2, 3)]
-    srcs = [torch.arange(4.0), torch.ones(2, 3)]
-    replay.copy_in(dsts, srcs)
-    assert calls == [2]
-    assert torch.equal(dsts[0], srcs[0]) and torch.equal(dsts[1], srcs[1])
-    # The second source is the first destination: copied one by one, in order, it reads the
-    # first copy's result, as the loop of copy_ calls it replaces did.
-    base = torch.zeros(4)
-    dsts, srcs = [base, torch.zeros(4)], [torch.full((4,), 7.0), base]
-    replay.copy_in(dsts, srcs)
-    assert calls == [2]
-    assert torch.equal(dsts[1], torch.full((4,), 7.0))
