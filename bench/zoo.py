@@ -32,7 +32,9 @@ capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against re
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
 schedule chosen for it (what the whole call adds to the replay is the host's share), and each
 variant's time per call on the host alone (wall clock, no synchronisation: where it exceeds the
-CUDA-event time, the host paces the call). With ``--out``, each worker's log is kept in
+CUDA-event time, the host paces the call: the median of five loops; each process so paced is
+listed with its slowest loop, the involuntary context switches while it timed and the cores it
+ran on). With ``--out``, each worker's log is kept in
 ``DIR/logs``.
 
 Each cell is the median over ``--procs`` processes (three by default), with their range: a
@@ -50,6 +52,7 @@ import fcntl
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -224,10 +227,20 @@ def worker(args: argparse.Namespace) -> None:
             for label, call in timed_calls.items():
                 collections = sum(st["collections"] for st in gc.get_stats())
                 mallocs = device_mallocs(dev)
+                before = resource.getrusage(resource.RUSAGE_SELF)
+                cpus = {current_cpu()}
                 results[label]["ms"] = timed(call, iters=args.iters, device=dev)
                 results[label]["gc_runs"] = sum(st["collections"] for st in gc.get_stats()) - collections
                 results[label]["device_mallocs"] = device_mallocs(dev) - mallocs
-                results[label]["host_ms"] = host_time(call, iters=args.iters, device=dev)
+                host = [host_time(call, iters=args.iters, device=dev) for _ in range(HOST_REPS)]
+                results[label]["host_ms"] = statistics.median(host)
+                results[label]["host_ms_max"] = max(host)
+                cpus.add(current_cpu())
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                # A process the kernel took off its core while it timed (involuntary switches), or
+                # moved to another core, has a host share that says little about the variant.
+                results[label]["preempted"] = after.ru_nivcsw - before.ru_nivcsw
+                results[label]["cpus"] = sorted(c for c in cpus if c is not None)
                 results[label]["syncs"] = host_syncs(call, dev)
                 if args.profile:
                     print(f"profile of {args.model} {args.variant} {label}, {args.iters} calls:\n"
@@ -280,6 +293,22 @@ def host_syncs(call, device: str) -> int:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return count_syncs(w.message for w in caught)
+
+
+# Loops of ``--iters`` calls timed on the host alone; the median is the table's host time.
+HOST_REPS = 5
+# A process whose host time per call is at least this fraction of its CUDA-event time is listed
+# below the table as paced by its host.
+HOST_PACED = 0.9
+
+
+def current_cpu() -> int | None:
+    """The core this process last ran on (``/proc/self/stat``'s 39th field; ``None`` off Linux)."""
+    try:
+        with open("/proc/self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def host_time(call, iters: int, device: str) -> float:
@@ -595,6 +624,13 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
                 lines.append("")
             choice = next((c for c in rep["choices"]), "schedule: the cost model's (not measured)")
             lines.append(f"replay alone: {r['model']} {r['variant']} {rep['owner']}: {rep['replay_ms']:.4f} ms; {choice}")
+    paced = [r for r in rows if r.get("host_ms") and r.get("ms") and r["host_ms"] >= HOST_PACED * r["ms"]]
+    if paced:
+        # Where the host takes about as long as the GPU, the call's time is the host's.
+        lines.append("")
+        lines += [f"paced by the host: {r['model']} {r['variant']} {r['shape']}: {r['ms']:.4f} ms, host {r['host_ms']:.4f} "
+                  f"(slowest loop {r.get('host_ms_max', r['host_ms']):.4f}), involuntary switches "
+                  f"{r.get('preempted', '?')}, cores {r.get('cpus', '?')}" for r in paced]
     errs = [r for r in rows if r.get("rel_err", 0) > 5e-2]
     if errs:
         lines.append("")

@@ -155,3 +155,25 @@ def test_only_synchronising_calls_count_as_syncs_not_the_modes_notice():
     assert bench.count_syncs([notice]) == 0
     raised = bench.SYNC_WARNING + " (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:160.)"
     assert bench.count_syncs([notice, raised, "other", bench.SYNC_WARNING]) == 2
+
+
+def test_processes_paced_by_their_host_are_listed_with_their_switches_and_cores():
+    bench = _load("zoo")
+    common = dict(model="mixtral", shape="decode[8,1]", compile_s=2.0, peak_mib=1.0, rel_err=0.0)
+    rows = [dict(common, variant="capturepass", ms=0.3043, host_ms=0.2964, host_ms_max=0.31, preempted=4, cpus=[3, 9]),
+            dict(common, variant="capturepass", ms=0.2678, host_ms=0.1725, host_ms_max=0.18, preempted=0, cpus=[5]),
+            dict(common, variant="reduce-overhead", ms=0.2679, host_ms=0.2500, preempted=0, cpus=[2])]
+    table = bench.report(rows, ["mixtral"], ["reduce-overhead", "capturepass"])
+    # 0.2964 >= 0.9 * 0.3043 and 0.2500 >= 0.9 * 0.2679; 0.1725 is not
+    assert [x for x in table.splitlines() if x.startswith("paced by the host")] == [
+        "paced by the host: mixtral capturepass decode[8,1]: 0.3043 ms, host 0.2964 (slowest loop 0.3100), "
+        "involuntary switches 4, cores [3, 9]",
+        "paced by the host: mixtral reduce-overhead decode[8,1]: 0.2679 ms, host 0.2500 (slowest loop 0.2500), "
+        "involuntary switches 0, cores [2]",
+    ]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="/proc/self/stat is Linux's")
+def test_current_cpu_is_one_of_the_cores_this_process_may_run_on():
+    bench = _load("zoo")
+    assert bench.current_cpu() in os.sched_getaffinity(0)
