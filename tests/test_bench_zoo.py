@@ -177,3 +177,11 @@ def test_processes_paced_by_their_host_are_listed_with_their_switches_and_cores(
 def test_current_cpu_is_one_of_the_cores_this_process_may_run_on():
     bench = _load("zoo")
     assert bench.current_cpu() in os.sched_getaffinity(0)
+
+
+def test_cpu_rows_are_not_listed_as_paced_by_the_host():
+    bench = _load("zoo")
+    rows = [dict(model="llama", variant="capturepass", shape="decode[8,1]", device="cpu", ms=1.0, host_ms=1.0,
+                 compile_s=2.0, peak_mib=0.0, rel_err=0.0)]
+    table = bench.report(rows, ["llama"], ["capturepass"])
+    assert not [x for x in table.splitlines() if x.startswith("paced by the host")]
