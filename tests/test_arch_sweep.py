@@ -72,3 +72,26 @@ def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
         assert len(seen.messages) == 2 and "compiled as lane regions instead" in seen.messages[1]
     assert seen not in log.handlers
     torch._dynamo.reset()
+
+
+def test_frames_dynamo_stopped_compiling_are_named():
+    """Dynamo's recompile-limit warning (a frame that runs eagerly from then on, under any
+    backend) is collected by frame name, once per frame; other Dynamo warnings are not."""
+    import importlib.util
+    import logging
+
+    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    log = logging.getLogger("torch._dynamo.convert_frame")
+    text = ("torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s\n"
+            'To log all recompilation reasons, use TORCH_LOGS="recompiles".\nTo diagnose recompilation issues, see %s')
+    with sweep.Fallbacks() as seen:
+        log.warning("torch._dynamo some other warning")
+        for _ in range(2):
+            log.warning(text, "recompile_limit", 8, "'wrapped_func' (/x/transformers/utils/deprecation.py:121)",
+                        "1/7: not args", "https://example")
+        log.warning(text, "accumulated_recompile_limit", 256, "'forward' (/x/model.py:10)", "size", "https://example")
+    assert seen.eager_frames == ["wrapped_func", "forward"]
+    assert seen.messages == []
+    assert seen not in log.parent.handlers
