@@ -39,7 +39,9 @@ ran on). With ``--out``, each worker's log is kept in
 
 Each cell is the median over ``--procs`` processes (three by default), with their range: a
 single process per cell swung by 2 to 5% on Qwen2-MoE at decode on the H200, more than the
-never-slower bar's 1%.
+never-slower bar's 1%, and two captures of one program over the very same weights differed by
+-0.2% to +2.9% on Mixtral's decode (where the grouped GEMM's buffers lie; ``bench/same_weights.py``
+compares variants in one process).
 
 Run: ``python bench/zoo.py --out DIR`` (``--models``, ``--variants``, ``--jobs``, ``--procs``).
 """
