@@ -4,18 +4,19 @@ The zoo bench (``bench/zoo.py``) runs each variant in a process of its own, each
 the weights. Where two variants capture the same schedule (the default's measured choice of one lane
 and ``policy="off"``), their times still differ by about 1% from process to process. This script
 puts the variants in one process: it builds the model once, gives every variant a model over the
-same weight tensors (``--copies``: each its own copy instead), compiles each anew (Dynamo reset in
-between), calls each three times, then times whole calls of each in turn (alternating the order),
-reporting the median milliseconds per call. A variant may be named more than once: two compiles of
-one variant show what placement alone moves. On CUDA, ``--kernels`` lists the kernels whose time per
-call differs most between the first and the last variant (a profiler trace of 20 calls each).
+same weight tensors (``--copies``: each its own copy instead), compiles each (every compiled model
+is kept alive), calls each three times, then times whole calls of each in turn (alternating the
+order), reporting the median milliseconds per call. On CUDA, ``--kernels`` lists the kernels whose
+time per call differs most between the first and the last variant (a profiler trace of 20 calls
+each). Run it in several processes to see what placement alone moves from one to the next.
 
-Whole calls, not the captured graphs replayed alone: models over the same parameters are one model
-to capturepass (their captures share one pool and its streams, as the shapes of one model do), and a
-graph replayed alone, without its call's input copies, may read buffers another variant's replays
-wrote.
+Models over the same parameters are one model to capturepass (their captures share one pool and its
+streams, as the shapes of one model do): sound while the compiled models live, which is why each is
+kept, and why the calls are whole calls (each copies its inputs first), not graphs replayed alone.
+A variant is named once: Dynamo serves a second compile with the same options from the first's
+cache.
 
-Run on a GPU: ``python bench/same_weights.py --model mixtral --shape 8,1 --variants default,off,off,default``.
+Run on a GPU: ``python bench/same_weights.py --model mixtral --shape 8,1 --variants default,off``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variant: {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    if len(set(names)) < len(names):
+        p.error(f"a variant named twice in {args.variants}: a second compile with the same options is served "
+                "from the first's cache")
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -80,20 +84,17 @@ def main() -> None:
     calls: list[tuple[str, object]] = []
     models = []  # a variant's captures are released when its model is collected
     with torch.no_grad():
-        for k, name in enumerate(names):
+        for name in names:
             model, _ = build(args.model, dev, args.sizes)
             if not args.copies:
                 model.load_state_dict(base.state_dict(), assign=True)  # the same weight tensors
                 if dev == "cuda":
                     torch.cuda.empty_cache()
             models.append(model)
-            # Each variant compiled anew: Dynamo would otherwise run a second model over the same
-            # weights through the graph (and the captures) of the first.
-            torch._dynamo.reset()
             fn = torch.compile(model, backend="capturepass", options=VARIANTS[name])
             for _ in range(3):
                 fn(input_ids=ids, use_cache=False)
-            calls.append((f"{k} {name}", lambda fn=fn: fn(input_ids=ids, use_cache=False)))
+            calls.append((name, lambda fn=fn: fn(input_ids=ids, use_cache=False)))
         times: dict[str, list[float]] = collections.defaultdict(list)
         for r in range(args.rounds):
             for label, call in (calls if r % 2 == 0 else calls[::-1]):

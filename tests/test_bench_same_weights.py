@@ -22,10 +22,13 @@ def test_variants_over_the_same_weights_are_each_timed():
     lines = run.stdout.splitlines()
     assert lines[0] == "llama [8, 1], each variant over the same weights; ms per call, median of 1 rounds"
     assert [re.sub(r"[0-9.]+", "N", x) for x in lines[1:]] == [
-        "  N default    N (min N, max N)", "  N off        N (min N, max N)"]
+        "  default      N (min N, max N)", "  off          N (min N, max N)"]
 
 
-def test_an_unknown_variant_is_named():
+def test_an_unknown_or_repeated_variant_is_named():
     run = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--variants", "default,fast"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown variant: fast" in run.stderr
+    run = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--variants", "off,default,off"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "a variant named twice in off,default,off" in run.stderr
