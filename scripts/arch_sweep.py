@@ -137,7 +137,7 @@ FALLBACKS = ("compiler failed on region", "one compile of")
 
 # Dynamo's warning when a frame reached its recompile limit: from then on that frame runs
 # eagerly, under any backend (JetMoE's calls pass through transformers' deprecation wrapper).
-RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.(\w+) .*?function: '([^']+)'", re.S)
+RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.\w+ .*?function: '([^']+)'", re.S)
 
 
 class Fallbacks(logging.Handler):
@@ -154,8 +154,8 @@ class Fallbacks(logging.Handler):
         if any(f in message for f in FALLBACKS):
             self.messages.append(message)
         limit = RECOMPILE_LIMIT.search(message)
-        if limit and limit.group(2) not in self.eager_frames:
-            self.eager_frames.append(limit.group(2))
+        if limit and limit.group(1) not in self.eager_frames:
+            self.eager_frames.append(limit.group(1))
 
     def __enter__(self) -> "Fallbacks":
         for name in ("capturepass", "torch._dynamo"):

@@ -148,7 +148,8 @@ def test_a_split_the_schedule_keeps_on_its_bias_lane_is_planned_again_fused(monk
         capturepass.post_grad_pass(gm.graph)
     gm.recompile()
     said = [r.getMessage() for r in caplog.records]
-    assert any("1 of 1 addmm split off their bias run on the bias's lane; planned again with them fused" in m for m in said)
+    assert any("1 of 1 addmm split off their bias run on the bias's lane; planned again with them fused" in m
+               for m in said)
     assert any("2 lanes" in m and "sync points written" in m for m in said)
     assert len(gm.graph.find_nodes(op="call_function", target=aten.addmm.default)) == 1
     torch.testing.assert_close(gm(*args), want)
