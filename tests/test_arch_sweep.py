@@ -95,3 +95,38 @@ def test_frames_dynamo_stopped_compiling_are_named():
     assert seen.eager_frames == ["wrapped_func", "forward"]
     assert seen.messages == []
     assert seen not in log.parent.handlers
+
+
+def test_a_mismatch_is_compared_with_inductors_own_difference():
+    """An output beyond the tolerance is capturepass's failure only where ``backend="inductor"``
+    is within it on the same input; where Inductor is beyond it too, the row is torch's. Both
+    differences are in the message."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return (self.proj(x),)
+
+    torch.manual_seed(0)
+    model, kwargs = Head().eval(), {"x": torch.randn(3, 8)}
+    tol = {"atol": 1e-5, "rtol": 1.3e-6}
+    with torch.no_grad():
+        ref = model(**kwargs)[0]
+        ours = sweep._mismatch(model, kwargs, ref, ref + 0.5, tol)
+        assert not ours.inductor_too
+        assert "largest difference 5.00e-01" in str(ours) and "not beyond the tolerance" in str(ours)
+        # A reference Inductor cannot meet either (here: shifted by 0.25 from the model's own).
+        theirs = sweep._mismatch(model, kwargs, ref + 0.25, ref + 0.5, tol)
+        assert theirs.inductor_too
+        assert "largest difference 2.50e-01; backend=\"inductor\" on the same input 2.50e-01" in str(theirs)
+    torch._dynamo.reset()
