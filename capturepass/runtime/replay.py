@@ -218,8 +218,15 @@ class Capture:
         self._warmed = None
         torch.cuda.synchronize(device)
         capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
-        self._capture(args, env, out)
-        torch.cuda.synchronize(device)
+        try:
+            self._capture(args, env, out)
+            torch.cuda.synchronize(device)
+        finally:
+            # The workspaces the capture allocated are the graphs' memory from now on (their
+            # replays write them), freed into the pool as the capture's temporaries are: left in
+            # cuBLAS's cache they stay allocated, and the next capture's warm-up, outside the
+            # pool, peaks with them beside its own (cudagraph trees clear before and after too).
+            capture.clear_cublas_workspaces()
         self.snapshot = Snapshot.of(self)
         if not self.static_outputs and outputs.supported():
             self.outputs = outputs.OutputAliases(self._overwritten(args))
