@@ -13,7 +13,8 @@ capturepass captures each size up to ``max_captures`` (raised to ``N`` here, so 
 size is captured, as an engine's ``capture_sizes`` would). Reported: memory allocated and
 reserved afterwards above the weights, the peak allocated over the run, how many sizes
 each variant captured, and where the reserved memory lies (graph pools, each stream's cache);
-every call is compared with eager.
+every call is compared with eager. Every process starts from empty Inductor and schedule caches
+(a first compile, Triton's tuning included).
 
 Run: ``python bench/memory.py --sizes 8,32,67 --out DIR`` (one process per variant and N).
 """
@@ -25,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -102,8 +104,11 @@ def main() -> None:
     rows, failures = [], []
     # Memory is per process: the variants run at once (their compiles overlap).
     jobs = [(n, v) for n in (int(x) for x in args.sizes.split(",")) for v in args.variants.split(",")]
+    # Each process has caches of its own: a process that found another's Triton tuning (or
+    # schedule choice) on disk would skip the tuning's L2-flush buffer, part of what a first
+    # compile holds and peaks at.
     procs = [((n, v), subprocess.Popen([sys.executable, __file__, "--worker", v, "--n", str(n)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fresh_caches()))
              for n, v in jobs]
     for (n, v), proc in procs:
         out, err = proc.communicate()
@@ -114,6 +119,12 @@ def main() -> None:
             failures.append(f"{v} N={n}: exit {proc.returncode}:\n" + "\n".join(tail))
         print(f"done {v} N={n}", file=sys.stderr, flush=True)
     save(args.out, "memory", rows, failures, report(rows))
+
+
+def fresh_caches() -> dict[str, str]:
+    """The environment of a worker, with empty Inductor and schedule caches of its own."""
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="memory-inductor-"),
+                CAPTUREPASS_CACHE_DIR=tempfile.mkdtemp(prefix="memory-capturepass-"))
 
 
 def report(rows: list[dict]) -> str:
