@@ -24,7 +24,9 @@ candidates):
 
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
 many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
-``TORCHINDUCTOR_CACHE_DIR``), and peak memory above the weights over the compile and the first
+``TORCHINDUCTOR_CACHE_DIR``; in brackets the first three calls, by which every variant has
+captured: cudagraph trees warm up at a shape's first call and record at its second, capturepass
+captures at the first), and peak memory above the weights over the compile and the first
 calls (``--memory-sites``: the blocks live at the peak, by where they were allocated, into each
 worker's log, and the variant's own peak: the most that the blocks its calls allocated held at
 once, without the bench's references and copies, the figure the memory bars compare). The table gives capturepass default against the faster of reduce-overhead and
@@ -213,9 +215,12 @@ def worker(args: argparse.Namespace) -> None:
             compile_s = time.perf_counter() - start
             for x in ids[1:3]:
                 run_variant(fn, x)
+            if cuda:
+                torch.cuda.synchronize()
+            ready_s = time.perf_counter() - start
             got = run_variant(fn, ids[3]).logits.float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-            results[label] = dict(compile_s=compile_s, rel_err=err)
+            results[label] = dict(compile_s=compile_s, ready_s=ready_s, rel_err=err)
             timed_calls[label] = (lambda x=ids[1]: run_variant(fn, x))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
@@ -555,7 +560,8 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
 def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
     """A markdown table: medians over processes, the ratios the never-slower bar reads."""
     def values(m: str, v: str, s: str, key: str) -> list:
-        return [r[key] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s]
+        return [r[key] for r in rows if r["model"] == m and r["variant"] == v and r["shape"] == s
+                and r.get(key) is not None]
 
     def med(m: str, v: str, s: str, key: str) -> float | None:
         vals = values(m, v, s, key)
@@ -600,19 +606,20 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
                     lines.append(f"| {m} | {s} | " + " | ".join(cells) + " |")
 
     def compile_cell(m: str, v: str, s: str) -> str:
-        c, pk = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib")
+        c, pk, ready = med(m, v, s, "compile_s"), med(m, v, s, "peak_mib"), med(m, v, s, "ready_s")
         if c is None:
             return ""
         own = [r["own_peak_mib"] for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s)
                and r.get("own_peak_mib") is not None]
-        return f"{c:.1f} / {pk:.0f}" + (f" ({statistics.median(own):.0f} own)" if own else "")
+        return (f"{c:.1f}" + (f" ({ready:.1f})" if ready is not None else "") + f" / {pk:.0f}"
+                + (f" ({statistics.median(own):.0f} own)" if own else ""))
 
     def host_cell(m: str, v: str, s: str) -> str:
         got = [r for r in rows if (r["model"], r["variant"], r["shape"]) == (m, v, s) and "host_ms" in r]
         return (f"{statistics.median(r['host_ms'] for r in got):.4f} (syncs {max(r.get('syncs', 0) for r in got)}, "
                 f"cudaMalloc/Free {max(r.get('device_mallocs', 0) for r in got)})" if got else "")
 
-    per_variant("compile s / peak MiB", compile_cell)
+    per_variant("compile s (three calls) / peak MiB", compile_cell)
     if any("host_ms" in r for r in rows):
         per_variant("host ms", host_cell)
     seen = set()
