@@ -18,8 +18,9 @@ stopped compiling at its recompile limit, which then runs eagerly under any back
 error's last frames, or ``SLOW`` for a model equal to eager whose regions Inductor failed to
 compile, which then ran as lane regions or eagerly, with the first such warning) and exits 1 if
 any failed or was slow. An output beyond the tolerance is compared with ``backend="inductor"``'s on
-the same input: ``FAIL`` when Inductor's is within it, ``TORCH`` (not a failure of capturepass's)
-when Inductor's is beyond it too; both differences are printed. On CUDA, TF32 is off for matmuls
+the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
+capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
+printed. On CUDA, TF32 is off for matmuls
 and convolutions, as in the zoo's GPU tests.
 """
 
@@ -201,11 +202,17 @@ def check(name: str, device: str) -> float:
 
 class Mismatch(AssertionError):
     """A model's output beyond the tolerance; ``inductor_too``: ``backend="inductor"`` is beyond it
-    on the same input as well (torch's numerics, not capturepass's schedule)."""
+    on the same input as well, and capturepass's difference is at most :data:`INDUCTOR_MARGIN`
+    times Inductor's (torch's numerics, not capturepass's schedule)."""
 
     def __init__(self, message: str, inductor_too: bool) -> None:
         super().__init__(message)
         self.inductor_too = inductor_too
+
+
+# A mismatch is torch's only where capturepass's difference is of the order of Inductor's own: a
+# wrong schedule (a missing wait, a buffer reused too early) moves outputs by far more.
+INDUCTOR_MARGIN = 2.0
 
 
 def _mismatch(model, kwargs: dict, ref, got, tol: dict) -> Mismatch:
@@ -216,9 +223,10 @@ def _mismatch(model, kwargs: dict, ref, got, tol: dict) -> Mismatch:
     torch._dynamo.reset()
     theirs = torch.compile(model, backend="inductor")(**kwargs)[0]
     ours_d, theirs_d = float((ref - got).abs().max()), float((ref - theirs).abs().max())
-    too = not torch.isclose(theirs, ref, **tol).all().item()
+    beyond = not torch.isclose(theirs, ref, **tol).all().item()
     return Mismatch(f"largest difference {ours_d:.2e}; backend=\"inductor\" on the same input {theirs_d:.2e}"
-                    f" ({'also' if too else 'not'} beyond the tolerance {tol})", too)
+                    f" ({'also' if beyond else 'not'} beyond the tolerance {tol})",
+                    beyond and ours_d <= INDUCTOR_MARGIN * theirs_d)
 
 
 def _cuda_float32() -> None:
