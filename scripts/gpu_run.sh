@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|resident|resources|sanitize|trace|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|trace|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
@@ -9,6 +9,8 @@
 # each worker's log (OUTDIR/zoo-bench/logs). Not part of all.
 # pickcheck: bench/pick_check.py, the measured choice's figures against each schedule's graph
 # replayed alone (one process per model and shape). Not part of all.
+# memory: bench/memory.py, the MoE block at MEMORY_SIZES (8,32,67 by default) batch sizes: memory held and
+# peak against reduce-overhead, each worker with empty caches. Not part of all.
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
@@ -87,6 +89,11 @@ fi
 if [ "$what" = pickcheck ]; then
   python3 bench/pick_check.py --models "${ZOO_MODELS:-llama,qwen2_moe}" --out "$out" 2> "$out/pick-check.log"
   rc=$?
+fi
+if [ "$what" = memory ]; then
+  python3 bench/memory.py --sizes "${MEMORY_SIZES:-8,32,67}" --out "$out/memory" 2> "$out/memory.log"
+  rc=$?
+  echo "bench/memory.py: exit $rc"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
