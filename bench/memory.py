@@ -26,12 +26,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import save  # noqa: E402
+from timing import fresh_caches, save  # noqa: E402
 
 VARIANTS = ("reduce-overhead", "capturepass-off", "capturepass")
 MIB = 2**20
@@ -104,8 +103,7 @@ def main() -> None:
     rows, failures = [], []
     # Memory is per process: the variants run at once (their compiles overlap).
     jobs = [(n, v) for n in (int(x) for x in args.sizes.split(",")) for v in args.variants.split(",")]
-    # Each process has caches of its own: a process that found another's Triton tuning (or
-    # schedule choice) on disk would skip the tuning's L2-flush buffer, part of what a first
+    # Each process has caches of its own: the tuning's flush buffer is part of what a first
     # compile holds and peaks at.
     procs = [((n, v), subprocess.Popen([sys.executable, __file__, "--worker", v, "--n", str(n)],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fresh_caches()))
@@ -119,12 +117,6 @@ def main() -> None:
             failures.append(f"{v} N={n}: exit {proc.returncode}:\n" + "\n".join(tail))
         print(f"done {v} N={n}", file=sys.stderr, flush=True)
     save(args.out, "memory", rows, failures, report(rows))
-
-
-def fresh_caches() -> dict[str, str]:
-    """The environment of a worker, with empty Inductor and schedule caches of its own."""
-    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="memory-inductor-"),
-                CAPTUREPASS_CACHE_DIR=tempfile.mkdtemp(prefix="memory-capturepass-"))
 
 
 def report(rows: list[dict]) -> str:

@@ -25,10 +25,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import fresh_caches  # noqa: E402
 
 VARIANTS = {"default": {}, "model": {"pick": "model"}, "off": {"policy": "off"}}
 
@@ -134,9 +135,8 @@ def main() -> None:
              "|---|---|---|---|---|---|"]
     for name in args.models.split(","):
         for b, s in shapes:
-            # A fresh Inductor cache and schedule cache per process: nothing measured before counts.
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-                       CAPTUREPASS_CACHE_DIR=tempfile.mkdtemp())
+            # Nothing measured before counts.
+            env = fresh_caches()
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, str(b), str(s),
                    "--iters", str(args.iters), "--trials", str(args.trials)]
             run = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -1,11 +1,21 @@
-"""What the benchmarks share: the timing loop (median over repetitions of the mean time per call)
-and the capture of a callable into a CUDA graph."""
+"""What the benchmarks share: the timing loop (median over repetitions of the mean time per call),
+the capture of a callable into a CUDA graph, and a worker process's empty caches."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+
+
+def fresh_caches(**extra: str) -> dict[str, str]:
+    """The environment of a worker process with empty Inductor and schedule caches of its own
+    (plus ``extra``): a process that found another's compiled kernels, Triton tuning or measured
+    choice on disk would skip work (and the tuning's L2-flush buffer) a first compile pays."""
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench-inductor-"),
+                CAPTUREPASS_CACHE_DIR=tempfile.mkdtemp(prefix="bench-capturepass-"), **extra)
 
 
 def timed(fn: Callable[[], object], iters: int, reps: int = 7, warmup: int = 5, device: str = "cuda",

@@ -67,7 +67,7 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import save, timed  # noqa: E402
+from timing import fresh_caches, save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 # Not run unless named: the two routes side by side, whichever is the default.
@@ -520,8 +520,7 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
     for m, v in jobs:
         # capturepass's measured choice times its candidates under the timing lock too: the
         # workers' compiles overlap, and a choice timed beside another worker's replays is noise.
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="zoo-bench-inductor-"),
-                   CAPTUREPASS_PICK_LOCK=lock)
+        env = fresh_caches(CAPTUREPASS_PICK_LOCK=lock)
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,
                "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)] + \

@@ -20,8 +20,7 @@ compile, which then ran as lane regions or eagerly, with the first such warning)
 any failed or was slow. An output beyond the tolerance is compared with ``backend="inductor"``'s on
 the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
 capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
-printed. On CUDA, TF32 is off for matmuls
-and convolutions, as in the zoo's GPU tests.
+printed. On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests.
 """
 
 from __future__ import annotations

@@ -62,3 +62,16 @@ def test_the_wall_clock_path_has_no_lead_in(lead_in):
     calls = []
     timed(lambda: calls.append(1), iters=5, reps=2, warmup=1, device="cpu", lead_in=lead_in)
     assert len(calls) == 1 + 2 * 5
+
+
+def test_each_worker_starts_from_empty_caches_of_its_own():
+    """A worker that found another's compiled kernels or Triton tuning on disk would skip work (and
+    the tuning's flush buffer) a first compile pays: each gets empty caches, and what it adds."""
+    a, b = _timing.fresh_caches(), _timing.fresh_caches(CAPTUREPASS_PICK_LOCK="/tmp/lock")
+    assert b["CAPTUREPASS_PICK_LOCK"] == "/tmp/lock"
+    assert a.get("CAPTUREPASS_PICK_LOCK") == os.environ.get("CAPTUREPASS_PICK_LOCK")
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "CAPTUREPASS_CACHE_DIR"):
+        assert a[key] != b[key]
+        for env in (a, b):
+            assert os.path.isdir(env[key]) and os.listdir(env[key]) == []
+            os.rmdir(env[key])
