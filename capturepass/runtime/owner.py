@@ -51,6 +51,9 @@ _warned_pool = False  # warm-ups outside the pool: said once
 
 _HAS_RETAIN_OBJECT = hasattr(torch.cuda.CUDAGraph, "retain_object")
 
+# The lane scope of a capture's warm-up: every lane on one stream (``GraphOwner.lanes``).
+WARM_UP = "warm-up"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HeldStorage:
@@ -100,9 +103,9 @@ class CaptureMemory:
     instance (a target and its draft) never share, so they may replay in either order or at once.
 
     Warm-ups run in the pool too while no graph lives there (:meth:`warms_up_in_pool`), on
-    the capture stream and the side streams, so that their temporaries, autotuning buffers and
-    workspaces are the blocks the captures then take; an empty keeper graph holds the pool open
-    from the first warm-up on.
+    the capture stream (every lane of a warm-up runs there: ``GraphOwner.lanes``), so that
+    their temporaries, autotuning buffers and workspace are blocks the captures then take; an
+    empty keeper graph holds the pool open from the first warm-up on.
 
     The pool handle is renewed once no capture owner uses it any more (the keeper is dropped
     with it, and torch frees a pool whose graphs are all gone).
@@ -170,8 +173,8 @@ class CaptureMemory:
         kernels' workspaces and tables are) would be overwritten by those replays. So only the
         warm-ups before the model's first capture run in the pool (the measured choice warms
         every candidate of that shape up before it captures any); that is where autotuning,
-        cuBLAS and first-call caches allocate. Later ones run on the caller's stream and the
-        lanes' streams, outside any pool. Where torch cannot route a thread's allocations,
+        cuBLAS and first-call caches allocate. Later ones run on the caller's stream, outside
+        any pool. Where torch cannot route a thread's allocations,
         none does (logged once).
         """
         if capture.POOL_WARM_UP_UNSUPPORTED is not None:
@@ -323,11 +326,20 @@ class GraphOwner:
 
     # -- lanes and events ---------------------------------------------------------------------
     def lanes(self, scope: str = "eager") -> Lanes:
-        """The lane runtime of ``scope`` (``"eager"``, ``"capture:<n>"``, ``"outer"``), made on first use."""
+        """The lane runtime of ``scope`` (``"eager"``, ``"capture:<n>"``, ``"outer"``,
+        :data:`WARM_UP`), made on first use."""
         lanes = self._scopes.get(scope)
         if lanes is None:
             if self.device is None:
                 lanes = HostLanes(self.num_lanes)
+            elif scope == WARM_UP:
+                # Every lane on the stream the warm-up runs on: its matrix products use that
+                # stream's cuBLAS workspace alone and Triton tunes its kernels (a flush buffer
+                # the size of L2 per benchmark) beside that one, not beside a workspace per side
+                # stream. The capture then allocates the side streams' workspaces in the pool,
+                # as it does anyway (it clears cuBLAS's cache first). The program issues its
+                # kernels in a topological order, so one stream runs them correctly.
+                lanes = CudaLanes([None] * len(self.streams), self.name, scope)
             else:
                 lanes = CudaLanes(self.streams, self.name, scope)
             self._scopes[scope] = lanes

@@ -2,7 +2,12 @@
 
 The first call of a shape *is* the warm-up: the program runs eagerly on the
 caller's arguments (lazy initialization, autotuning, cuBLAS handles) and its
-results are what the call returns. While no graph of the model lives in its pool,
+results are what the call returns. It runs every lane on one stream: tuning a
+kernel allocates a flush buffer the size of L2, and each side stream that runs a
+matrix product holds a cuBLAS workspace of its own, so a warm-up on the lanes'
+streams peaked with both (157 MiB against one lane's 92 on the MoE block on an
+H200); the capture, which runs no kernel, allocates the side streams' workspaces
+in the pool. While no graph of the model lives in its pool,
 it warms up where the capture will run (the capture stream, the model's pool:
 ``CaptureMemory.warms_up_in_pool``), so that the captures reuse the memory it took;
 the results it returns are copied out of the pool first, which stays the captures'.
@@ -52,7 +57,7 @@ import torch.fx as fx
 
 from capturepass.errors import CapturePassError, ResourceError
 from capturepass.runtime import capture, context, outputs, pools
-from capturepass.runtime.owner import GraphOwner, HeldStorage
+from capturepass.runtime.owner import WARM_UP, GraphOwner, HeldStorage
 from capturepass.runtime.program import Program
 from capturepass.runtime.workspaces import locked_for_capture
 
@@ -121,6 +126,7 @@ class Capture:
         self.watchers: list[Any] = []  # finalizers of the in-place inputs' storages
         self.eager_lanes = owner.lanes("eager")
         self.eager = program.bind(owner, self.eager_lanes)
+        self.warm_up = program.bind(owner, owner.lanes(WARM_UP))  # every lane on one stream
         self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
         self.input_nodes: list[tuple[fx.Node, torch.Tensor]] = []
         self.copy_back: tuple[int, ...] = ()  # written inputs that have a buffer
@@ -184,15 +190,15 @@ class Capture:
             for i in self.written:
                 if i < len(args) and isinstance(args[i], torch.Tensor):
                     warm_args[i] = args[i].clone()
-        env = self.eager.initial_env(warm_args)
+        env = self.warm_up.initial_env(warm_args)
         shared = owner.shared
         if shared is not None:
             owner.begin_capture()  # the warm-up allocates in the pool the capture then uses
         routed = shared is not None and shared.warms_up_in_pool()
         with shared.warm_up() if routed else contextlib.nullcontext(), context.running(owner):
             for p in range(len(program.pieces)):
-                self.eager.run_piece(p, env)
-        out = self.eager.result(env)
+                self.warm_up.run_piece(p, env)
+        out = self.warm_up.result(env)
         if real and routed:
             # The pool is the captures' memory: a result the caller keeps would pin its block
             # there for as long as it lives, past the release of every capture.

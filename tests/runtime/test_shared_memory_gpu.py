@@ -156,6 +156,55 @@ def test_no_cublas_workspace_stays_allocated_after_a_capture(policy):
     torch.testing.assert_close(fn(x), want, **TOL)  # the graph replays over the workspace it was given
 
 
+def _trace() -> list[dict]:
+    return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+
+
+@torch.no_grad()
+def test_a_warm_up_runs_every_lane_on_one_stream(monkeypatch):
+    """A multi-lane graph's warm-up runs its side lanes on the capture stream: it allocates
+    nothing on a side stream (no cuBLAS workspace per side stream beside the L2-sized buffer
+    Triton's tuning flushes with). Its capture runs them on their streams, and the graph
+    replays equal to eager."""
+    from capturepass.runtime import capture
+
+    torch.manual_seed(0)
+    model = MoEBlock(512, 2048, 8, 512, 2, device="cuda")
+    fn = torch.compile(model, backend="capturepass", options={"pick": "model", "verify": True})
+    x = torch.randn(16, 512, device="cuda")
+    want = model(x)
+    cut: list[int] = []  # trace entries before the capture's first clear: the warm-up's
+    clear = capture.clear_cublas_workspaces
+
+    def marked() -> None:
+        if not cut:
+            cut.append(len(_trace()))
+        clear()
+
+    monkeypatch.setattr(capture, "clear_cublas_workspaces", marked)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        got = fn(x)
+        torch.cuda.synchronize()
+        trace = _trace()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    torch.testing.assert_close(got, want, **TOL)
+    (cap,) = _executor()._captures.values()
+    sides = {s.cuda_stream for s in cap.owner.side_streams}
+    assert sides  # the cost model's schedule has side lanes
+    assert cut and len(trace) > cut[0]
+
+    def on_sides(entries: list[dict]) -> list[tuple[str, int]]:
+        return [(e["action"], e["size"]) for e in entries if e["action"] == "alloc" and e["stream"] in sides]
+
+    assert on_sides(trace[:cut[0]]) == []
+    assert on_sides(trace[cut[0]:])  # the capture's side lanes allocate on their streams, in the pool
+    x2 = torch.randn(16, 512, device="cuda")
+    torch.testing.assert_close(fn(x2), model(x2), **TOL)
+
+
 @torch.no_grad()
 def test_replays_of_two_shapes_on_two_streams_run_one_after_the_other():
     """Two micro-batches of one model on two streams, as dual-batch overlap runs them: the second
@@ -194,8 +243,8 @@ def _in(t: torch.Tensor, segs: list[dict]) -> bool:
 @pytest.mark.parametrize("pick", ["measure", "model"])
 def test_warm_ups_take_their_memory_from_the_models_pool(pick):
     """The warm-ups of a model's first shape (the measured choice warms all its candidates up
-    before it captures any) run where the captures run: on the capture stream and the side
-    streams, their allocations in the model's pool. Nothing they free stays reserved in a
+    before it captures any) run where the captures run: on the capture stream (every lane),
+    their allocations in the model's pool. Nothing they free stays reserved in a
     stream's own cache (which no capture reuses), and the result returned does not lie in the pool."""
     torch.manual_seed(0)
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
