@@ -39,6 +39,14 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
                max_position_embeddings=128)
 VIT = dict(ENCODER, image_size=32, patch_size=8)
+# Mixture-of-experts fields under the names different configs read (each reads its own).
+MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           head_dim=16)
+# Multi-head latent attention (no grouped KV heads) and DeepSeek's routing, with one dense layer first.
+MLA = dict(MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+           v_head_dim=16, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1)
+# Sparse attention with a lightning indexer keeping 4 of 8 keys (DeepSeek-V3.2, GLM's DSA).
+DSA = dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
 # Per architecture: the head (causal, masked or image), its base config and the fields of its own.
 ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
     "phi3": ("causal", SMALL, dict(pad_token_id=0)),
@@ -110,6 +118,40 @@ ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
     "poolformer": ("image", {}, dict(image_size=32, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1])),
     "beit": ("image", VIT, {}),
     "dinov2": ("backbone", VIT, {}),
+    "gemma3_text": ("causal", SMALL, dict(head_dim=16, sliding_window=4)),
+    "llama4_text": ("causal", SMALL, dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                                          head_dim=16, attention_chunk_size=4)),
+    "olmoe": ("causal", SMALL, MOE),
+    "granitemoe": ("causal", SMALL, MOE),
+    "minimax_m2": ("causal", SMALL, MOE),
+    "afmoe": ("causal", SMALL, MOE),
+    "solar_open": ("causal", SMALL, MOE),
+    "exaone_moe": ("causal", SMALL, MOE),
+    "deepseek_v2": ("causal", SMALL, MLA),
+    "dots1": ("causal", SMALL, MLA),
+    "youtu": ("causal", SMALL, dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                                    qk_nope_head_dim=8, v_head_dim=16)),
+    "deepseek_v32": ("causal", SMALL, DSA),
+    "glm_moe_dsa": ("causal", SMALL, DSA),
+    "mamba2": ("causal", SMALL, dict(num_heads=4, head_dim=32, state_size=8, n_groups=1, expand=2, use_mambapy=False)),
+    "falcon_mamba": ("causal", SMALL, dict(state_size=8, use_mambapy=False)),
+    "zamba2": ("causal", SMALL, dict(mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1,
+                                     attention_head_dim=16, num_mem_blocks=1, hybrid_layer_ids=[1],
+                                     layers_block_type=["mamba", "hybrid"])),
+    "bamba": ("causal", SMALL, dict(mamba_d_state=8, mamba_d_head=16, mamba_n_heads=8, mamba_n_groups=1,
+                                    attn_layer_indices=[1])),
+    "recurrent_gemma": ("causal", SMALL, dict(head_dim=16, lru_width=64, attention_window_size=4,
+                                              block_types=["recurrent", "attention"])),
+    "xlstm": ("causal", SMALL, {}),
+    "exaone": ("causal", SMALL, dict(num_layers=2)),
+    "doge": ("causal", SMALL, {}),
+    "olmo": ("causal", SMALL, {}),
+    "gpt_neox": ("causal", SMALL, {}),
+    "gpt_neo": ("causal", SMALL, dict(num_layers=2, attention_types=[[["global", "local"], 1]], window_size=4)),
+    "nanochat": ("causal", SMALL, {}),
+    "vaultgemma": ("causal", SMALL, dict(head_dim=16)),
+    "jais2": ("causal", SMALL, {}),
+    "cwm": ("causal", SMALL, {}),
 }
 TOKENS = ((2, 8), (3, 8), (3, 5))  # batch, sequence
 IMAGES = (2, 3, 4)  # batch of 3x32x32 images
