@@ -114,6 +114,34 @@ def copy_out(out: Any, theirs: set[int]) -> Any:
     return fx.node.map_aggregate(out, one)
 
 
+def non_owning(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """For each strided tensor of ``tensors``, the same tensor over a *non-owning* storage of
+    the same memory (address, size, offset, strides kept), by ``id`` of the tensor; one
+    non-owning storage per storage, so tensors that viewed one storage still share one.
+
+    A capture holds its outputs and input buffers this way once captured, as vLLM holds its
+    graphs' outputs (``weak_ref_tensors``): their blocks go back to the graphs' pool, where the
+    model's later captures take them, and the graph still writes the same addresses at replay.
+    Tensors of another type than ``torch.Tensor``, that require grad, with a conjugate or
+    negative bit, or over no memory are left out (held as they are).
+    """
+    made: dict[int, Any] = {}
+    out: dict[int, torch.Tensor] = {}
+    for v in tensors:
+        if type(v) is not torch.Tensor or v.layout != torch.strided or v.requires_grad or v.is_conj() \
+                or v.is_neg():
+            continue
+        storage = v.untyped_storage()
+        if not storage.nbytes():
+            continue
+        weak = made.get(storage._cdata)
+        if weak is None:
+            weak = made[storage._cdata] = torch._C._construct_storage_from_data_pointer(
+                storage.data_ptr(), v.device, storage.nbytes())
+        out[id(v)] = v.new_empty(0).set_(weak, v.storage_offset(), v.size(), v.stride())
+    return out
+
+
 def _on_copy(v: torch.Tensor, storage: Any, copies: dict[int, Any]) -> torch.Tensor:
     """``v`` over the copy of ``storage`` in ``copies`` (made on first use: one copy per storage,
     so tensors that viewed one storage view one copy), at its own offset, sizes and strides."""

@@ -92,8 +92,12 @@ class CaptureMemory:
     another capture of the same model freed when its capture ended, so the memory held grows
     with the largest shape, not with the number of shapes. cuBLAS's workspace is cached per
     stream: side streams shared by role keep it to one per lane. This is safe because (1) the
-    captures' outputs, static buffers and retained objects stay alive while their graph lives,
-    so no other capture is handed their memory; (2) the captures of one model never run at once:
+    objects its captures retain stay alive while their graph lives, so no other capture is
+    handed their memory, while outputs and static input buffers go back to the pool once
+    captured (``Capture._let_go``: an output is written and read within one call, a buffer is
+    written by the copy in at the start of every call), as vLLM keeps only weak references to
+    its graphs' outputs, so that the memory held grows with the largest shape, not with the
+    sum of all shapes' outputs; (2) the captures of one model never run at once:
     replays, warm-ups and captures hold :attr:`lock`, and a replay on another stream waits for
     the last one (:func:`order_after_last`); (3) a capture's outputs may lie in memory an *earlier*
     capture used for temporaries, which that capture's replays write again: outputs handed out

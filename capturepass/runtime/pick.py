@@ -17,13 +17,17 @@ fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes 
 others' owners.
 
 Measuring holds the memory of about one capture, not one per candidate: a warm-up
-keeps only what its capture reads (``Capture._warm``), and before each candidate is
-captured the one captured before it lets its outputs go back to the model's pool
-(``Capture.drop_outputs``), where the new capture takes them. The replays then write
-memory the other candidates' replays write too, which is harmless while they run one at
-a time and nothing reads their results. The last candidate captured keeps its outputs
+keeps only what its capture reads (``Capture._warm``), a capture lets its outputs and input
+buffers go back to the model's pool once captured (``Capture._let_go``), and before each
+candidate is captured the one captured before it drops its outputs (``Capture.drop_outputs``,
+for a capture that cannot let go), where the new capture takes them. The replays then write
+memory the other candidates' replays write too, which is harmless while they run one at a
+time and nothing reads their results; each candidate's input buffers are filled with the
+call's inputs again before its timed replays. The last candidate captured keeps its outputs
 (one lane's own program goes last); any other chosen candidate is captured once more,
-anew, after the others are closed (warmed up on copies of the inputs the graph writes).
+anew, after the others are closed (warmed up on copies of the inputs the graph writes):
+at a model's first shape its pool is then a new one, without what the warm-ups left there
+(Triton's tuning buffer).
 
 Only the captured segments are timed: breaks run eagerly around them, identical in
 every candidate, and may have effects that must not repeat. Replays write the
@@ -183,10 +187,15 @@ def replay_round(caps: Sequence[Any], order: Sequence[int], repeats: int = REPEA
     replayed just before (another candidate, with other buffers) would set the cache state it
     starts from. The lead-in keeps the stream busy while the timed replays are launched, so
     each sample is the steady pace of replays one after another, as a served model runs them.
+    A capture whose ``timing_args`` are set first copies them into its input buffers, untimed.
     """
     stream = torch.cuda.current_stream()
     marks = []
     for i in order:
+        if getattr(caps[i], "timing_args", None) is not None:
+            # Its input buffers are blocks of the model's pool: another candidate's replays
+            # may have written them as temporaries (``Capture._let_go``).
+            caps[i].copy_in(caps[i].timing_args)
         for _ in range(lead_in):
             replay_segments(caps[i])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -659,6 +668,8 @@ class Picker:
             caps[:] = [c for c, _ in captured]
             kept[:] = [i for _, i in captured]
             saved = [(t, t.clone()) for t in protect]
+            for c in caps:
+                c.timing_args = args
             try:
                 with measuring_turn():
                     samples, replays = time_rounds(
@@ -671,6 +682,8 @@ class Picker:
                 c.owner.close()
             raise
         finally:
+            for c in caps:
+                c.timing_args = None
             for t, copy in saved:
                 t.copy_(copy)
         if failed is not None:

@@ -36,6 +36,12 @@ are returned over aliases of that memory, copied out only when the caller still
 holds them when it is about to be overwritten (``runtime.outputs``), unless
 ``static_outputs`` (returned as they are, overwritten by the next call).
 
+Once captured, a capture of a model whose captures share a pool holds its outputs and its
+static input buffers (moved into the pool before the capture) over non-owning storages
+(:meth:`Capture._let_go`): their blocks go back to the pool, where the model's later captures
+take them, as vLLM holds its graphs' outputs through weak references; captured largest
+first, a model's sizes hold the memory of the largest, not the sum of their outputs.
+
 A segment that reads a value its capture baked in but that changes at replay
 (a break's output of another shape or stride, or a host scalar such as a size
 or an ``.item()``) runs uncaptured from then on, and the log says so.
@@ -137,6 +143,10 @@ class Capture:
         self.snapshot: Snapshot | None = None
         self._warmed: tuple[dict[fx.Node, Any], Any] | None = None  # (values, results) of warm()
         self.outputs_dropped = False
+        self.let_go = False  # outputs and input buffers held over non-owning storages (_let_go)
+        # The call's arguments while the measured choice times this capture (``pick.replay_round``
+        # copies them in first: another candidate's replays may have written the buffers).
+        self.timing_args: Sequence[Any] | None = None
 
     # -- the first call ---------------------------------------------------------------------------
     def run(self, args: Sequence[Any], real: bool) -> Any:
@@ -222,6 +232,12 @@ class Capture:
         assert self._warmed is not None, "capture_warmed() before warm()"
         env, out = self._warmed
         self._warmed = None
+        let_go = self._lets_go()
+        if let_go:
+            # The buffers below may take the block of another capture's output the caller holds.
+            outputs.rescue_group(owner.shared.held_outputs)
+            if capture.POOL_WARM_UP_UNSUPPORTED is None:
+                self._buffers_into_pool()
         torch.cuda.synchronize(device)
         capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
         try:
@@ -233,12 +249,68 @@ class Capture:
             # cuBLAS's cache they stay allocated, and the next capture's warm-up, outside the
             # pool, peaks with them beside its own (cudagraph trees clear before and after too).
             capture.clear_cublas_workspaces()
+        if let_go:
+            self._let_go(args)
+            self.let_go = True
         self.snapshot = Snapshot.of(self)
         if not self.static_outputs and outputs.supported():
             self.outputs = outputs.OutputAliases(self._overwritten(args))
             owner.before_close.append(self.outputs.close)
             if owner.shared is not None:
                 self.outputs.group = owner.shared.held_outputs
+
+    def _lets_go(self) -> bool:
+        """Whether this capture holds its outputs (and, in the pool, its input buffers) over
+        non-owning storages once captured (:meth:`_let_go`): with a pool its model's captures
+        share, outputs handed out as aliases (rescued before any of their replays), and not
+        ``static_outputs`` (returned as they are: they keep their memory)."""
+        return self.owner.shared is not None and not self.static_outputs and outputs.supported()
+
+    def _buffers_into_pool(self) -> None:
+        """Moves the static input buffers into the model's pool (values kept), where
+        :meth:`_let_go` can hand their blocks to the model's later captures."""
+        shared = self.owner.shared
+        moved: dict[int, torch.Tensor] = {}
+        with capture.in_pool(self.owner.pool, shared.capture_stream, after=(shared.last_stream,)):
+            for i, buf in self.inputs.items():
+                new = torch.empty_strided(buf.size(), buf.stride(), dtype=buf.dtype, device=buf.device)
+                new.copy_(buf)
+                moved[id(buf)] = new
+        self._replace_buffers(moved)
+
+    def _replace_buffers(self, new: dict[int, torch.Tensor]) -> None:
+        """Swaps input buffers for the tensors ``new`` gives by ``id`` of the old one."""
+        self.inputs = {i: new.get(id(b), b) for i, b in self.inputs.items()}
+        self.input_nodes = [(node, new.get(id(b), b)) for node, b in self.input_nodes]
+
+    def _let_go(self, args: Sequence[Any]) -> None:
+        """Holds the captured outputs and the input buffers in the pool over non-owning storages.
+
+        Their blocks go back to the pool the model's captures share, where its later (smaller,
+        when captured largest first) captures take them: the memory held grows with the largest
+        shape, not with the sum of its shapes' outputs (logits at every size of an LLM). The
+        graph still writes the same addresses when it replays. That is safe because (1) the
+        model's replays, warm-ups and captures run one at a time (its lock, and
+        ``order_after_last`` across streams), and within one call an output is written by its
+        segment's replay and read by later segments or breaks before any other capture replays;
+        (2) an input buffer is written by the copy in at the start of every call (an output
+        passed back as an input is rescued first, so it is never the buffer itself); (3) outputs
+        the caller still holds are rescued before the replay of any capture of the model
+        (``CaptureMemory.held_outputs``) and before a capture moves its buffers into the pool.
+        Objects retained for the lanes keep their storages, and with them their blocks.
+        """
+        theirs = _storages([*args, *self.program.constants.values()])
+        theirs |= _storages(buf for staged in self.seg_in.values() for _, buf in staged)
+        mine = [t for outs in self.seg_out.values() for t in outs if isinstance(t, torch.Tensor)]
+        if capture.POOL_WARM_UP_UNSUPPORTED is None:
+            mine += list(self.inputs.values())
+        else:
+            theirs |= _storages(self.inputs.values())  # outside the pool: their blocks are anyone's
+        weak = outputs.non_owning(t for t in mine if t.layout == torch.strided
+                                  and t.untyped_storage()._cdata not in theirs)
+        for p, outs in self.seg_out.items():
+            self.seg_out[p] = [weak.get(id(t), t) for t in outs]
+        self._replace_buffers(weak)
 
     def _overwritten(self, args: Sequence[Any]) -> list[torch.Tensor]:
         """Tensors over the memory a replay writes anew: segment outputs, input and staged buffers.
@@ -363,12 +435,7 @@ class Capture:
                 outputs.rescue_group(self.owner.shared.held_outputs)
             elif self.outputs is not None:
                 self.outputs.rescue()
-            # Static and in-place inputs are where the capture saw them: their addresses are part of the key.
-            for i, buf in self.inputs.items():
-                arg = args[i]
-                if arg.data_ptr() != buf.data_ptr():
-                    buf.copy_(arg)
-                    self.input_copies += 1
+            self.input_copies += self.copy_in(args)
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
             for node, buf in self.input_nodes:
@@ -403,6 +470,18 @@ class Capture:
             return fx.node.map_aggregate(
                 out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
             )
+
+    def copy_in(self, args: Sequence[Any]) -> int:
+        """Copies the values of the non-static inputs of ``args`` into the static input buffers;
+        returns how many it copied (an input that is its buffer needs none). Static and in-place
+        inputs are where the capture saw them: their addresses are part of the key."""
+        n = 0
+        for i, buf in self.inputs.items():
+            arg = args[i]
+            if arg.data_ptr() != buf.data_ptr():
+                buf.copy_(arg)
+                n += 1
+        return n
 
     def release(self) -> None:
         """Stops watching the in-place inputs and closes the owner (held outputs are copied out first)."""

@@ -270,3 +270,25 @@ def test_warm_up_results_are_copied_out_of_the_pool_keeping_their_views():
     made.zero_()  # the pool's memory written again: the copies keep the values
     assert torch.equal(row, torch.tensor([4.0, 5.0, 6.0, 7.0]))
     assert out["g"].requires_grad and out["g"].grad_fn is not None and torch.equal(out["g"], grad)
+
+
+def test_non_owning_tensors_keep_address_and_layout_and_one_storage_per_storage():
+    """``non_owning``: what a capture holds its outputs and buffers over once captured. The memory
+    and the layout are the tensor's; tensors that shared a storage share one non-owning storage;
+    the original storage gains no owner (its block can go back to the pool); tensors it cannot
+    treat alike (a subclass, one that requires grad) are left out."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    view = base.t()[1:3]
+    grad = torch.ones(3, requires_grad=True)
+    sub = torch.ones(3).as_subclass(_NoStorage)
+    uses = torch._C._storage_Use_Count(base.untyped_storage()._cdata)
+    weak = outputs.non_owning([base, view, grad, sub, torch.empty(0)])
+    assert set(weak) == {id(base), id(view)}
+    wb, wv = weak[id(base)], weak[id(view)]
+    for w, t in ((wb, base), (wv, view)):
+        assert (w.data_ptr(), w.shape, w.stride(), w.storage_offset(), w.dtype) == \
+            (t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype)
+    assert wb.untyped_storage()._cdata == wv.untyped_storage()._cdata != base.untyped_storage()._cdata
+    assert torch._C._storage_Use_Count(base.untyped_storage()._cdata) == uses
+    base.add_(1.0)  # the same memory: written through the owner, read through the non-owning view
+    assert torch.equal(wv, view)
