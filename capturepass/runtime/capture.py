@@ -43,6 +43,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -145,6 +146,23 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+_exclusive = threading.RLock()
+
+
+def exclusive() -> threading.RLock:
+    """The lock that serializes capturepass's captures (and probes) across the threads of the process.
+
+    A capture clears cuBLAS's workspace cache before and after it, so that its graphs allocate
+    workspaces of their own in their pool and the next warm-up does not peak beside them. The
+    cache is the process's: a clear while another thread captures frees that capture's
+    workspace into its pool mid-capture, where its next allocation may take the block while
+    the graph's matrix products still use it. Two models captured on two threads (a target and
+    its draft) therefore take turns; a release that would clear the cache waits for no capture
+    (``GraphOwner.close`` skips the clear while one of ours is in progress).
+    """
+    return _exclusive
 
 
 @contextlib.contextmanager
@@ -321,6 +339,12 @@ def first_failing_node(program: "Program", index: int, env: dict[fx.Node, Any],
         piece itself fails here, which leaves the probe without an answer).
     """
     specs = [s.payload for s in program.pieces[index].steps if s.kind == StepKind.REGION]
+    with exclusive():
+        return _first_failing(specs, program, index, env, device)
+
+
+def _first_failing(specs: list["RegionSpec"], program: "Program", index: int, env: dict[fx.Node, Any],
+                   device: torch.device) -> Culprit | None:
     try:
         for opaque in (True, False):
             try:

@@ -466,14 +466,14 @@ class GraphOwner:
             self.pool = None
             self.capture_stream = None
             self.streams = []
-            if had_graphs or self.device is not None and self.num_lanes > 1:
+            if (had_graphs or self.device is not None and self.num_lanes > 1) and lifetime.release_allowed():
                 # cuBLAS caches a workspace per (handle, stream); the one our capture
                 # allocated lives in our pool and would pin it past close, and those of our
                 # auxiliary streams outlive the streams' use. Dropping the cache is what
-                # every capture does before capturing (as cudagraph trees do).
-                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-                if clear is not None:
-                    clear()
+                # every capture does before capturing (as cudagraph trees do). Not while a
+                # capture is in progress (on any thread of ours, or this thread's stream): the
+                # cache is the process's, and that capture's workspace would be freed under it.
+                capture.clear_cublas_workspaces()
             if pool_gone and lifetime.release_allowed():
                 # NOTE: a pool whose last graph is gone is only freed at the allocator's next
                 # cache release (an out-of-memory retry, or empty_cache): until then its memory

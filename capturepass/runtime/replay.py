@@ -238,17 +238,18 @@ class Capture:
             outputs.rescue_group(owner.shared.held_outputs)
             if capture.POOL_WARM_UP_UNSUPPORTED is None:
                 self._buffers_into_pool()
-        torch.cuda.synchronize(device)
-        capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
-        try:
-            self._capture(args, env, out)
+        with capture.exclusive():  # cuBLAS's cache is the process's: one capture at a time
             torch.cuda.synchronize(device)
-        finally:
-            # The workspaces the capture allocated are the graphs' memory from now on (their
-            # replays write them), freed into the pool as the capture's temporaries are: left in
-            # cuBLAS's cache they stay allocated, and the next capture's warm-up, outside the
-            # pool, peaks with them beside its own (cudagraph trees clear before and after too).
-            capture.clear_cublas_workspaces()
+            capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
+            try:
+                self._capture(args, env, out)
+                torch.cuda.synchronize(device)
+            finally:
+                # The workspaces the capture allocated are the graphs' memory from now on (their
+                # replays write them), freed into the pool as the capture's temporaries are: left
+                # in cuBLAS's cache they stay allocated, and the next capture's warm-up, outside
+                # the pool, peaks with them beside its own (cudagraph trees clear before and after).
+                capture.clear_cublas_workspaces()
         if let_go:
             self._let_go(args)
             self.let_go = True

@@ -148,3 +148,45 @@ def test_a_replay_on_another_stream_waits_for_the_last_replay(fake_cuda):
     assert a.waited == ["b"]  # and back
     assert mem.last_stream is a and mem.last_raw == 11
     assert made == ["a", "b", "a"]  # a Stream object is made only when the stream changed
+
+
+def test_closing_an_owner_leaves_cublas_cache_alone_while_a_capture_is_in_progress(monkeypatch):
+    """cuBLAS's workspace cache is the process's: an owner closed (collected, released) while a
+    capture of ours runs, on this thread or another, would free that capture's workspace under
+    it. The clear is skipped then, and done by a close outside any capture."""
+    from capturepass.runtime import lifetime
+    from capturepass.runtime.owner import GraphOwner
+
+    clears = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: clears.append(1), raising=False)
+    during = GraphOwner("cpu-test.during", 1, None, captured=True)
+    after = GraphOwner("cpu-test.after", 1, None, captured=True)
+    for o in (during, after):
+        o.graphs[0] = object()  # an owner that captured
+    with lifetime.capturing():
+        during.close()
+    assert clears == []
+    after.close()
+    assert clears == [1]
+
+
+def test_captures_on_two_threads_take_turns():
+    """``capture.exclusive``: one thread at a time clears cuBLAS's cache and captures; re-entrant
+    on the thread that holds it (a probe inside a capture's failure handling)."""
+    order = []
+    entered = threading.Event()
+
+    def other():
+        entered.wait()
+        with capture.exclusive():
+            order.append("other")
+
+    t = threading.Thread(target=other)
+    with capture.exclusive():
+        with capture.exclusive():
+            t.start()
+            entered.set()
+            t.join(0.2)
+            order.append("mine")
+    t.join(5)
+    assert order == ["mine", "other"]

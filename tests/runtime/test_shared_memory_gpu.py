@@ -426,3 +426,36 @@ def test_an_output_held_while_another_shape_is_captured_keeps_its_values(policy)
         torch.testing.assert_close(got, model(x), **TOL)
     ex = _executor()
     assert ex.num_captures == 3 and all(c.let_go for c in ex._captures.values())
+
+
+def test_two_models_captured_on_two_threads_stay_equal_to_eager():
+    """A target and a draft captured on two threads at once: their captures take turns
+    (``capture.exclusive``: cuBLAS's workspace cache, cleared around each capture, is the
+    process's), and every result equals eager."""
+    import threading
+
+    torch.manual_seed(0)
+    # Two graphs (two executors), whose captures no lock of a model or executor serializes.
+    models = [MoEBlock(256, 512, 4, 128, 2, device="cuda"),
+              torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()]
+    fns = [torch.compile(m, backend="capturepass", dynamic=True, options={"verify": True}) for m in models]
+    errors = []
+
+    @torch.no_grad()
+    def run(k):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for t in (16, 12, 8, 4, 16, 8):
+                    x = torch.randn(t, 256, device="cuda")
+                    torch.testing.assert_close(fns[k](x), models[k](x), **TOL)
+            stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [], errors
