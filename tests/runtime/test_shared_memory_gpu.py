@@ -439,16 +439,21 @@ def test_two_models_captured_on_two_threads_stay_equal_to_eager():
     models = [MoEBlock(256, 512, 4, 128, 2, device="cuda"),
               torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()]
     fns = [torch.compile(m, backend="capturepass", dynamic=True, options={"verify": True}) for m in models]
+    # Inputs are drawn here: torch's CUDA generator refuses an eager draw on one thread while
+    # another thread captures ("Offset increment outside graph capture"), whoever captures.
+    xs = [torch.randn(t, 256, device="cuda") for t in (16, 12, 8, 4, 16, 8)]
+    with torch.no_grad():
+        wants = [[m(x) for x in xs] for m in models]
     errors = []
 
     @torch.no_grad()
     def run(k):
         try:
             stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for t in (16, 12, 8, 4, 16, 8):
-                    x = torch.randn(t, 256, device="cuda")
-                    torch.testing.assert_close(fns[k](x), models[k](x), **TOL)
+                for x, want in zip(xs, wants[k]):
+                    torch.testing.assert_close(fns[k](x), want, **TOL)
             stream.synchronize()
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             errors.append(e)
