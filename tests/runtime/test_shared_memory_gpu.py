@@ -29,6 +29,21 @@ def _captures(ex):
     return {key[1]: cap for key, cap in ex._captures.items()}
 
 
+def _held_calls(fn, model, sizes, hidden=256):
+    """Calls ``fn`` at each batch size of ``sizes`` with new values, each result equal to eager,
+    and compares every result with eager again after all the calls (the sizes' replays write
+    memory their captures share: a result still held is copied out before that)."""
+    held = []
+    for t in sizes:
+        x = torch.randn(t, hidden, device="cuda")
+        got = fn(x)
+        torch.testing.assert_close(got, model(x), **TOL)
+        held.append((x, got))
+    torch.cuda.synchronize()
+    for x, got in held:
+        torch.testing.assert_close(got, model(x), **TOL)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["auto", "off"])
 def test_shapes_of_one_model_share_a_pool_and_streams(policy):
@@ -64,15 +79,7 @@ def test_interleaved_shapes_and_held_results_stay_equal_to_eager():
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
     compiled = torch.compile(model, backend="capturepass", dynamic=True,
                              options={"capture_sizes": [4, 8, 16], "verify": True})
-    held = []
-    for t in (16, 4, 8, 16, 8, 4, 4, 16):
-        x = torch.randn(t, 256, device="cuda")
-        got = compiled(x)
-        torch.testing.assert_close(got, model(x), **TOL)
-        held.append((x, got))
-    torch.cuda.synchronize()
-    for x, got in held:  # every result, after the other shapes replayed
-        torch.testing.assert_close(got, model(x), **TOL)
+    _held_calls(compiled, model, (16, 4, 8, 16, 8, 4, 4, 16))
     assert _executor().num_captures == 3
 
 
@@ -302,15 +309,7 @@ def test_graphs_dynamo_compiles_for_other_shapes_of_one_model_share_its_pool():
     torch.manual_seed(0)
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
     compiled = torch.compile(model, backend="capturepass", dynamic=True, options={"verify": True})
-    held = []
-    for t in (8, 1, 8, 1, 4, 1):
-        x = torch.randn(t, 256, device="cuda")
-        got = compiled(x)
-        torch.testing.assert_close(got, model(x), **TOL)
-        held.append((x, got))
-    torch.cuda.synchronize()
-    for x, got in held:
-        torch.testing.assert_close(got, model(x), **TOL)
+    _held_calls(compiled, model, (8, 1, 8, 1, 4, 1))
     graphs = [g for g in last_compiled() if g.name == "inference" and g.executor is not None][-2:]
     owners = [c.owner for g in graphs for c in g.executor._captures.values()]
     assert len(owners) == 3  # 8 and 4 in the dynamic graph, 1 in its own
@@ -395,14 +394,9 @@ def test_captured_outputs_and_input_buffers_go_back_to_the_pool():
     assert len(caps) == len(sizes) and all(c.let_go for c in caps.values())
     largest = sizes[0] * 8192 * 4
     assert grown < largest, grown / 2**20
-    held = []
-    for t in (64, 512, 128, 64, 448, 512):
-        xt = torch.randn(t, 256, device="cuda")
-        held.append((xt, fn(xt)))
-    torch.cuda.synchronize()
-    for xt, got in held:  # each rescued before another size's graph wrote its blocks
-        torch.testing.assert_close(got, model(xt), **TOL)
-    assert sum(c.outputs.rescues for c in caps.values()) >= len(held) - 1
+    calls = (64, 512, 128, 64, 448, 512)
+    _held_calls(fn, model, calls)  # each rescued before another size's graph wrote its blocks
+    assert sum(c.outputs.rescues for c in caps.values()) >= len(calls) - 1
 
 
 @torch.no_grad()
@@ -415,15 +409,7 @@ def test_an_output_held_while_another_shape_is_captured_keeps_its_values(policy)
     torch.manual_seed(0)
     model = MoEBlock(256, 512, 4, 128, 2, device="cuda")
     fn = torch.compile(model, backend="capturepass", dynamic=True, options={"policy": policy, "verify": True})
-    held = []
-    for t in (16, 16, 8, 8, 4, 16, 4, 8):  # a replay's output held across the next size's capture
-        x = torch.randn(t, 256, device="cuda")
-        got = fn(x)
-        torch.testing.assert_close(got, model(x), **TOL)
-        held.append((x, got))
-    torch.cuda.synchronize()
-    for x, got in held:
-        torch.testing.assert_close(got, model(x), **TOL)
+    _held_calls(fn, model, (16, 16, 8, 8, 4, 16, 4, 8))  # a replay's output held across the next size's capture
     ex = _executor()
     assert ex.num_captures == 3 and all(c.let_go for c in ex._captures.values())
 
