@@ -132,23 +132,24 @@ def non_owning(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
                 or v.is_neg():
             continue
         storage = v.untyped_storage()
-        if not storage.nbytes():
-            continue
-        weak = made.get(storage._cdata)
-        if weak is None:
-            weak = made[storage._cdata] = torch._C._construct_storage_from_data_pointer(
-                storage.data_ptr(), v.device, storage.nbytes())
-        out[id(v)] = v.new_empty(0).set_(weak, v.storage_offset(), v.size(), v.stride())
+        if storage.nbytes():
+            out[id(v)] = _over(v, storage, made, lambda st: torch._C._construct_storage_from_data_pointer(
+                st.data_ptr(), v.device, st.nbytes()))
     return out
 
 
+def _over(v: torch.Tensor, storage: Any, made: dict[int, Any], make: Any) -> torch.Tensor:
+    """``v`` over ``make(storage)``, kept in ``made`` (made on first use: one per storage, so
+    tensors that viewed one storage view one replacement), at its own offset, sizes and strides."""
+    other = made.get(storage._cdata)
+    if other is None:
+        other = made[storage._cdata] = make(storage)
+    return v.new_empty(0).set_(other, v.storage_offset(), v.size(), v.stride())
+
+
 def _on_copy(v: torch.Tensor, storage: Any, copies: dict[int, Any]) -> torch.Tensor:
-    """``v`` over the copy of ``storage`` in ``copies`` (made on first use: one copy per storage,
-    so tensors that viewed one storage view one copy), at its own offset, sizes and strides."""
-    copy = copies.get(storage._cdata)
-    if copy is None:
-        copy = copies[storage._cdata] = storage.clone()
-    return v.new_empty(0).set_(copy, v.storage_offset(), v.size(), v.stride())
+    """``v`` over the copy of ``storage`` in ``copies`` (one copy per storage)."""
+    return _over(v, storage, copies, lambda st: st.clone())
 
 
 def rescue_group(group: list["OutputAliases"]) -> int:
