@@ -139,8 +139,16 @@ class OwnersRecord:
         self._write()
 
     def add(self, name: str, model: str, role: str, inputs: str, device: str) -> None:
-        """Records a new owner and rewrites the file."""
-        self.doc["owners"].append({"name": name, "model": model, "role": role, "inputs": inputs, "device": device})
+        """Records a new owner and rewrites the file; an owner made again under its name (a shape
+        captured again: an input moved, or stayed put) replaces its entry."""
+        entry = {"name": name, "model": model, "role": role, "inputs": inputs, "device": device}
+        owners = self.doc["owners"]
+        for i, old in enumerate(owners):
+            if old["name"] == name:
+                owners[i] = entry
+                break
+        else:
+            owners.append(entry)
         self._write()
 
     def _write(self) -> None:

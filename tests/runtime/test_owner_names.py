@@ -340,3 +340,14 @@ def test_a_lane_map_on_the_host_keeps_the_map_and_no_streams():
         assert plain.lane_map == (0, 1, 2)
     finally:
         plain.close()
+
+
+def test_an_owner_made_again_under_its_name_replaces_its_entry(tmp_path):
+    """A shape captured again (an input that moved, or that stayed put and is now read in place)
+    is the same owner name: owners.json lists each owner once, with its latest inputs."""
+    record = naming.OwnersRecord(str(tmp_path), "g9", "inference")
+    record.add("g9.m0.c0", "g9.m0", "capture", "f32[4,8]", "cuda:0")
+    record.add("g9.m0.c1", "g9.m0", "capture", "f32[6,8]", "cuda:0")
+    record.add("g9.m0.c0", "g9.m0", "capture", "f32[4,8] in place", "cuda:0")
+    owners = json.loads((tmp_path / naming.OWNERS_FILE).read_text())["owners"]
+    assert [(o["name"], o["inputs"]) for o in owners] == [("g9.m0.c0", "f32[4,8] in place"), ("g9.m0.c1", "f32[6,8]")]
