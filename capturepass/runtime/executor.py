@@ -84,11 +84,11 @@ from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import capture, context, lifetime, naming, outputs, pools, profiling, sizes
-from capturepass.runtime.in_place import InPlacePlans, capture_key
+from capturepass.runtime.in_place import STEADY_CALLS, InPlacePlans, capture_key
 from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.releases import Releases
-from capturepass.runtime.replay import Capture, CaptureFailure, Snapshot
+from capturepass.runtime.replay import Capture, CaptureFailure, InPlaceMoved, Snapshot
 from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
@@ -394,12 +394,17 @@ class Executor(Releases):
         key = capture_key(base, plan, args)
         cap = self._captures.get(key)
         if cap is not None:
-            return cap.replay(args, self.check_replay)
-        if plan[0]:
+            if self._places.watching(base) is None:
+                return self._replay(cap, args)
+            steady = self._places.observe(base, args)
+            if not steady:
+                return self._replay(cap, args)
+            key = self._promote(base, args, steady)
+        elif plan[0]:
             key = self._replan(base, args)
             cap = self._captures.get(key)
             if cap is not None:
-                return cap.replay(args, self.check_replay)
+                return self._replay(cap, args)
         if len(self._captures) >= self.max_captures:
             if not self._warned_bound:
                 self._warned_bound = True
@@ -409,14 +414,49 @@ class Executor(Releases):
                     self._what, self.max_captures,
                 )
             return self._run_eager(args)
+        if self._places.watching(base) is not None:
+            self._places.saw(base, args)  # a call too: the next must find its inputs where this one had them
         try:
             return self._capture_new(args, key, real=True)[1]
         except CaptureFailure as failure:
             self._capture_failed(failure)
             return failure.outputs  # the warm-up was this call
 
+    def _replay(self, cap: Capture, args: list[Any]) -> Any:
+        try:
+            return cap.replay(args, self.check_replay)
+        except InPlaceMoved as moved:
+            # The replay copied a held output out of the graph's memory, and it was an input
+            # captured in place: the graph would read where it was. The call goes again on
+            # its new address, where the input is copied from now on.
+            log.warning("capturepass: %s: input(s) %s, captured in place, were moved by the replay (an output of "
+                        "the model's handed back); copied into buffers from now on", self._what,
+                        ", ".join(f"%{self.program.inputs[i].name}" for i in moved.positions))
+            return self._call(args)
+
+    def _promote(self, base: tuple, args: Sequence[Any], positions: Sequence[int]) -> tuple:
+        """Captures ``base`` again with ``positions`` (inputs read whole, found at one address
+        call after call) in place; returns the key of the capture to make."""
+        released = self._release_base(base)
+        plan = self._places.promote(base, args, positions)
+        log.info("capturepass: %s: input(s) %s stayed at one address for %d calls; captured in place from now on "
+                 "(no copy per call)%s", self._what, ", ".join(f"%{self.program.inputs[i].name}" for i in positions),
+                 STEADY_CALLS + 1, f"; released {', '.join(released)}, which copied them" if released else "")
+        return capture_key(base, plan, args)
+
+    def _release_base(self, base: tuple) -> list[str]:
+        """Releases every capture of ``base`` (model instance and shapes); returns their owners' names."""
+        released = []
+        for key in [k for k in self._captures if k[:2] == base]:
+            cap = self._captures.pop(key)
+            released.append(cap.owner.name)
+            cap.release()
+        return released
+
     def _watch_in_place(self, key: tuple, cap: Capture, args: Sequence[Any], places: frozenset[int]) -> None:
-        """Releases ``cap`` when the storage of an input it was captured on in place (``places``) dies."""
+        """Releases ``cap`` when the storage of an input it was captured on in place (``places``) dies
+        (inputs in place because they stayed put are not watched: ``InPlacePlans.watched``)."""
+        places = places & self._places.watched(key[:2])
         if places:
             cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in sorted(places)])
 
@@ -430,11 +470,7 @@ class Executor(Releases):
         moved = self._places.moved(base, args)
         if moved:
             names = [self.program.inputs[i].name for i in moved]
-            released = []
-            for key in [k for k in self._captures if k[:2] == base]:
-                cap = self._captures.pop(key)
-                released.append(cap.owner.name)
-                cap.release()
+            released = self._release_base(base)
             log.info(
                 "capturepass: %s: input(s) %s came at another address than at their capture; they are "
                 "copied into buffers from now on (a capture per address would spend max_captures)%s",

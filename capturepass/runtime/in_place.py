@@ -14,6 +14,19 @@ buffer from then on (:meth:`InPlacePlans.moved`), and the executor releases the 
 on the old address. So a caller whose tensors stay put pays no copy, one whose tensors move
 pays one extra capture per shape (at most one per input that moves, as they are found), and
 captures never multiply per address.
+
+A whole tensor the graph only reads (an input made for the call, or a buffer a caller keeps
+and refills: a benchmark's input, a decoder's token buffer) starts copied, since most callers
+make one per call. The plan watches where it comes (:meth:`InPlacePlans.observe`): once
+:data:`STEADY_CALLS` call(s) in a row found it where the call before had it, the capture is made
+again on it in place (:meth:`InPlacePlans.promote`), and from then on it costs no copy. One call
+suffices: the next call is still early in any warm-up, and a wrong guess costs one capture. If it moves after
+that, it is copied for good (``moved``): at most two more captures per shape, and none for a
+caller whose tensors never stay put.
+
+Memory a replay hands out (an output over a non-owning alias of a graph's pool, ``runtime.
+outputs``) is never captured in place (:func:`owns_memory`): the replay that reads it may
+first copy it out of the pool, or write the pool under it.
 """
 
 from __future__ import annotations
@@ -25,6 +38,12 @@ import torch
 
 # (positions captured in place, their addresses at the base's first capture)
 Plan = tuple[tuple[int, ...], tuple[int, ...]]
+
+# Calls in a row that must find a whole read-only input where the call before had it before
+# it is captured in place (the call that finds it the last time captures instead of replaying).
+STEADY_CALLS = 1
+# Addresses a whole read-only input may take before the plan stops watching it (copied for good).
+MAX_MOVES = 4
 
 
 def capture_key(base: tuple, plan: Plan | None, args: Sequence[Any]) -> tuple:
@@ -43,6 +62,17 @@ def is_slice(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > extent * t.element_size()
 
 
+def owns_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage owns its memory through an allocator (a resizable storage).
+
+    A replayed output handed out over a non-owning alias of its graph's pool is not: a later
+    replay of the model copies it out first (the alias moves) or writes the pool under it, so
+    no capture may read it where it lies. Memory from outside torch (``from_dlpack``) is not
+    either; it is copied, which is always safe.
+    """
+    return t.untyped_storage().resizable()
+
+
 class InPlacePlans:
     """The in-place plan of every base (model instance, shapes) of one program.
 
@@ -55,8 +85,14 @@ class InPlacePlans:
         self._static = frozenset(static_inputs)
         self._written = frozenset(written)
         self._plans: dict[tuple, Plan] = {}
+        # Whole read-only inputs still watched, per base: position -> [address, replays there, moves].
+        self._steady: dict[tuple, dict[int, list[int]]] = {}
+        # Positions of a base captured in place because they stayed put (not watched for their death).
+        self._promoted: dict[tuple, frozenset[int]] = {}
         # The plan of a base, if it has one: every captured call asks, so it is the dict's own method.
         self.get: Callable[[tuple], Plan | None] = self._plans.get
+        # The whole read-only inputs of a base still watched, if any (every replay asks).
+        self.watching: Callable[[tuple], dict[int, list[int]] | None] = self._steady.get
 
     def positions(self, args: Sequence[Any], given: Sequence[Any] | None = None) -> tuple[int, ...]:
         """Input positions to capture on the caller's tensor: written, or a slice of a larger buffer.
@@ -64,23 +100,88 @@ class InPlacePlans:
         With ``given`` (the caller's arguments, of which ``args`` are resized copies) only the
         positions that are the caller's own tensors qualify.
         """
+        return tuple(i for i in self._callers(args, given) if i in self._written or is_slice(args[i]))
+
+    def _callers(self, args: Sequence[Any], given: Sequence[Any] | None) -> list[int]:
+        """Non-static positions holding a strided tensor of the caller's that owns its memory."""
         places = []
         for i, a in enumerate(args):
             if i in self._static or not isinstance(a, torch.Tensor) or a.layout != torch.strided:
                 continue
             if given is not None and (i >= len(given) or a is not given[i]):
                 continue
-            if i in self._written or is_slice(a):
+            if owns_memory(a):
                 places.append(i)
-        return tuple(places)
+        return places
 
     def plan(self, base: tuple, args: Sequence[Any], given: Sequence[Any] | None = None) -> Plan:
-        """The plan of ``base``, decided (with ``args``' addresses) at its first capture."""
+        """The plan of ``base``, decided (with ``args``' addresses) at its first capture; the whole
+        read-only inputs of the caller are watched from then on (:meth:`observe`)."""
         plan = self._plans.get(base)
         if plan is None:
-            places = self.positions(args, given)
+            callers = self._callers(args, given)
+            places = tuple(i for i in callers if i in self._written or is_slice(args[i]))
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
+            steady = {i: [args[i].data_ptr(), 0, 0] for i in callers if i not in places and _plain(args[i])}
+            if steady:
+                self._steady[base] = steady
         return plan
+
+    def observe(self, base: tuple, args: Sequence[Any]) -> tuple[int, ...]:
+        """Counts a call of ``base`` (which :attr:`watching`) that found its capture; returns the
+        watched positions that :data:`STEADY_CALLS` such calls in a row found where the call
+        before had them (to :meth:`promote`), or ``()``."""
+        steady = self._steady[base]
+        ready = []
+        for i, seen in list(steady.items()):
+            a = args[i]
+            ptr = a.data_ptr()
+            if ptr == seen[0]:
+                seen[1] += 1
+                if seen[1] >= STEADY_CALLS:
+                    if owns_memory(a):
+                        ready.append(i)
+                        continue
+                    seen[1] = 0  # an output handed back at the address of the last: never in place
+                continue
+            seen[0], seen[1], seen[2] = ptr, 0, seen[2] + 1
+            if seen[2] > MAX_MOVES:
+                del steady[i]  # a new tensor per call: copied for good
+        if not steady:
+            del self._steady[base]
+        return tuple(ready)
+
+    def saw(self, base: tuple, args: Sequence[Any]) -> None:
+        """Notes the addresses of a call of ``base`` that captures (which :attr:`watching`): the
+        next call counts as steady only where it finds its inputs at these."""
+        for i, seen in self._steady[base].items():
+            seen[0], seen[1] = args[i].data_ptr(), 0
+
+    def promote(self, base: tuple, args: Sequence[Any], positions: Collection[int]) -> Plan:
+        """Adds ``positions`` (whole read-only inputs that stayed put) to the plan of ``base``, at
+        their addresses in ``args``; they are no longer watched. Returns the new plan."""
+        steady = self._steady.get(base, {})
+        for i in positions:
+            steady.pop(i, None)
+        if not steady:
+            self._steady.pop(base, None)
+        places, ptrs = self._plans[base]
+        merged = sorted({**dict(zip(places, ptrs)), **{i: args[i].data_ptr() for i in positions}}.items())
+        plan = self._plans[base] = (tuple(i for i, _ in merged), tuple(p for _, p in merged))
+        self._promoted[base] = self._promoted.get(base, frozenset()) | frozenset(positions)
+        return plan
+
+    def watched(self, base: tuple) -> frozenset[int]:
+        """The in-place positions of ``base`` whose capture goes when their storage dies: the
+        written inputs and slices. An input promoted for staying put is not: a caller that makes
+        a new tensor per call at a recycled address would otherwise release and capture again at
+        every call, while a capture keyed on a dead address is harmless (a replay runs only for a
+        tensor at that address, and the replay writes no memory that was the caller's when it
+        was captured)."""
+        plan = self._plans.get(base)
+        if plan is None:
+            return frozenset()
+        return frozenset(plan[0]) - self._promoted.get(base, frozenset())
 
     def moved(self, base: tuple, args: Sequence[Any]) -> list[int]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
@@ -97,8 +198,18 @@ class InPlacePlans:
     def clear(self) -> None:
         """Forgets every plan (the captures were released)."""
         self._plans.clear()
+        self._steady.clear()
+        self._promoted.clear()
 
     def forget(self, match: Callable[[tuple], bool]) -> None:
         """Forgets the plans of the model instances ``match`` accepts."""
         for base in [b for b in self._plans if match(b[0])]:
             del self._plans[base]
+            self._steady.pop(base, None)
+            self._promoted.pop(base, None)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A whole read-only input that may be captured in place once it stays put: a plain tensor
+    (a subclass may keep state of its own) with elements, not requiring grad."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0 and not t.requires_grad

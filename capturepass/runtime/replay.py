@@ -94,6 +94,20 @@ class CaptureFailure(Exception):
         self.device = device
 
 
+class InPlaceMoved(Exception):
+    """A replay found inputs captured in place elsewhere than at capture once it had copied the
+    model's held outputs out of the graph's memory (they were such outputs): nothing ran, and
+    the call must go again on their new addresses.
+
+    Attributes:
+        positions: the input positions that moved.
+    """
+
+    def __init__(self, positions: Sequence[int]) -> None:
+        super().__init__(f"inputs {list(positions)} captured in place moved")
+        self.positions = tuple(positions)
+
+
 def _storages(values: Iterable[Any]) -> set[int]:
     """The storages (``_cdata``) of the strided tensors among ``values``."""
     return {v.untyped_storage()._cdata for v in values if isinstance(v, torch.Tensor) and v.layout == torch.strided}
@@ -436,6 +450,9 @@ class Capture:
                 outputs.rescue_group(self.owner.shared.held_outputs)
             elif self.outputs is not None:
                 self.outputs.rescue()
+            moved = self.moved_in_place(args)
+            if moved:
+                raise InPlaceMoved(moved)
             self.input_copies += self.copy_in(args)
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
@@ -471,6 +488,14 @@ class Capture:
             return fx.node.map_aggregate(
                 out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
             )
+
+    def moved_in_place(self, args: Sequence[Any]) -> list[int]:
+        """The in-place positions whose tensor in ``args`` is not where the graphs read it.
+
+        The executor keys a capture on these addresses, so only a rescue can have moved one
+        since: the caller handed back an output of the model, which lies in the graph's memory.
+        """
+        return [i for i, ptr in self.in_place_ptrs.items() if args[i].data_ptr() != ptr]
 
     def copy_in(self, args: Sequence[Any]) -> int:
         """Copies the values of the non-static inputs of ``args`` into the static input buffers;

@@ -191,8 +191,10 @@ def test_external_stream_joined_under_capture_and_at_replay():
     try:
         compiled = torch.compile(model, backend="capturepass", options={
             "external_streams": {"offload": "before"}, "verify": True})
-        x = torch.randn(64, 256, device="cuda")
-        for i in range(4):
+        # Inputs at new addresses: the shape keeps one capture (an input refilled in place would be
+        # captured again on its address at the second call).
+        xs = [torch.randn(64, 256, device="cuda") for _ in range(4)]
+        for x in xs:
             new = torch.randn(256, 256, device="cuda")
             torch.cuda.current_stream().synchronize()
             with torch.cuda.stream(offload):

@@ -16,7 +16,8 @@ import torch
 
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import executor as executor_module
-from capturepass.runtime.in_place import InPlacePlans, capture_key, is_slice
+from capturepass.runtime.in_place import MAX_MOVES, STEADY_CALLS, InPlacePlans, capture_key, is_slice, owns_memory
+from capturepass.runtime.replay import InPlaceMoved
 from tests.helpers import HostCapture as _HostCapture
 
 
@@ -165,6 +166,165 @@ def test_the_measured_choice_captures_its_candidates_in_place_and_protects_the_c
     assert seen["protect"] == [cache.data_ptr()]  # written and in place: restored after timing
     assert len(cap.watchers) == 2  # released when the cache's or the buffer's storage dies
     assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay"]
+
+
+def _in_place_shapes(ex, cap):
+    shapes = [tuple(n.meta["val"].shape) for n in ex.program.inputs]
+    return sorted(shapes[i] for i in cap.in_place)
+
+
+@torch.no_grad()
+def test_whole_inputs_read_only_that_stay_put_are_captured_in_place_once_seen_there(host_captures, caplog):
+    """x and pos are whole tensors the graph only reads: copied at first (most callers make one
+    per call); refilled at one address call after call, they are captured in place."""
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    x, pos = torch.empty(1, 4), torch.empty(1, dtype=torch.long)
+    x.normal_(), pos.fill_(0)
+    compiled(x, cache, pos, rows[:3])  # compiles, runs eagerly
+    model(x, ref, pos, rows[:3])
+    ex = _executor()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for step in range(1, 8):
+            x.normal_(), pos.fill_(step)  # the caller refills its buffers: read where they are
+            torch.testing.assert_close(compiled(x, cache, pos, rows[:3]), model(x, ref, pos, rows[:3]))
+            torch.testing.assert_close(cache, ref)
+    first, second = host_captures[0][1], host_captures[STEADY_CALLS][1]
+    # The copy capture replays until STEADY_CALLS calls in a row found x and pos where the call
+    # before had them; that call captures them in place.
+    assert host_captures == ([("capture", first)] + [("replay", first)] * (STEADY_CALLS - 1)
+                             + [("capture", second)] + [("replay", second)] * (6 - STEADY_CALLS))
+    (key, cap), = ex._captures.items()
+    assert _in_place_shapes(ex, cap) == [(1,), (1, 4), (3, 4), (8, 4)]
+    assert sorted(key[2]) == sorted([x.data_ptr(), pos.data_ptr(), cache.data_ptr(), rows.data_ptr()])
+    assert len(cap.watchers) == 2  # the cache and the rows' buffer: x and pos may die and come back
+    said = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"capturepass: inference graph {ex.graph_owner}: input(s) %")
+    assert f"for {STEADY_CALLS + 1} calls; captured in place from now on" in said[0] and "which copied them" in said[0]
+    assert ex._places.watching(key[:2]) is None  # nothing is watched per call any more
+
+
+@torch.no_grad()
+def test_inputs_made_per_call_stay_copied_without_another_capture(host_captures):
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    made = [_args(step % 8, rows) for step in range(10)]  # all alive: every call at new addresses
+    compiled(*[made[0][0], cache, *made[0][1:]])
+    model(made[0][0], ref, *made[0][1:])
+    ex = _executor()
+    for x, pos, r in made[1:]:
+        torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+    (key, cap), = ex._captures.items()
+    assert [k for k, _ in host_captures] == ["capture"] + ["replay"] * 8
+    assert _in_place_shapes(ex, cap) == [(3, 4), (8, 4)]
+    assert ex._places.watching(key[:2]) is None  # given up after MAX_MOVES addresses
+    assert MAX_MOVES < 8
+
+
+@torch.no_grad()
+def test_an_input_captured_in_place_for_staying_put_that_moves_is_copied_for_good(host_captures):
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    x, pos = torch.randn(1, 4), torch.tensor([0])
+    for _ in range(STEADY_CALLS + 2):
+        compiled(x, cache, pos, rows[:3])
+        model(x, ref, pos, rows[:3])
+    ex = _executor()
+    for _ in range(STEADY_CALLS + 1):
+        compiled(x, cache, pos, rows[:3])
+        model(x, ref, pos, rows[:3])
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(1,), (1, 4), (3, 4), (8, 4)]
+    others = [torch.randn(1, 4) for _ in range(STEADY_CALLS + 2)]
+    for y in [*others, x]:
+        torch.testing.assert_close(compiled(y, cache, pos, rows[:3]), model(y, ref, pos, rows[:3]))
+        torch.testing.assert_close(cache, ref)
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(1,), (3, 4), (8, 4)]  # x copied from now on; pos stayed
+    assert [k for k, _ in host_captures].count("capture") == 3
+
+
+class _Rescuing(_HostCapture):
+    """A replay that first moves the in-place inputs at ``positions`` to copies, as the rescue of
+    a held output does when the caller hands one back."""
+
+    positions: tuple[int, ...] = ()
+
+    def replay(self, args, check=False):
+        for i in _Rescuing.positions:
+            args[i].set_(args[i].clone())
+        _Rescuing.positions = ()
+        moved = self.moved_in_place(args)
+        if moved:
+            raise InPlaceMoved(moved)
+        return super().replay(args, check)
+
+
+@torch.no_grad()
+def test_an_input_in_place_that_the_replay_moves_goes_again_copied(monkeypatch, caplog):
+    monkeypatch.setattr(executor_module, "Capture", _Rescuing)
+    _HostCapture.log = []
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    calls = [_args(step, rows) for step in range(3)]  # all alive: x and pos stay copied
+    for i, (x, pos, r) in enumerate(calls[:2]):
+        compiled(x, cache, pos, r)
+        model(x, ref, pos, r)
+        if i == 0:
+            ex = _executor()
+    (cap,) = ex._captures.values()
+    cache_at = [i for i in cap.in_place if ex.program.inputs[i].meta["val"].shape == (8, 4)]
+    _Rescuing.positions = tuple(cache_at)
+    x, pos, r = calls[2]
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+    torch.testing.assert_close(cache, ref)
+    said = [r.getMessage() for r in caplog.records if "were moved by the replay" in r.getMessage()]
+    assert len(said) == 1 and "copied into buffers from now on" in said[0]
+    assert cap.owner.closed
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(3, 4)]  # the cache is copied in and back from now on
+    assert [k for k, _ in _HostCapture.log] == ["capture", "capture"]
+
+
+def test_memory_handed_out_over_a_non_owning_storage_is_never_in_place():
+    owner = torch.zeros(16, 8)
+    alias = torch._C._construct_storage_from_data_pointer(owner.data_ptr(), owner.device, owner.untyped_storage().nbytes())
+    out = torch.empty(0).set_(alias, 0, (16, 8), (8, 1))
+    assert owns_memory(owner) and not owns_memory(out) and not owns_memory(out[:4])
+    plans = InPlacePlans(static_inputs=(), written={0})
+    base = (("instance",), ("shapes",))
+    assert plans.plan(base, [out, out[:4], owner[:4]]) == ((2,), (owner.data_ptr(),))
+    assert plans.watching(base) is None  # a replayed output is not watched for staying put either
+    kept = torch.zeros(2, 8)
+    plans = InPlacePlans(static_inputs=(), written=())
+    plans.plan(base, [kept, out])
+    for _ in range(STEADY_CALLS - 1):
+        assert plans.observe(base, [kept, out]) == ()
+    assert plans.observe(base, [kept, out]) == (0,)  # only the caller's own tensor
+    assert plans.promote(base, [kept, out], (0,)) == ((0,), (kept.data_ptr(),))
+    assert plans.watched(base) == frozenset()
+
+
+def test_a_whole_input_is_steady_only_where_the_call_just_before_had_it():
+    """A capture call counts: a caller alternating two tensors, with a capture between (a cache
+    that moved), must not look steady because the tensor of two calls ago is back."""
+    a, b, c = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    plans = InPlacePlans(static_inputs=(), written=())
+    base = (("instance",), ("shapes",))
+    assert plans.plan(base, [a]) == ((), ()) and plans.watching(base) is not None
+    plans.saw(base, [b])  # a later call captured again, with b
+    assert plans.observe(base, [a]) == ()  # a was two calls ago
+    assert plans.observe(base, [a]) == (0,)
+    plans = InPlacePlans(static_inputs=(), written=())
+    plans.plan(base, [a])
+    for t in ([b, c] * MAX_MOVES)[:MAX_MOVES + 1]:
+        assert plans.observe(base, [t]) == ()
+    assert plans.watching(base) is None  # moved too often: copied for good, nothing watched
 
 
 def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():

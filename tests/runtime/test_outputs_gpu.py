@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from capturepass.backends.compile import last_compiled
-from capturepass.runtime import outputs
+from capturepass.runtime import in_place, outputs
 import tests.helpers  # noqa: F401 - registers torch.ops.cptest.host_round
+from tests.helpers import compiled_since
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,6 +118,94 @@ def test_an_output_fed_back_as_the_next_input_gives_eagers_result():
     # Calls 3 and 4 read the previous replay's output: copied out before it is overwritten.
     assert cap.outputs.rescues == 2
     assert cap.input_copies == 3  # h into its buffer at each replay
+
+
+@torch.no_grad()
+def test_an_output_fed_back_call_after_call_is_never_read_in_place():
+    """The output of each call lies at one address in the pool, call after call: it is handed back
+    over an alias of the graph's memory, which the replay first copies out (it is held), so it is
+    never captured in place, however long it stays there."""
+    torch.manual_seed(0)
+    model = _Step()
+    compiled = _compile(model)
+    h = want = torch.randn(2, 32, device="cuda")
+    calls = in_place.STEADY_CALLS + 7
+    for _ in range(calls):
+        h = compiled(h)
+        want = model(want)
+        torch.testing.assert_close(h, want)
+    cap = _only_capture(_executor())
+    assert cap.in_place_ptrs == {} and cap.input_copies == calls - 1
+
+
+@torch.no_grad()
+def test_a_whole_input_refilled_at_one_address_is_read_there_without_a_copy(caplog):
+    torch.manual_seed(0)
+    model = _Step()
+    compiled = _compile(model)
+    h = torch.empty(2, 32, device="cuda")
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(in_place.STEADY_CALLS + 5):
+            h.normal_()  # refilled at its address, as a caller's input buffer
+            torch.testing.assert_close(compiled(h), model(h))
+    assert f"stayed at one address for {in_place.STEADY_CALLS + 1} calls; captured in place" in caplog.text
+    cap = _only_capture(_executor())
+    assert list(cap.in_place_ptrs.values()) == [h.data_ptr()]
+    assert cap.input_copies == 0 and cap.watchers == []
+
+
+@torch.no_grad()
+def test_a_capture_in_place_on_a_dead_tensor_replays_for_the_next_tensor_at_its_address():
+    """A caller that makes its input per call, freeing the last first: the caching allocator hands
+    the same block back, the capture is made in place on it, and serves every later tensor there."""
+    torch.manual_seed(0)
+    model = _Step()
+    compiled = _compile(model)
+    ptrs = []
+    for _ in range(3 * in_place.STEADY_CALLS + 5):
+        x = torch.randn(2, 32, device="cuda")
+        ptrs.append(x.data_ptr())
+        torch.testing.assert_close(compiled(x), model(x))
+        del x
+    assert len(set(ptrs[-3 * in_place.STEADY_CALLS:])) == 1, f"the allocator gave the freed block back: {ptrs}"
+    cap = _only_capture(_executor())
+    assert list(cap.in_place_ptrs.values()) == [ptrs[-1]] and cap.input_copies == 0 and cap.watchers == []
+
+
+class _SliceAcrossABreak(torch.nn.Module):
+    """Graph 1 returns a slice of its own result; graph 2, after the break, reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(32, 64, device="cuda")
+        self.b = torch.nn.Linear(32, 32, device="cuda")
+
+    def forward(self, x, y):
+        s = self.a(x).relu()[:, 16:48]
+        torch._dynamo.graph_break()
+        return self.b(s).tanh() + s * 2 + y.sum()
+
+
+@torch.no_grad()
+def test_a_slice_of_an_output_of_the_graph_before_a_break_is_copied_not_read_in_place():
+    """The slice is an alias of graph 1's memory in the pool the model's graphs share. A new
+    y recompiles graph 2 alone, whose first capture then sees the slice as a replay of graph 1
+    hands it out: that replay copies it out first (it is held), and graph 2's capture and
+    replays write that pool. Read in place, it would be read from where it no longer is."""
+    torch.manual_seed(0)
+    model = _SliceAcrossABreak()
+    compiled = _compile(model)
+    before = last_compiled()
+    xs = [torch.randn(4, 32, device="cuda") for _ in range(6)]
+    for n in (3, 5, 7):
+        y = torch.randn(n, device="cuda")
+        for x in xs:
+            torch.testing.assert_close(compiled(x, y), model(x, y))
+    second = [g.executor for g in compiled_since(before) if g.executor is not None
+              and any(tuple(n.meta["val"].shape) == (32, 32) for n in g.executor.program.inputs)]
+    caps = [cap for ex in second for cap in ex._captures.values()]
+    assert len(second) >= 2 and caps
+    assert [cap.in_place_ptrs for cap in caps] == [{}] * len(caps)
 
 
 class _Cache(torch.nn.Module):

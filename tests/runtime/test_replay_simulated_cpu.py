@@ -281,10 +281,11 @@ def test_a_replay_rescues_the_held_outputs_of_the_models_other_captures(simulate
     for cap in (a, b):
         cap.owner.shared = mem
         cap.outputs.group = mem.held_outputs
-    held = compiled(x2)  # B replays and hands out aliases
+    # Copies (new addresses): an input seen again where it was is captured again in place.
+    held = compiled(x2.clone())  # B replays and hands out aliases
     assert mem.held_outputs == [b.outputs]
     before = b.outputs.rescues
-    compiled(x4)  # A's replay rescues B's held outputs first
+    compiled(x4.clone())  # A's replay rescues B's held outputs first
     # Two storages copied: y (and its view y[:, :4]) and h.tanh().
     assert b.outputs.rescues == before + 2 and mem.held_outputs == [a.outputs]
     for got, want in zip(held, model(x2)):
