@@ -14,7 +14,8 @@ says so (xfail, with both errors); otherwise the capturepass failure fails the t
 
 The GPU test compiles the same zoo on CUDA with default options (monolithic
 capture) and calls it three times with new inputs (the warm-up, the capture, a
-replay). Float32 with TF32 off, not bfloat16: at bfloat16's tolerance a wrong
+replay), then four times on input buffers refilled in place (the second of them
+captures again with the buffers read in place). Float32 with TF32 off, not bfloat16: at bfloat16's tolerance a wrong
 result of small magnitude would pass, and a near-tie in MoE routing that rounds
 differently picks other experts. In float32 under compile, the MoE models run
 ``transformers::grouped_mm_fallback``, an opaque custom op that reads the expert
@@ -67,9 +68,21 @@ def _run(
     tol: dict[str, float],
     label: str,
     device: str | None = None,
+    refilled: tuple[int, ...] = (),
 ) -> None:
     model, make_inputs = zoo.build(name, device=device)
-    zoo.compare_with_eager(model, compile_fn(model), make_inputs, seeds, label=label, **tol)
+    compiled = compile_fn(model)
+    zoo.compare_with_eager(model, compiled, make_inputs, seeds, label=label, **tol)
+    if refilled:
+        # Then a caller that refills its input buffers: read in place once seen at one address.
+        buffers = make_inputs(refilled[0])
+
+        def refill(seed: int) -> dict[str, torch.Tensor]:
+            for key, value in make_inputs(seed).items():
+                buffers[key].copy_(value)
+            return buffers
+
+        zoo.compare_with_eager(model, compiled, refill, refilled, label=f"{label} refilled", **tol)
 
 
 def _check(
@@ -79,10 +92,11 @@ def _check(
     tol: dict[str, float],
     label: str,
     device: str | None = None,
+    refilled: tuple[int, ...] = (),
 ) -> None:
     """Runs the capturepass comparison; on failure, tells torch's failures from capturepass's."""
     try:
-        _run(name, capturepass_compile, seeds, tol, label, device)
+        _run(name, capturepass_compile, seeds, tol, label, device, refilled)
         return
     except Exception as exc:
         failure = exc
@@ -189,6 +203,51 @@ def test_zoo_cpu_at_changing_shapes(name: str) -> None:
     assert len(graphs) >= 3 and symbolic, [g.name for g in graphs]
 
 
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_zoo_cpu_host_captures_read_refilled_inputs_in_place(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The executor's capture decisions on each model's own inputs, with host captures (the program
+    run eagerly for a "capture" and each "replay", ``tests.helpers.HostCapture``, which also checks
+    that a replay finds every input captured in place at its captured address): a caller's
+    buffers refilled call after call are captured in place at the second call, then tensors made
+    per call; every call equals eager."""
+    import logging
+
+    from capturepass.backends.compile import last_compiled
+    from capturepass.runtime import executor as executor_module
+    from tests.helpers import HostCapture, compiled_since
+
+    monkeypatch.setattr(executor_module, "Capture", HostCapture)
+    HostCapture.log = []
+    torch._dynamo.reset()
+    model, make_inputs = zoo.build(name)
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"inner": "eager", "verify": True, "cudagraphs": "monolithic"})
+    before = last_compiled()
+    buffers = make_inputs(1)
+    with torch.no_grad():
+        compiled(**buffers)  # compiles; nothing is captured on the host
+    executors = [g.executor for g in compiled_since(before) if g.executor is not None]
+    assert executors
+    for ex in executors:
+        ex.captured = True  # as on a GPU: the calls from now on capture and replay
+
+    def refilled(seed: int) -> dict[str, torch.Tensor]:
+        for key, value in make_inputs(seed).items():
+            buffers[key].copy_(value)
+        return buffers
+
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        zoo.compare_with_eager(model, compiled, refilled, (2, 3, 4, 5), label=f"{name} refilled", **zoo.TOLERANCE["cpu"])
+        promoted = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
+        zoo.compare_with_eager(model, compiled, make_inputs, (6, 7, 8), label=f"{name} made per call",
+                               **zoo.TOLERANCE["cpu"])
+    assert promoted, f"{name}: no input was captured in place"
+    assert "moved by the replay" not in caplog.text
+    kinds = [k for k, _ in HostCapture.log]
+    assert kinds.count("replay") >= 2 and kinds.count("capture") >= 2, kinds
+
+
 @pytest.fixture
 def _no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -200,8 +259,13 @@ def _no_tf32():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(zoo.ZOO))
-def test_zoo_gpu(name: str, _no_tf32: None) -> None:
+def test_zoo_gpu(name: str, _no_tf32: None, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
     def compile_fn(model: torch.nn.Module) -> Any:
         return torch.compile(model, backend="capturepass")
 
-    _check(name, compile_fn, (1, 2, 3), zoo.TOLERANCE["cuda"], f"{name} cuda", device="cuda")
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        _check(name, compile_fn, (1, 2, 3), zoo.TOLERANCE["cuda"], f"{name} cuda", device="cuda",
+               refilled=(4, 5, 6, 7))
+    assert "stayed at one address" in caplog.text, f"{name}: no refilled input was captured in place"
