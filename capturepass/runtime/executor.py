@@ -317,11 +317,11 @@ class Executor(Releases):
         return model, naming.capture_owner(model.name, shape)
 
     def _new_owner(self, name: str, model: _Model, role: str, args: Sequence[Any], device: torch.device | None,
-                   captured: bool, share: bool = False) -> GraphOwner:
+                   captured: bool, share: bool = False, places: frozenset[int] = frozenset()) -> GraphOwner:
         shared = model.shared(device) if share else None
         owner = GraphOwner(name, len(self.program.info.lanes), device, captured=captured, shared=shared)
         if self._record is not None:
-            self._record.add(name, model.name, role, naming.describe_inputs(args, self._static_positions),
+            self._record.add(name, model.name, role, naming.describe_inputs(args, self._static_positions, places),
                              str(owner.device) if owner.device is not None else "cpu")
         return owner
 
@@ -518,10 +518,10 @@ class Executor(Releases):
         with self._lock, lifetime.capturing():
             model, name = self._capture_owner_name(key)
             prof = profiling.active()
+            places = frozenset(self._places.plan(key[:2], args)[0])
             # A profiling capture is thrown away: it keeps to a pool and streams of its own.
             owner = self._new_owner(name, model, "capture", args, self._device(args), captured=True,
-                                    share=prof is None)
-            places = frozenset(self._places.plan(key[:2], args)[0])
+                                    share=prof is None, places=places)
             cap = Capture(self.program, owner, self.static_outputs, self._written, places)
             try:
                 out = cap.run(args, real)
@@ -565,7 +565,7 @@ class Executor(Releases):
                 cap, out = self._picker.capture(captures, args, real, protect, device)
             self._watch_in_place(key, cap, args, places)
             if self._record is not None:
-                self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions),
+                self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions, cap.in_place),
                                  str(cap.owner.device) if cap.owner.device is not None else "cpu")
             self._captures[key] = cap
             self._watch(key[0], args)

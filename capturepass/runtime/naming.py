@@ -47,7 +47,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -105,16 +105,17 @@ def profile_owner(model: str) -> str:
     return f"{model}.profile"
 
 
-def describe_inputs(args: Sequence[Any], static: Sequence[int]) -> str:
+def describe_inputs(args: Sequence[Any], static: Sequence[int], in_place: Collection[int] = ()) -> str:
     """The inputs a call passes besides the static ones (parameters), as the dump types them:
-    ``f32[8,64], 3``."""
+    ``f32[8,64], 3``; those a capture reads where they are (``in_place``, no copy per call) say so:
+    ``f32[8,64] in place``."""
     skip = set(static)
     parts = []
     for i, a in enumerate(args):
         if i in skip:
             continue
         if isinstance(a, torch.Tensor):
-            parts.append(format_type(a))
+            parts.append(format_type(a) + (" in place" if i in in_place else ""))
         elif isinstance(a, (bool, int, float)):
             parts.append(repr(a))
         else:

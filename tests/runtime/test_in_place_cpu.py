@@ -9,6 +9,8 @@ which capture served each call. The GPU half (real replays) is ``test_outputs_gp
 from __future__ import annotations
 
 import gc
+import glob
+import json
 import logging
 
 import pytest
@@ -38,11 +40,11 @@ class _Cache(torch.nn.Module):
         return cache.sum(0) + rows.sum(0)
 
 
-def _compiled():
+def _compiled(**options):
     torch.manual_seed(0)
     model = _Cache()
     compiled = torch.compile(model, backend="capturepass",
-                             options={"inner": "eager", "verify": True, "cudagraphs": "monolithic"})
+                             options={"inner": "eager", "verify": True, "cudagraphs": "monolithic", **options})
     return model, compiled
 
 
@@ -174,10 +176,10 @@ def _in_place_shapes(ex, cap):
 
 
 @torch.no_grad()
-def test_whole_inputs_read_only_that_stay_put_are_captured_in_place_once_seen_there(host_captures, caplog):
+def test_whole_inputs_read_only_that_stay_put_are_captured_in_place_once_seen_there(host_captures, caplog, tmp_path):
     """x and pos are whole tensors the graph only reads: copied at first (most callers make one
     per call); refilled at one address call after call, they are captured in place."""
-    model, compiled = _compiled()
+    model, compiled = _compiled(dump_dir=str(tmp_path))
     cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
     rows = torch.randn(16, 4)
     x, pos = torch.empty(1, 4), torch.empty(1, dtype=torch.long)
@@ -203,6 +205,11 @@ def test_whole_inputs_read_only_that_stay_put_are_captured_in_place_once_seen_th
     assert len(said) == 1 and said[0].startswith(f"capturepass: inference graph {ex.graph_owner}: input(s) %")
     assert f"for {STEADY_CALLS + 1} calls; captured in place from now on" in said[0] and "which copied them" in said[0]
     assert ex._places.watching(key[:2]) is None  # nothing is watched per call any more
+    # owners.json (what `capturepass show` prints) lists the capture once, its inputs in place.
+    (doc,) = [json.load(open(p)) for p in glob.glob(str(tmp_path / "*" / "owners.json"))
+              if json.load(open(p))["graph"] == "inference"]
+    assert [o["inputs"] for o in doc["owners"] if o["role"] == "capture"] == \
+        ["f32[8,4] in place, f32[1,4] in place, i64[1] in place, f32[3,4] in place"]  # program order
 
 
 @torch.no_grad()

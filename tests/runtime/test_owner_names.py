@@ -276,6 +276,8 @@ def test_names_of_each_kind():
     assert naming.capture_owner(model, 2) == "g900041.m0.c2"
     assert naming.eager_owner(model) == "g900041.m0.eager" and naming.profile_owner(model) == "g900041.m0.profile"
     assert naming.describe_inputs([torch.zeros(3, 2, dtype=torch.bfloat16), torch.zeros(4), 5], [1]) == "bf16[3,2], 5"
+    assert naming.describe_inputs([torch.zeros(3, 2), torch.zeros(4), torch.zeros(2)], [1], in_place={2}) == \
+        "f32[3,2], f32[2] in place"
 
 
 @torch.no_grad()
@@ -315,9 +317,10 @@ def test_capture_owners_on_cuda_are_named_per_model_and_shape(tmp_path, capsys):
     out = _show(capsys, tmp_path)
     assert "  owners at run time: 2 model(s), 3 owner(s)" in out
     # (A dynamic graph takes the batch size as an input of its own, before the tensors.)
-    assert re.search(rf"^    model {g}\.m0: {g}\.m0\.c0 \(capture of (4, )?f32\[4,8\]\), "
-                     rf"{g}\.m0\.c1 \(capture of (6, )?f32\[6,8\]\)$", out, re.M), out
-    assert re.search(rf"^    model {g}\.m1: {g}\.m1\.c0 \(capture of (4, )?f32\[4,8\]\)$", out, re.M), out
+    # x and y, passed again at their addresses, are captured again at their second call, in place.
+    assert re.search(rf"^    model {g}\.m0: {g}\.m0\.c0 \(capture of (4, )?f32\[4,8\] in place\), "
+                     rf"{g}\.m0\.c1 \(capture of (6, )?f32\[6,8\] in place\)$", out, re.M), out
+    assert re.search(rf"^    model {g}\.m1: {g}\.m1\.c0 \(capture of (4, )?f32\[4,8\] in place\)$", out, re.M), out
     torch._dynamo.reset()
 
 
