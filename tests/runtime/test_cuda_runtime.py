@@ -16,6 +16,7 @@ import torch
 import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.ir import meta
+from capturepass.runtime import capture
 from capturepass.runtime.events import POOL
 from capturepass.testing.models import AttnIndexer, MoEBlock
 import tests.helpers  # noqa: F401 - registers torch.ops.cptest.host_round
@@ -131,6 +132,9 @@ def test_close_returns_memory_to_baseline():
     x = torch.randn(16, 256, device="cuda")
     torch.cuda.synchronize()
     gc.collect()
+    # cuBLAS's workspaces are the process's cache, which every capture clears: an earlier test's
+    # eager matmul may have left one (32 MiB on an H200), which is not the baseline's to count.
+    capture.clear_cublas_workspaces()
     baseline = torch.cuda.memory_allocated()
     compiled = _compile(model)
     compiled(x)
