@@ -70,8 +70,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import fresh_caches, save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
-# Not run unless named: the two routes side by side, whichever is the default.
+# Not run unless named: the two routes side by side, whichever is the default; the default with
+# its outputs returned as they are (no aliases, and captures keep their memory: no let-go).
 ROUTES = {
+    "capturepass-static": {"static_outputs": True},
     "capturepass-lanes": {"regions": "lanes"},
     "capturepass-segments": {"regions": "segments"},
     "capturepass-segments-off": {"regions": "segments", "policy": "off"},
