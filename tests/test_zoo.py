@@ -238,7 +238,8 @@ def test_zoo_cpu_host_captures_read_refilled_inputs_in_place(name: str, monkeypa
         return buffers
 
     with caplog.at_level(logging.INFO, logger="capturepass"):
-        zoo.compare_with_eager(model, compiled, refilled, (2, 3, 4, 5), label=f"{name} refilled", **zoo.TOLERANCE["cpu"])
+        zoo.compare_with_eager(model, compiled, refilled, (2, 3, 4, 5), label=f"{name} refilled",
+                               **zoo.TOLERANCE["cpu"])
         promoted = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
         zoo.compare_with_eager(model, compiled, make_inputs, (6, 7, 8), label=f"{name} made per call",
                                **zoo.TOLERANCE["cpu"])

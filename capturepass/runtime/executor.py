@@ -53,8 +53,12 @@ In-place inputs (``runtime.in_place``): inputs the graph writes and slices of la
 are captured on the caller's own tensor, their addresses in the capture's key; an input that
 later comes at another address is copied from then on, and the captures made on the old
 address are released (logged). A capture made on a caller's tensor is released when that
-tensor's storage dies (``lifetime.watch_capture``). The in-place capture and the copy capture
-that replaces it are one capture shape of the model (``g3.m0.c0``).
+tensor's storage dies (``lifetime.watch_capture``). A whole input the graph only reads starts
+copied; once a call finds it where the call before had it, the shape is captured again with it
+in place (not watched: a capture keyed on a dead address serves the next tensor there). The
+in-place capture and the copy capture that replaces it are one capture shape of the model
+(``g3.m0.c0``). Outputs a replay handed out are never read in place: a replay that finds an
+in-place input moved by its rescue of held outputs runs the call again, copied.
 
 Owners die with their model: the executor watches each instance's static input
 tensors and releases that instance's owners when the model is collected
@@ -565,7 +569,8 @@ class Executor(Releases):
                 cap, out = self._picker.capture(captures, args, real, protect, device)
             self._watch_in_place(key, cap, args, places)
             if self._record is not None:
-                self._record.add(cap.owner.name, model.name, "capture", naming.describe_inputs(args, self._static_positions, cap.in_place),
+                inputs = naming.describe_inputs(args, self._static_positions, cap.in_place)
+                self._record.add(cap.owner.name, model.name, "capture", inputs,
                                  str(cap.owner.device) if cap.owner.device is not None else "cpu")
             self._captures[key] = cap
             self._watch(key[0], args)

@@ -300,7 +300,8 @@ def test_an_input_in_place_that_the_replay_moves_goes_again_copied(monkeypatch, 
 
 def test_memory_handed_out_over_a_non_owning_storage_is_never_in_place():
     owner = torch.zeros(16, 8)
-    alias = torch._C._construct_storage_from_data_pointer(owner.data_ptr(), owner.device, owner.untyped_storage().nbytes())
+    nbytes = owner.untyped_storage().nbytes()
+    alias = torch._C._construct_storage_from_data_pointer(owner.data_ptr(), owner.device, nbytes)
     out = torch.empty(0).set_(alias, 0, (16, 8), (8, 1))
     assert owns_memory(owner) and not owns_memory(out) and not owns_memory(out[:4])
     plans = InPlacePlans(static_inputs=(), written={0})
