@@ -97,6 +97,9 @@ from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
 
+# What ``Executor._captured_call`` returns for a call that must run uncaptured.
+_UNCAPTURED = object()
+
 _Snapshot = Snapshot  # the name tests and tools have imported from here
 _Capture = Capture
 
@@ -389,10 +392,19 @@ class Executor(Releases):
             return self._run_in_outer_capture(args)
         if not self.captured or self._uncaptured_depth:
             return self._run_eager(args)
+        # One thread at a time from the key to the replay or capture: another thread's call may
+        # release the capture this one found (an input that moved, or stayed put).
+        with self._lock:
+            out = self._captured_call(args)
+        return self._run_eager(args) if out is _UNCAPTURED else out
+
+    def _captured_call(self, args: list[Any]) -> Any:
+        """The call of a captured graph: a replay, or a capture; ``_UNCAPTURED`` when it must run
+        uncaptured (outside the lock)."""
         if self.capture_sizes and not self._captures:
             self._precapture(args)
             if not self.captured:
-                return self._run_eager(args)
+                return _UNCAPTURED
         base = (self._instance(args), _shape_key(args, self._dynamic_positions))
         plan = self._places.get(base) or self._places.plan(base, args)
         key = capture_key(base, plan, args)
@@ -417,7 +429,7 @@ class Executor(Releases):
                     "(raise max_captures, or give capture_sizes)",
                     self._what, self.max_captures,
                 )
-            return self._run_eager(args)
+            return _UNCAPTURED
         if self._places.watching(base) is not None:
             self._places.saw(base, args)  # a call too: the next must find its inputs where this one had them
         try:
@@ -436,7 +448,8 @@ class Executor(Releases):
             log.warning("capturepass: %s: input(s) %s, captured in place, were moved by the replay (an output of "
                         "the model's handed back); copied into buffers from now on", self._what,
                         ", ".join(f"%{self.program.inputs[i].name}" for i in moved.positions))
-            return self._call(args)
+            out = self._captured_call(args)
+            return self._run_eager(args) if out is _UNCAPTURED else out
 
     def _promote(self, base: tuple, args: Sequence[Any], positions: Sequence[int]) -> tuple:
         """Captures ``base`` again with ``positions`` (inputs read whole, found at one address

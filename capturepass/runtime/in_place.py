@@ -131,7 +131,9 @@ class InPlacePlans:
         """Counts a call of ``base`` (which :attr:`watching`) that found its capture; returns the
         watched positions that :data:`STEADY_CALLS` such calls in a row found where the call
         before had them (to :meth:`promote`), or ``()``."""
-        steady = self._steady[base]
+        steady = self._steady.get(base)
+        if steady is None:
+            return ()
         ready = []
         for i, seen in list(steady.items()):
             a = args[i]
@@ -148,13 +150,13 @@ class InPlacePlans:
             if seen[2] > MAX_MOVES:
                 del steady[i]  # a new tensor per call: copied for good
         if not steady:
-            del self._steady[base]
+            self._steady.pop(base, None)
         return tuple(ready)
 
     def saw(self, base: tuple, args: Sequence[Any]) -> None:
         """Notes the addresses of a call of ``base`` that captures (which :attr:`watching`): the
         next call counts as steady only where it finds its inputs at these."""
-        for i, seen in self._steady[base].items():
+        for i, seen in self._steady.get(base, {}).items():
             seen[0], seen[1] = args[i].data_ptr(), 0
 
     def promote(self, base: tuple, args: Sequence[Any], positions: Collection[int]) -> Plan:

@@ -21,6 +21,7 @@ from capturepass.runtime import executor as executor_module
 from capturepass.runtime.in_place import MAX_MOVES, STEADY_CALLS, InPlacePlans, capture_key, is_slice, owns_memory
 from capturepass.runtime.replay import InPlaceMoved
 from tests.helpers import HostCapture as _HostCapture
+from tests.helpers import compiled_since
 
 
 @pytest.fixture
@@ -252,6 +253,44 @@ def test_an_input_captured_in_place_for_staying_put_that_moves_is_copied_for_goo
     (cap,) = ex._captures.values()
     assert _in_place_shapes(ex, cap) == [(1,), (3, 4), (8, 4)]  # x copied from now on; pos stayed
     assert [k for k, _ in host_captures].count("capture") == 3
+
+
+@torch.no_grad()
+def test_threads_calling_one_model_with_buffers_of_their_own_equal_eager(host_captures):
+    """Four threads, each refilling buffers of its own: the shape's plan sees inputs move and stay
+    put in every order, and captures are released while other threads look for them. A replay
+    never sees an in-place input elsewhere than at its capture (the host capture asserts it)."""
+    import threading
+
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    x, pos = torch.randn(1, 4), torch.tensor([0])
+    compiled(x, torch.zeros(8, 4), pos, rows[:3])  # compiles, runs eagerly
+    _executor()
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        x, pos, cache, ref = torch.empty(1, 4), torch.empty(1, dtype=torch.long), torch.zeros(8, 4), torch.zeros(8, 4)
+        try:
+            torch.set_grad_enabled(False)  # per thread, as the graph was compiled
+            for step in range(12):
+                x.copy_(torch.randn(1, 4, generator=gen))
+                pos.fill_(step % 8)
+                torch.testing.assert_close(compiled(x, cache, pos, rows[:3]), model(x, ref, pos, rows[:3]))
+                torch.testing.assert_close(cache, ref)
+        except BaseException as e:  # noqa: BLE001 - reported on the main thread
+            errors.append(e)
+
+    before = last_compiled()
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert compiled_since(before) == []  # every thread called the one graph
+    assert sum(1 for kind, _ in host_captures if kind == "replay") > 0
 
 
 class _Rescuing(_HostCapture):
