@@ -12,6 +12,7 @@ eager for no merit).
 
     python3 scripts/arch_sweep.py                     # every architecture below, on the CPU
     python3 scripts/arch_sweep.py --models opt,swin --device cuda
+    python3 scripts/arch_sweep.py --host-captures     # captures and replays run on the host
 
 Prints one line per model (``OK`` with the largest absolute difference, and any frame Dynamo
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
@@ -246,12 +247,17 @@ class Fallbacks(logging.Handler):
     and the frames Dynamo stopped compiling (:attr:`eager_frames`)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.messages: list[str] = []
         self.eager_frames: list[str] = []
+        self.in_place = 0  # shapes captured again with inputs read in place (``--host-captures``)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
+        if "stayed at one address" in message:
+            self.in_place += 1
+        if record.levelno < logging.WARNING:
+            return
         if any(f in message for f in FALLBACKS):
             self.messages.append(message)
         limit = RECOMPILE_LIMIT.search(message)
@@ -268,8 +274,33 @@ class Fallbacks(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def check(name: str, device: str) -> float:
-    """The largest absolute difference from eager over the model's three inputs (raises on a failure)."""
+def host_captures() -> None:
+    """Runs the executor's capture decisions on the host (``--host-captures``): every graph is
+    compiled as on a GPU (``cudagraphs="monolithic"``) and "captures" and "replays" its program
+    eagerly (``tests.helpers.HostCapture``, which asserts that a replay finds every input captured
+    in place at its captured address), so that which inputs are copied or read in place, and when
+    a shape is captured again, are decided on the model's own inputs."""
+    from capturepass.runtime import executor as executor_module
+    from tests.helpers import HostCapture
+
+    executor_module.Capture = HostCapture
+    init = executor_module.Executor.__init__
+
+    def captured_init(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        if self.program.info.captured and self.uncaptured_reason is None:
+            self.captured = True  # as on a GPU
+
+    executor_module.Executor.__init__ = captured_init
+
+
+def check(name: str, device: str, refill: bool = False) -> float:
+    """The largest absolute difference from eager over the model's three inputs (raises on a failure).
+
+    With ``refill`` every input is then passed three times more in buffers refilled in place (a
+    caller that keeps its input buffers: the second such call is captured again with them read in
+    place, the third replays that capture).
+    """
     import torch
     import transformers
 
@@ -283,17 +314,23 @@ def check(name: str, device: str) -> float:
             "image": transformers.AutoModelForImageClassification, "backbone": transformers.AutoModel}[head]
     torch.manual_seed(0)
     model = auto.from_config(config).eval().to(device)
-    compiled = torch.compile(model, backend="capturepass")
+    compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "monolithic"} if refill else None)
     tol = zoo.TOLERANCE[device]
     worst = 0.0
     with torch.no_grad():
         for kwargs in _inputs(head, getattr(config, "vocab_size", 0), device):
-            ref, got = model(**kwargs)[0], compiled(**kwargs)[0]
-            try:
-                torch.testing.assert_close(got, ref, **tol)
-            except AssertionError as exc:
-                raise _mismatch(model, kwargs, ref, got, tol) from exc
-            worst = max(worst, float((ref - got).abs().max()))
+            ref = model(**kwargs)[0]
+            buffers = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            for call in range(4 if refill else 1):
+                for k, v in kwargs.items():
+                    if isinstance(v, torch.Tensor):
+                        buffers[k].copy_(v)  # refilled where it is
+                got = compiled(**(kwargs if call == 0 else buffers))[0]
+                try:
+                    torch.testing.assert_close(got, ref, **tol)
+                except AssertionError as exc:
+                    raise _mismatch(model, kwargs, ref, got, tol) from exc
+                worst = max(worst, float((ref - got).abs().max()))
     return worst
 
 
@@ -340,6 +377,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(ARCHITECTURES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--host-captures", action="store_true",
+                   help="on the CPU, capture and replay on the host (the executor's decisions on real inputs); "
+                        "each input is then passed three times more in refilled buffers")
     args = p.parse_args()
     names = args.models.split(",")
     unknown = [n for n in names if n not in ARCHITECTURES]
@@ -350,11 +390,16 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # random-init and unused-key notices
     if args.device == "cuda":
         _cuda_float32()
+    if args.host_captures:
+        if args.device != "cpu":
+            p.error("--host-captures is for the CPU (a GPU captures for real)")
+        host_captures()
+        logging.getLogger("capturepass").setLevel(logging.INFO)  # the shapes captured again, counted
     failed = slow = torch_own = 0
     for name in names:
         try:
             with Fallbacks() as fallbacks:
-                worst = check(name, args.device)
+                worst = check(name, args.device, refill=args.host_captures)
         except Mismatch as exc:
             if exc.inductor_too:
                 torch_own += 1
@@ -375,7 +420,9 @@ def main() -> None:
         else:
             eager = (f"; Dynamo ran {', '.join(repr(f) for f in fallbacks.eager_frames)} eagerly past its recompile "
                      f"limit (under any backend)") if fallbacks.eager_frames else ""
-            print(f"OK   {name}: largest difference {worst:.2e}{eager}", flush=True)
+            in_place = f"; {fallbacks.in_place} shape(s) captured again with inputs read in place" \
+                if args.host_captures else ""
+            print(f"OK   {name}: largest difference {worst:.2e}{in_place}{eager}", flush=True)
     print(f"{len(names) - failed - torch_own} of {len(names)} equal to eager"
           + (f", {slow} with failed compiles" if slow else "")
           + (f", {torch_own} beyond the tolerance under backend=\"inductor\" too" if torch_own else ""))

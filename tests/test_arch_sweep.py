@@ -20,6 +20,20 @@ def test_architectures_outside_the_zoo_compile_equal_to_eager():
     assert "3 of 3 equal to eager" in run.stdout
 
 
+def test_host_captures_read_refilled_inputs_in_place_and_stay_equal_to_eager():
+    """``--host-captures``: each graph captures and replays on the host, every input is passed three
+    times more in refilled buffers, and every shape of both models is captured again with them
+    read in place (three shapes each: the first, and Dynamo's two dynamic recompiles)."""
+    run = subprocess.run([sys.executable, SCRIPT, "--host-captures", "--models", "opt,distilbert"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    for name in ("opt", "distilbert"):
+        assert f"OK   {name}: largest difference" in run.stdout
+        line = next(ln for ln in run.stdout.splitlines() if ln.startswith(f"OK   {name}:"))
+        assert line.endswith("3 shape(s) captured again with inputs read in place"), line
+    assert "2 of 2 equal to eager" in run.stdout
+
+
 def test_an_unknown_architecture_is_named():
     run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,nope"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown architecture: nope" in run.stderr
