@@ -119,10 +119,12 @@ class InPlacePlans:
         read-only inputs of the caller are watched from then on (:meth:`observe`)."""
         plan = self._plans.get(base)
         if plan is None:
-            callers = self._callers(args, given)
-            places = tuple(i for i in callers if i in self._written or is_slice(args[i]))
+            places = tuple(i for i in self._callers(args, given) if i in self._written or is_slice(args[i]))
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
-            steady = {i: [args[i].data_ptr(), 0, 0] for i in callers if i not in places and _plain(args[i])}
+            # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
+            # the caller's own.
+            steady = {i: [args[i].data_ptr(), 0, 0] for i in self._callers(args, None)
+                      if i not in places and i not in self._written and _plain(args[i])}
             if steady:
                 self._steady[base] = steady
         return plan

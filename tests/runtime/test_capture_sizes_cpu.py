@@ -54,9 +54,14 @@ def _executors():
     return [g.executor for g in last_compiled() if g.name == "inference"]
 
 
+def _batch_size(key):
+    """The batch size of a capture's key: dim 0 of the first tensor in its shape key."""
+    return next(e[0][0] for e in key[1] if isinstance(e, tuple))
+
+
 def _batch_sizes(ex):
-    """The batch size of each capture: dim 0 of the first tensor in its shape key."""
-    return sorted(next(e[0][0] for e in key[1] if isinstance(e, tuple)) for key in ex._captures)
+    """The batch size of each capture."""
+    return sorted(_batch_size(key) for key in ex._captures)
 
 
 @torch.no_grad()
@@ -91,3 +96,24 @@ def test_a_first_call_at_batch_one_says_why_the_graph_has_no_dynamic_batch(host_
     torch.testing.assert_close(compiled(x), model(x))
     ex = _executors()[-1]
     assert _batch_sizes(ex) == [2, 3, 4]
+
+
+@torch.no_grad()
+def test_an_input_buffer_at_a_captured_size_is_read_in_place_once_it_stays_put(host_captures, caplog):
+    """``capture_sizes`` captures on tensors made for each size, copied in at every call; the
+    caller's own buffer, refilled at one address, is then captured in place at its second call."""
+    model, compiled = _compiled([4, 8])
+    x = torch.randn(4, 8)
+    compiled(x)  # captures 8 then 4 on tensors of their own, then replays 4
+    ex = _executors()[-1]
+    buf = torch.empty(8, 8)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(4):
+            buf.normal_()
+            torch.testing.assert_close(compiled(buf), model(buf))
+    said = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
+    assert len(said) == 1
+    assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay", "capture", "replay", "replay"]
+    in_place = {_batch_size(key): list(cap.in_place_ptrs.values()) for key, cap in ex._captures.items()}
+    assert in_place == {4: [], 8: [buf.data_ptr()]}
+
