@@ -159,6 +159,20 @@ def compiled_since(before: list) -> list:
     return [g for g in last_compiled() if id(g) not in seen]
 
 
+def load_script(relative: str) -> Any:
+    """The module of the repository's script at ``relative`` (``"scripts/fusion_lanes.py"``), loaded
+    from its file (scripts are not a package)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relative)
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_bench(script: str, *args: str, timeout: float = 120) -> "subprocess.CompletedProcess":
     """Runs ``bench/<script>`` with ``args`` in a fresh interpreter (the repository importable)."""
     import os

@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from tests.helpers import two_lanes
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("fusion_lanes", os.path.join(ROOT, "scripts", "fusion_lanes.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers import load_script, two_lanes
 
 
 def test_fused_kernels_are_counted_by_the_lanes_of_their_origins():
@@ -25,7 +13,7 @@ def test_fused_kernels_are_counted_by_the_lanes_of_their_origins():
     three of the lane's four products, keep to their lane (the lane's last product becomes an
     ``addmm`` with main's sum, on main)."""
     torch.manual_seed(0)
-    (graph,) = _load().fused_lanes(two_lanes, torch.randn(8, 8), torch.randn(8, 8))
+    (graph,) = load_script("scripts/fusion_lanes.py").fused_lanes(two_lanes, torch.randn(8, 8), torch.randn(8, 8))
     assert graph["lanes"] == ["main", "aux"]
     assert (graph["nodes"], graph["extern"]) == (10, 8)
     assert dict(graph["by_lanes"]) == {("s0",): 6, ("s1",): 3, ("s0", "s1"): 1}

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 import capturepass
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("fusion_split", os.path.join(ROOT, "scripts", "fusion_split.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/fusion_split.py")
 
 
 def _code(fn, *args, **options):
