@@ -448,8 +448,7 @@ class Executor(Releases):
             log.warning("capturepass: %s: input(s) %s, captured in place, were moved by the replay (an output of "
                         "the model's handed back); copied into buffers from now on", self._what,
                         ", ".join(f"%{self.program.inputs[i].name}" for i in moved.positions))
-            out = self._captured_call(args)
-            return self._run_eager(args) if out is _UNCAPTURED else out
+            return self._captured_call(args)  # ``_UNCAPTURED`` runs eagerly in ``_call``, outside the lock
 
     def _promote(self, base: tuple, args: Sequence[Any], positions: Sequence[int]) -> tuple:
         """Captures ``base`` again with ``positions`` (inputs read whole, found at one address
@@ -472,8 +471,8 @@ class Executor(Releases):
 
     def _watch_in_place(self, key: tuple, cap: Capture, args: Sequence[Any], places: frozenset[int]) -> None:
         """Releases ``cap`` when the storage of an input it was captured on in place (``places``) dies
-        (inputs in place because they stayed put are not watched: ``InPlacePlans.watched``)."""
-        places = places & self._places.watched(key[:2])
+        (whole read-only inputs, in place because they stayed put, are not: ``InPlacePlans.watched``)."""
+        places = self._places.watched(places, args)
         if places:
             cap.watchers = lifetime.watch_capture(self, key, cap, [args[i].untyped_storage() for i in sorted(places)])
 

@@ -87,8 +87,6 @@ class InPlacePlans:
         self._plans: dict[tuple, Plan] = {}
         # Whole read-only inputs still watched, per base: position -> [address, replays there, moves].
         self._steady: dict[tuple, dict[int, list[int]]] = {}
-        # Positions of a base captured in place because they stayed put (not watched for their death).
-        self._promoted: dict[tuple, frozenset[int]] = {}
         # The plan of a base, if it has one: every captured call asks, so it is the dict's own method.
         self.get: Callable[[tuple], Plan | None] = self._plans.get
         # The whole read-only inputs of a base still watched, if any (every replay asks).
@@ -119,7 +117,7 @@ class InPlacePlans:
         read-only inputs of the caller are watched from then on (:meth:`observe`)."""
         plan = self._plans.get(base)
         if plan is None:
-            places = tuple(i for i in self._callers(args, given) if i in self._written or is_slice(args[i]))
+            places = self.positions(args, given)
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
             # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
             # the caller's own.
@@ -172,20 +170,16 @@ class InPlacePlans:
         places, ptrs = self._plans[base]
         merged = sorted({**dict(zip(places, ptrs)), **{i: args[i].data_ptr() for i in positions}}.items())
         plan = self._plans[base] = (tuple(i for i, _ in merged), tuple(p for _, p in merged))
-        self._promoted[base] = self._promoted.get(base, frozenset()) | frozenset(positions)
         return plan
 
-    def watched(self, base: tuple) -> frozenset[int]:
-        """The in-place positions of ``base`` whose capture goes when their storage dies: the
-        written inputs and slices. An input promoted for staying put is not: a caller that makes
-        a new tensor per call at a recycled address would otherwise release and capture again at
-        every call, while a capture keyed on a dead address is harmless (a replay runs only for a
-        tensor at that address, and the replay writes no memory that was the caller's when it
-        was captured)."""
-        plan = self._plans.get(base)
-        if plan is None:
-            return frozenset()
-        return frozenset(plan[0]) - self._promoted.get(base, frozenset())
+    def watched(self, places: Collection[int], args: Sequence[Any]) -> frozenset[int]:
+        """The in-place positions among ``places`` whose capture goes when their storage dies: the
+        written inputs and slices. A whole read-only input (in place because it stayed put) is
+        not: a caller that makes a new tensor per call at a recycled address would otherwise
+        release and capture again at every call, while a capture keyed on a dead address is
+        harmless (a replay runs only for a tensor at that address, and the replay writes no
+        memory that was the caller's when it was captured)."""
+        return frozenset(i for i in places if i in self._written or is_slice(args[i]))
 
     def moved(self, base: tuple, args: Sequence[Any]) -> list[int]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
@@ -203,14 +197,12 @@ class InPlacePlans:
         """Forgets every plan (the captures were released)."""
         self._plans.clear()
         self._steady.clear()
-        self._promoted.clear()
 
     def forget(self, match: Callable[[tuple], bool]) -> None:
         """Forgets the plans of the model instances ``match`` accepts."""
         for base in [b for b in self._plans if match(b[0])]:
             del self._plans[base]
             self._steady.pop(base, None)
-            self._promoted.pop(base, None)
 
 
 def _plain(t: torch.Tensor) -> bool:

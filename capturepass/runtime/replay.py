@@ -450,8 +450,7 @@ class Capture:
                 outputs.rescue_group(self.owner.shared.held_outputs)
             elif self.outputs is not None:
                 self.outputs.rescue()
-            moved = self.moved_in_place(args)
-            if moved:
+            if self.in_place_ptrs and (moved := self.moved_in_place(args)):
                 raise InPlaceMoved(moved)
             self.input_copies += self.copy_in(args)
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))

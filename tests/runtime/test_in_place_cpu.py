@@ -354,7 +354,9 @@ def test_memory_handed_out_over_a_non_owning_storage_is_never_in_place():
         assert plans.observe(base, [kept, out]) == ()
     assert plans.observe(base, [kept, out]) == (0,)  # only the caller's own tensor
     assert plans.promote(base, [kept, out], (0,)) == ((0,), (kept.data_ptr(),))
-    assert plans.watched(base) == frozenset()
+    assert plans.watched((0,), [kept, out]) == frozenset()  # read whole: not watched for its death
+    assert InPlacePlans(static_inputs=(), written={1}).watched((0, 1), [kept, kept]) == {1}
+    assert plans.watched((0,), [torch.zeros(4, 8)[:2], out]) == {0}  # a slice of a buffer is
 
 
 def test_a_whole_input_is_steady_only_where_the_call_just_before_had_it():
