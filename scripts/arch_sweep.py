@@ -280,18 +280,9 @@ def host_captures() -> None:
     eagerly (``tests.helpers.HostCapture``, which asserts that a replay finds every input captured
     in place at its captured address), so that which inputs are copied or read in place, and when
     a shape is captured again, are decided on the model's own inputs."""
-    from capturepass.runtime import executor as executor_module
-    from tests.helpers import HostCapture
+    from tests.helpers import capture_on_host
 
-    executor_module.Capture = HostCapture
-    init = executor_module.Executor.__init__
-
-    def captured_init(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        if self.program.info.captured and self.uncaptured_reason is None:
-            self.captured = True  # as on a GPU
-
-    executor_module.Executor.__init__ = captured_init
+    capture_on_host()
 
 
 def check(name: str, device: str, refill: bool = False) -> float:

@@ -138,6 +138,26 @@ class HostCapture(Capture):
             return self.eager(*args)
 
 
+def capture_on_host(set_attr: Callable[[Any, str, Any], None] = setattr) -> list[tuple[str, int]]:
+    """Makes the executors made from now on "capture" and "replay" on the host, as on a GPU:
+    the executor's capture class becomes :class:`HostCapture`, and a graph that would be captured
+    on a GPU is marked captured. ``set_attr`` makes the two changes (``monkeypatch.setattr`` in a
+    test, to undo them). Returns :attr:`HostCapture.log`, emptied."""
+    from capturepass.runtime import executor as executor_module
+
+    set_attr(executor_module, "Capture", HostCapture)
+    init = executor_module.Executor.__init__
+
+    def captured_init(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.program.info.captured and self.uncaptured_reason is None:
+            self.captured = True
+
+    set_attr(executor_module.Executor, "__init__", captured_init)
+    HostCapture.log = []
+    return HostCapture.log
+
+
 @torch.library.custom_op("cptest::host_round", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def host_round(x: torch.Tensor) -> torch.Tensor:
     """A host round trip (rounding to 1/64 on the CPU): it synchronizes and cannot be captured, so

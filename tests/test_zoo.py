@@ -213,24 +213,16 @@ def test_zoo_cpu_host_captures_read_refilled_inputs_in_place(name: str, monkeypa
     per call; every call equals eager."""
     import logging
 
-    from capturepass.backends.compile import last_compiled
-    from capturepass.runtime import executor as executor_module
-    from tests.helpers import HostCapture, compiled_since
+    from tests.helpers import capture_on_host
 
-    monkeypatch.setattr(executor_module, "Capture", HostCapture)
-    HostCapture.log = []
+    log = capture_on_host(monkeypatch.setattr)
     torch._dynamo.reset()
     model, make_inputs = zoo.build(name)
     compiled = torch.compile(model, backend="capturepass",
                              options={"inner": "eager", "verify": True, "cudagraphs": "monolithic"})
-    before = last_compiled()
     buffers = make_inputs(1)
     with torch.no_grad():
-        compiled(**buffers)  # compiles; nothing is captured on the host
-    executors = [g.executor for g in compiled_since(before) if g.executor is not None]
-    assert executors
-    for ex in executors:
-        ex.captured = True  # as on a GPU: the calls from now on capture and replay
+        compiled(**buffers)  # compiles and captures (copying the buffers in)
 
     def refilled(seed: int) -> dict[str, torch.Tensor]:
         for key, value in make_inputs(seed).items():
@@ -245,7 +237,7 @@ def test_zoo_cpu_host_captures_read_refilled_inputs_in_place(name: str, monkeypa
                                **zoo.TOLERANCE["cpu"])
     assert promoted, f"{name}: no input was captured in place"
     assert "moved by the replay" not in caplog.text
-    kinds = [k for k, _ in HostCapture.log]
+    kinds = [k for k, _ in log]
     assert kinds.count("replay") >= 2 and kinds.count("capture") >= 2, kinds
 
 

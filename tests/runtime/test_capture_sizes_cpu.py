@@ -13,23 +13,12 @@ import pytest
 import torch
 
 from capturepass.backends.compile import last_compiled
-from capturepass.runtime import executor as executor_module
-from tests.helpers import HostCapture, compiled_since
+from tests.helpers import capture_on_host, compiled_since
 
 
 @pytest.fixture
 def host_captures(monkeypatch):
-    monkeypatch.setattr(executor_module, "Capture", HostCapture)
-    # As on a GPU: graphs compiled from now on capture and replay.
-    real_init = executor_module.Executor.__init__
-
-    def init(self, *a, **k):
-        real_init(self, *a, **k)
-        self.captured = True
-
-    monkeypatch.setattr(executor_module.Executor, "__init__", init)
-    HostCapture.log = []
-    yield HostCapture.log
+    return capture_on_host(monkeypatch.setattr)  # as on a GPU: graphs compiled from now on capture and replay
 
 
 class _Mlp(torch.nn.Module):
