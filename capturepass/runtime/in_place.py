@@ -44,6 +44,11 @@ Plan = tuple[tuple[int, ...], tuple[int, ...]]
 STEADY_CALLS = 1
 # Addresses a whole read-only input may take before the plan stops watching it (copied for good).
 MAX_MOVES = 4
+# The watch of an input first captured on a tensor of capturepass's own (``capture_sizes``'
+# resized copies): no tensor is there, so the caller's first call is not steady. The copy's own
+# address must not count: the allocator hands its freed block to the caller's next tensor, which
+# would then look like a buffer that stayed put.
+_NOWHERE = -1
 
 
 def capture_key(base: tuple, plan: Plan | None, args: Sequence[Any]) -> tuple:
@@ -120,8 +125,10 @@ class InPlacePlans:
             places = self.positions(args, given)
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
             # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
-            # the caller's own.
-            steady = {i: [args[i].data_ptr(), 0, 0] for i in self._callers(args, None)
+            # the caller's own (from no address: the first of them is not a move).
+            steady = {i: [args[i].data_ptr(), 0, 0] if given is None or (i < len(given) and args[i] is given[i])
+                      else [_NOWHERE, 0, -1]
+                      for i in self._callers(args, None)
                       if i not in places and i not in self._written and _plain(args[i])}
             if steady:
                 self._steady[base] = steady

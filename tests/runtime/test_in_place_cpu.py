@@ -406,3 +406,26 @@ def test_a_plan_is_decided_at_the_first_capture_and_a_moved_input_leaves_it():
     assert capture_key(base, plans.get(base), [other, x, w]) == (*base, ())
     plans.forget(lambda instance: instance == ("instance",))
     assert plans.get(base) is None
+
+
+def test_a_resized_copys_address_does_not_make_the_callers_next_tensor_steady():
+    """``capture_sizes`` captures on copies of its own, freed after the capture; the allocator
+    may hand the copy's block to the caller's next tensor (a new one per call), which must not
+    look like a buffer that stayed put: it takes two calls of the caller's at one address."""
+    plans = InPlacePlans(static_inputs=(), written=())
+    base = (("instance",), ("shapes",))
+    given, copy, later = torch.zeros(4), torch.zeros(8), torch.zeros(8)
+    assert plans.plan(base, [copy], given=[given]) == ((), ())
+    assert plans.observe(base, [copy]) == ()  # a caller's tensor where the copy was
+    assert plans.observe(base, [copy]) == (0,)  # and there again: steady
+    plans = InPlacePlans(static_inputs=(), written=())
+    plans.plan(base, [copy], given=[given])
+    calls = ([later, copy] * MAX_MOVES)[:MAX_MOVES + 2]
+    for t in calls[:-1]:  # the first call is not a move
+        assert plans.observe(base, [t]) == ()
+    assert plans.watching(base) is not None
+    assert plans.observe(base, [calls[-1]]) == ()
+    assert plans.watching(base) is None
+    plans = InPlacePlans(static_inputs=(), written=())
+    plans.plan(base, [given], given=[given])  # the caller's own tensor: its address counts
+    assert plans.observe(base, [given]) == (0,)
