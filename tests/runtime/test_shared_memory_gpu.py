@@ -15,6 +15,7 @@ import torch
 
 from capturepass.backends.compile import last_compiled
 from capturepass.testing.models import MoEBlock
+from tests.helpers import compiled_since
 
 pytestmark = pytest.mark.gpu
 
@@ -430,6 +431,16 @@ def test_two_models_captured_on_two_threads_stay_equal_to_eager():
     xs = [torch.randn(t, 256, device="cuda") for t in (16, 12, 8, 4, 16, 8)]
     with torch.no_grad():
         wants = [[m(x) for x in xs] for m in models]
+        # Dynamo compiles here: its FX tracing flag is the process's, so a compiled call on one
+        # thread while Dynamo traces on another fails ("symbolically trace a dynamo-optimized
+        # function"). The threads' sizes are new shapes of the graphs compiled here: each
+        # thread's first call at one captures.
+        before = last_compiled()
+        for fn in fns:
+            for t in (32, 24):
+                fn(torch.randn(t, 256, device="cuda"))
+    executors = [g.executor for g in compiled_since(before) if g.name == "inference"]
+    assert [ex.num_captures for ex in executors] == [2, 2]  # one graph per model (dynamic=True): 32 and 24
     errors = []
 
     @torch.no_grad()
@@ -450,3 +461,4 @@ def test_two_models_captured_on_two_threads_stay_equal_to_eager():
     for t in threads:
         t.join()
     assert errors == [], errors
+    assert [ex.num_captures for ex in executors] == [6, 6]  # 16, 12, 8 and 4 captured on the threads
