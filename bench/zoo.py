@@ -23,7 +23,9 @@ candidates):
   lanes written into the graph Inductor compiles, captured by PyTorch's cudagraph trees).
 
 Per model, shape and variant: milliseconds per call (median over repetitions of the mean of
-many calls, CUDA events), compile time (the first call, cold caches: every run uses a fresh
+many calls, CUDA events; the calls take turns over ``--inputs`` token sets, the same for every
+variant: an MoE model's time depends on its routing, which a kernel's rounding can flip where
+random weights leave the router's scores near ties), compile time (the first call, cold caches: every run uses a fresh
 ``TORCHINDUCTOR_CACHE_DIR``; in brackets the first three calls, by which every variant has
 captured: cudagraph trees warm up at a shape's first call and record at its second, capturepass
 captures at the first), and peak memory above the weights over the compile and the first
@@ -54,6 +56,7 @@ import argparse
 import contextlib
 import fcntl
 import gc
+import itertools
 import json
 import os
 import resource
@@ -202,7 +205,8 @@ def worker(args: argparse.Namespace) -> None:
     prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
     shapes = {f"decode[{decode_b},1]": (decode_b, 1), f"prefill[{prefill_b},{prefill_s}]": (prefill_b, prefill_s)}
     g = torch.Generator(device=dev)
-    results, timed_calls = {}, {}
+    results, timed_calls, records = {}, {}, {}
+    replays = [] if cuda and args.variant.startswith("capturepass") else None
     with torch.no_grad():
         for label, (b, s) in shapes.items():
             ids = []
@@ -210,6 +214,7 @@ def worker(args: argparse.Namespace) -> None:
                 g.manual_seed(seed)
                 ids.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
             ref = model(input_ids=ids[3], use_cache=False).logits.float()
+            before = compiled_records()
             start = time.perf_counter()
             run_variant(fn, ids[0])
             if cuda:
@@ -223,7 +228,16 @@ def worker(args: argparse.Namespace) -> None:
             got = run_variant(fn, ids[3]).logits.float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, ready_s=ready_s, rel_err=err)
-            timed_calls[label] = (lambda x=ids[1]: run_variant(fn, x))
+            records[label] = [r for r in compiled_records() if not any(r is o for o in before)]
+            # The timed calls take turns over --inputs token sets, the same for every variant: an
+            # MoE model's time depends on where its router sends the tokens, and with random
+            # weights its scores are near ties that a kernel's rounding flips (a variant timed
+            # on one set can differ by 10% from another for its routing alone).
+            rotation = ids[1:3]
+            for seed in range(4, 4 + max(0, args.inputs - 2)):
+                g.manual_seed(seed)
+                rotation.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
+            timed_calls[label] = (lambda turn=itertools.cycle(rotation[:max(1, args.inputs)]): run_variant(fn, next(turn)))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
         if cuda and args.memory_sites:
@@ -254,7 +268,8 @@ def worker(args: argparse.Namespace) -> None:
                 if args.profile:
                     print(f"profile of {args.model} {args.variant} {label}, {args.iters} calls:\n"
                           f"{host_profile(call, args.iters)}", file=sys.stderr, flush=True)
-            replays = replay_times(args.iters) if cuda and args.variant.startswith("capturepass") else None
+                if replays is not None:
+                    replays += replay_times(args.iters, records[label], call)
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
         print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, device=dev, peak_mib=peak,
@@ -423,13 +438,21 @@ def host_profile(call, iters: int, top: int = 30) -> str:
     return text.getvalue()
 
 
-def replay_times(iters: int) -> list[dict]:
-    """Each capture capturepass holds in this process, its graphs replayed alone (milliseconds per
-    replay), with the schedule chosen for it: the whole call's time less this is the host's share."""
+def compiled_records() -> list:
+    """The graphs capturepass compiled in this process so far (its most recent ones)."""
     from capturepass.backends.compile import last_compiled
 
+    return last_compiled()
+
+
+def replay_times(iters: int, records: list, call: Callable[[], object]) -> list[dict]:
+    """The captures of ``records`` (the graphs compiled for one shape), each one's graphs replayed
+    alone (milliseconds per replay), with the schedule chosen for it: the whole call's time less
+    this is the host's share. A call of that shape comes first, each time: a capture's input
+    buffers and temporaries are blocks of its model's pool, which another shape's replays write
+    (the copy into them is the call's, before its replay)."""
     out = []
-    for rec in last_compiled():
+    for rec in records:
         ex = rec.executor
         if ex is None:
             continue
@@ -444,6 +467,7 @@ def replay_times(iters: int) -> list[dict]:
         for owner in ex.owners:
             graphs = list(owner.graphs.values())
             if graphs:
+                call()
                 ms = timed(lambda gs=graphs: [g.replay() for g in gs], iters=iters, device="cuda")
                 out.append({"owner": owner.name, "replay_ms": ms, "choices": choices})
     return out
@@ -472,6 +496,9 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=8, help="decode batch (sequences of one token)")
     p.add_argument("--prefill", default="2,128", help="prefill batch,sequence")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--inputs", type=int, default=8,
+                   help="token sets the timed calls take turns over (the same for every variant; the first "
+                        "two are the warm-up calls' own)")
     p.add_argument("--jobs", type=int, default=4, help="processes at once (they compile together, then time one by one)")
     p.add_argument("--procs", type=int, default=3,
                    help="processes per model and variant (median of medians; each cell also shows their range)")
@@ -525,7 +552,8 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
         env = fresh_caches(CAPTUREPASS_PICK_LOCK=lock)
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,
-               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters)] + \
+               "--decode", str(args.decode), "--prefill", args.prefill, "--iters", str(args.iters),
+               "--inputs", str(args.inputs)] + \
             (["--profile"] if args.profile else []) + (["--memory-sites"] if args.memory_sites else [])
         procs.append(((m, v), subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
     start = time.time()
