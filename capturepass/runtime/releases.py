@@ -38,12 +38,14 @@ class Releases:
 
     def release_captures(self) -> None:
         """Closes every capture owner (graphs, pools, leases, retained objects); the callable
-        stays usable and captures again on its next call."""
-        for cap in self._captures.values():
-            cap.release()
-        self._captures.clear()
-        self._places.clear()
-        self._warned_bound = False
+        stays usable and captures again on its next call. Waits for a captured call in
+        progress on another thread (its replay reads the graphs closed here)."""
+        with self._lock:
+            for cap in self._captures.values():
+                cap.release()
+            self._captures.clear()
+            self._places.clear()
+            self._warned_bound = False
 
     def release_instance(self, instance: tuple, why: str = "released") -> bool:
         """Closes every owner of one model instance; ``False`` if the callable is busy capturing

@@ -429,3 +429,60 @@ def test_a_resized_copys_address_does_not_make_the_callers_next_tensor_steady():
     plans = InPlacePlans(static_inputs=(), written=())
     plans.plan(base, [given], given=[given])  # the caller's own tensor: its address counts
     assert plans.observe(base, [given]) == (0,)
+
+
+class _SlowReplay(_HostCapture):
+    """A replay that holds until told to finish, and checks that its owner is still open then."""
+
+    entered = None
+    finish = None
+
+    def replay(self, args, check=False):
+        _SlowReplay.entered.set()
+        assert _SlowReplay.finish.wait(10)
+        assert not self.owner.closed, "the capture was closed during its replay"
+        return super().replay(args, check)
+
+
+def test_release_captures_waits_for_a_replay_on_another_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(executor_module, "Capture", _SlowReplay)
+    _HostCapture.log, _SlowReplay.entered, _SlowReplay.finish = [], threading.Event(), threading.Event()
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    x, cache, ref = torch.randn(1, 4), torch.zeros(8, 4), torch.zeros(8, 4)
+    with torch.no_grad():
+        compiled(x, cache, torch.tensor([0]), rows[:3])  # compiles, runs eagerly
+        model(x, ref, torch.tensor([0]), rows[:3])
+        ex = _executor()
+        _SlowReplay.finish.set()
+        for step in (1, 2, 3):  # captures, then again with x read in place (it stays put), replays
+            compiled(x, cache, torch.tensor([step]), rows[:3])
+            model(x, ref, torch.tensor([step]), rows[:3])
+    assert ex.num_captures == 1 and [k for k, _ in _HostCapture.log] == ["capture", "capture", "replay"]
+    _SlowReplay.entered.clear()
+    _SlowReplay.finish.clear()
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            with torch.no_grad():
+                compiled(x, cache, torch.tensor([4]), rows[:3])
+        except BaseException as e:  # noqa: BLE001 - reported on the main thread
+            errors.append(e)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert _SlowReplay.entered.wait(10)
+    releaser = threading.Thread(target=ex.release_captures)
+    releaser.start()
+    releaser.join(0.2)
+    assert releaser.is_alive()  # waits for the replay
+    _SlowReplay.finish.set()
+    caller.join()
+    releaser.join()
+    assert errors == [] and ex.num_captures == 0
+    with torch.no_grad():
+        model(x, ref, torch.tensor([4]), rows[:3])
+    torch.testing.assert_close(cache, ref)
