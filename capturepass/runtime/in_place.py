@@ -125,11 +125,15 @@ class InPlacePlans:
             places = self.positions(args, given)
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
             # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
-            # the caller's own (from no address: the first of them is not a move).
-            steady = {i: [args[i].data_ptr(), 0, 0] if given is None or (i < len(given) and args[i] is given[i])
-                      else [_NOWHERE, 0, -1]
-                      for i in self._callers(args, None)
-                      if i not in places and i not in self._written and _plain(args[i])}
+            # the caller's own.
+            steady = {}
+            for i in self._callers(args, None):
+                if i in places or i in self._written or not _plain(args[i]):
+                    continue
+                if given is None or (i < len(given) and args[i] is given[i]):
+                    steady[i] = [args[i].data_ptr(), 0, 0]
+                else:
+                    steady[i] = [_NOWHERE, 0, -1]  # the caller's first tensor is not a move
             if steady:
                 self._steady[base] = steady
         return plan
