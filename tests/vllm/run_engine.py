@@ -85,7 +85,7 @@ def write_model(directory: str, name: str = "llama") -> str:
     os.makedirs(directory, exist_ok=True)
     config = transformers.AutoConfig.for_model(**MODELS[name])
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
     return directory
 
