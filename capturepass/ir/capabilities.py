@@ -254,6 +254,12 @@ class CapabilityRegistry:
             self._decls[name] = _Declaration(capturable, level, tuple(resources), monolithic, collective)
             self._cache = {k: v for k, v in self._cache.items() if k[0] != name}
 
+    def declared(self, op: Any) -> bool:
+        """Whether ``op`` has a declaration of its own."""
+        name = op_qualname(op)
+        with self._lock:
+            return name in self._decls
+
     def unregister(self, op: Any) -> None:
         """Forgets the declaration of ``op``."""
         name = op_qualname(op)

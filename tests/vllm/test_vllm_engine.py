@@ -167,6 +167,12 @@ def test_moe_backend_route_gives_mode_0_generation_with_the_shared_expert_on_a_l
     text = (work / "dump-moe" / "000_inference" / "003_assign_streams.txt").read_text()
     lanes = next(line for line in text.splitlines() if line.startswith("# graph inference: lanes "))
     assert "s1=aux0" in lanes, lanes
+    # The plugin declares vLLM's plain kernels (linear layers, rotary embedding): only the ops with
+    # state behind vLLM's forward context stay serialized.
+    serialized = {line.split("undeclared custom op ")[1].split(": ")[0] for line in text.splitlines()
+                  if line.startswith("# decision:") and "undeclared custom op" in line}
+    assert "vllm::unified_attention_with_output" in serialized, serialized
+    assert not serialized & {"_C::onednn_mm", "_C::rotary_embedding"}, serialized
 
 
 def test_moe_pass_route_writes_lanes_and_gives_mode_0_generation(work, moe_reference):

@@ -67,6 +67,7 @@ def _say_once(message: str, *args: Any) -> None:
 
 
 _registered_pass_class = False
+_declared_kernels = False
 
 
 def register() -> None:
@@ -76,7 +77,7 @@ def register() -> None:
     model is built). In a vLLM process the name ``capturepass`` compiles with
     :func:`backend`, whose result vLLM's AOT compile can save.
     """
-    global _registered_pass_class
+    global _registered_pass_class, _declared_kernels
     from torch._dynamo.backends import registry
 
     with _lock:
@@ -87,6 +88,11 @@ def register() -> None:
             registry.register_backend(compiler_fn=backend, name="capturepass")
         if not _registered_pass_class:
             _registered_pass_class = _register_inductor_pass()
+        if not _declared_kernels:
+            from capturepass.backends.vllm import kernels
+
+            kernels.declare()  # vLLM's norms, activations and rotary embeddings may overlap
+            _declared_kernels = True
 
 
 def _register_inductor_pass() -> bool:

@@ -15,10 +15,23 @@ import torch
 from torch._dynamo.backends import registry
 
 import capturepass
+from capturepass.backends.vllm import kernels
 from capturepass.backends.vllm import plugin as vllm_plugin
 from capturepass.backends import dynamo
 from capturepass.errors import OptionError
+from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir.options import Options
+
+
+@pytest.fixture(autouse=True)
+def _kernels_undeclared_after(monkeypatch):
+    """The plugin declares vLLM's kernels in the process-wide registry: undone after each test."""
+    before = {name for name in kernels.SAFE_KERNELS if REGISTRY.declared(name)}
+    monkeypatch.setattr(vllm_plugin, "_declared_kernels", False)
+    yield
+    for name in kernels.SAFE_KERNELS:
+        if name not in before:
+            REGISTRY.unregister(name)
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +83,45 @@ def test_plugin_registers_the_backend_idempotently():
     finally:
         dynamo.register()
     assert registry.lookup_backend("capturepass") is dynamo.capturepass_backend
+
+
+def test_plugin_declares_vllms_plain_kernels():
+    vllm_plugin.register()
+    vllm_plugin.register()
+    assert all(REGISTRY.declared(name) for name in kernels.SAFE_KERNELS)
+    # Hidden state through vLLM's forward context, or communication: left serialized.
+    for name in ("vllm::unified_attention_with_output", "vllm::unified_kv_cache_update", "vllm::moe_forward",
+                 "vllm::all_reduce", "_C::cpu_fused_moe"):
+        assert not REGISTRY.declared(name)
+
+
+@torch.library.custom_op("cptest_vllm::norm", mutates_args=("out",))
+def _norm(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+@torch.library.custom_op("cptest_vllm::act", mutates_args=("out",))
+def _act(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+def test_declared_kernels_run_beside_other_lanes_and_a_users_own_declaration_is_kept(monkeypatch):
+    from capturepass.ir import meta
+
+    monkeypatch.setattr(kernels, "SAFE_KERNELS", ("cptest_vllm::norm", "cptest_vllm::act"))
+    graph = torch.fx.experimental.proxy_tensor.make_fx(
+        lambda out, x: (torch.ops.cptest_vllm.norm(out, x), torch.ops.cptest_vllm.act(out, x)))(
+        torch.empty(2), torch.ones(2))
+    norm, act = [n for n in graph.graph.nodes if n.op == "call_function"]
+    assert REGISTRY.query(act).overlap is meta.Overlap.SERIALIZE  # undeclared custom op
+    REGISTRY.register("cptest_vllm::norm", overlap="serialize")  # the user's own
+    try:
+        assert kernels.declare() == ["cptest_vllm::act"]
+        assert REGISTRY.query(norm).overlap is meta.Overlap.SERIALIZE
+        assert REGISTRY.query(act).overlap is meta.Overlap.SAFE
+    finally:
+        REGISTRY.unregister("cptest_vllm::norm")
+        REGISTRY.unregister("cptest_vllm::act")
 
 
 def test_plugin_entry_point():
