@@ -25,13 +25,15 @@ from capturepass.ir.options import Options
 
 @pytest.fixture(autouse=True)
 def _kernels_undeclared_after(monkeypatch):
-    """The plugin declares vLLM's kernels in the process-wide registry: undone after each test."""
+    """The plugin declares vLLM's kernels in the process-wide registry and registers its backend
+    under the name "capturepass": both undone after each test."""
     before = {name for name in kernels.SAFE_KERNELS if REGISTRY.declared(name)}
     monkeypatch.setattr(vllm_plugin, "_declared_kernels", False)
     yield
     for name in kernels.SAFE_KERNELS:
         if name not in before:
             REGISTRY.unregister(name)
+    dynamo.register()  # the plain backend under the name "capturepass" again
 
 
 @pytest.fixture(autouse=True)
