@@ -126,14 +126,13 @@ class InPlacePlans:
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
             # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
             # the caller's own.
+            mine = frozenset(self._callers(args, given))
             steady = {}
             for i in self._callers(args, None):
                 if i in places or i in self._written or not _plain(args[i]):
                     continue
-                if given is None or (i < len(given) and args[i] is given[i]):
-                    steady[i] = [args[i].data_ptr(), 0, 0]
-                else:
-                    steady[i] = [_NOWHERE, 0, -1]  # the caller's first tensor is not a move
+                # From no address where the tensor is a copy of ours: the caller's first is not a move.
+                steady[i] = [args[i].data_ptr(), 0, 0] if i in mine else [_NOWHERE, 0, -1]
             if steady:
                 self._steady[base] = steady
         return plan
