@@ -1,0 +1,216 @@
+"""Lanes after fusion: the rewrite of Inductor's generated ``call`` (``backends.fused_lanes``).
+
+The code here has the form torch 2.11 and 2.13 generate for a CUDA graph (Triton launches
+behind ``get_raw_stream``, extern matrix products with ``out=``, planned reuses); the GPU tests
+(``tests/runtime/test_fused_lanes_gpu.py``) run real compiles of it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from expecttest import assert_expected_inline
+
+from capturepass.backends import fused_lanes
+
+MODULE = textwrap.dedent('''\
+    from torch._C import _cuda_getCurrentRawStream as get_raw_stream
+    triton_poi_fused_mul_sin_0 = async_compile.triton('triton_poi_fused_mul_sin_0', """
+    @triton.jit
+    def triton_poi_fused_mul_sin_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+        pass
+    """, device_str='cuda')
+    triton_poi_fused_add_1 = async_compile.triton('triton_poi_fused_add_1', """
+    @triton.jit
+    def triton_poi_fused_add_1(KIND_ptr0, in_ptr0, xnumel, XBLOCK : tl.constexpr):
+        pass
+    """, device_str='cuda')
+
+    class Runner:
+        def __init__(self, partitions):
+            self.partitions = partitions
+
+        def call(self, args):
+            arg0_1, arg1_1, arg2_1 = args
+            args.clear()
+            assert_size_stride(arg0_1, (8, 64), (64, 1))
+            with torch.cuda._DeviceGuard(0):
+                torch.cuda.set_device(0)
+                buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+                # Topologically Sorted Source Nodes: [sin, mul], Original ATen: [aten.sin, aten.mul]
+                stream0 = get_raw_stream(0)
+                triton_poi_fused_mul_sin_0.run(arg0_1, buf0, 512, stream=stream0)
+                buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+                # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+                extern_kernels.mm(arg0_1, arg1_1, out=buf1)
+                buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+                # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+                extern_kernels.mm(buf0, arg2_1, out=buf2)
+                del buf0
+                buf3 = buf1; del buf1  # reuse
+                # Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]
+                stream0 = get_raw_stream(0)
+                triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)
+                del buf2
+            return (buf3, )
+
+    runner = Runner(partitions=[])
+    call = runner.call
+    ''')
+
+
+def module(add_writes: str = "in_out_ptr0") -> str:
+    return MODULE.replace("KIND_ptr0", add_writes)
+
+
+def by_buffer(lanes: dict[str, int]):
+    return lambda writes, sources: next((lanes[w] for w in writes if w in lanes), None)
+
+
+def body(rewritten: fused_lanes.Rewritten) -> str:
+    return textwrap.dedent("\n".join(rewritten.source.splitlines()[1:]))
+
+
+def test_a_side_lane_waits_for_what_it_reads_and_main_for_the_side_lane():
+    """``sin`` and ``mm_1`` on lane 1: it forks from the main lane's entry; the in-place ``add``
+    (``in_out_ptr0``: buf3 is buf1's values, updated) waits for ``mm_1``'s buffer; buf2, made on
+    lane 1 and read on the main one, is freed after the join."""
+    done = fused_lanes.rewrite(module(), by_buffer({"buf0": 1, "buf2": 1}))
+    assert_expected_inline(body(done), """\
+arg0_1, arg1_1, arg2_1 = args
+args.clear()
+assert_size_stride(arg0_1, (8, 64), (64, 1))
+with torch.cuda._DeviceGuard(0):
+    torch.cuda.set_device(0)
+    _cp_lanes.enter(0)
+    _cp_lanes.record(0)
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(0)
+    buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin, mul], Original ATen: [aten.sin, aten.mul]
+    stream0 = get_raw_stream(0)
+    triton_poi_fused_mul_sin_0.run(arg0_1, buf0, 512, stream=stream0)
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+    extern_kernels.mm(arg0_1, arg1_1, out=buf1)
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+    extern_kernels.mm(buf0, arg2_1, out=buf2)
+    _cp_lanes.record(1)
+    del buf0
+    buf3 = buf1; del buf1  # reuse
+    # Topologically Sorted Source Nodes: [add], Original ATen: [aten.add]
+    stream0 = get_raw_stream(0)
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(1)
+    triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)
+    _cp_lanes.leave()
+    del buf2
+return (buf3, )""")
+    assert done.held == ["buf2"] and done.lanes == [1] and (done.records, done.waits) == (2, 2)
+
+
+def test_an_in_place_update_on_another_lane_waits_for_the_values_it_updates():
+    """``add`` on lane 1 updates buf3 in place, and buf3 is buf1, written by ``mm`` on the main
+    lane: the reuse stays, and lane 1 waits for ``mm``."""
+    done = fused_lanes.rewrite(module(), by_buffer({"buf0": 1, "buf2": 1, "buf3": 1}))
+    lines = body(done).splitlines()
+    mm = next(i for i, line in enumerate(lines) if "out=buf1" in line)
+    assert lines[mm + 1].strip() == "_cp_lanes.record(1)"
+    add = next(i for i, line in enumerate(lines) if "triton_poi_fused_add_1.run" in line)
+    assert "buf3 = buf1; del buf1  # reuse" in [x.strip() for x in lines[mm:add]]
+    assert "_cp_lanes.wait(1)" in [x.strip() for x in lines[mm:add]]
+
+
+def test_a_reuse_that_only_writes_gets_its_own_block_on_another_lane():
+    """The same reuse where ``add`` only writes buf3 (``out_ptr0``): memory reused, no values:
+    on lane 1 it gets a block of its own, allocated as buf1 was, and lane 1 waits for nothing
+    of the main lane's."""
+    done = fused_lanes.rewrite(module("out_ptr0"), by_buffer({"buf0": 1, "buf2": 1, "buf3": 1}))
+    text = body(done)
+    assert "buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)" in text and "# reuse" not in text
+    assert done.waits == 1  # the fork from the main lane's entry
+
+
+def test_one_lane_is_the_code_as_inductor_wrote_it():
+    """Nothing on a side lane: no switch, record or wait; the module keeps one lane's body and
+    runs it while no side stream is bound."""
+    new, done = fused_lanes.rewrite_module(module(), by_buffer({}))
+    assert (done.switches, done.records, done.waits, done.held, done.lanes) == (0, 0, 0, [], [])
+    assert "def _cp_one_call(self, args):" in new and "if _cp_lanes.active():" in new
+    compile(new, "<rewritten>", "exec")
+
+
+def test_a_module_without_call_is_refused():
+    with pytest.raises(fused_lanes.RewriteError, match="no `def call"):
+        fused_lanes.rewrite("x = 1\n", by_buffer({}))
+
+
+def test_the_order_check_finds_what_a_rewrite_must_not_leave_out():
+    """:func:`fused_lanes.check` runs the lanes' calls on vector clocks, apart from the rewrite:
+    a removed wait, a free moved before the join and a side lane that never forks are found."""
+    done = fused_lanes.rewrite(module(), by_buffer({"buf0": 1, "buf2": 1}))
+    assert fused_lanes.check(done.source, module()) == []
+    no_wait = done.source.replace("    _cp_lanes.wait(1)\n", "")
+    assert fused_lanes.check(no_wait, module()) == [
+        "lane 0 uses buf2, written on lane 1 with no event after: "
+        "triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)"]
+    early = done.source.replace("    _cp_lanes.leave()\n            del buf2\n", "    del buf2\n            _cp_lanes.leave()\n")
+    assert fused_lanes.check(early, module()) == ["buf2 freed before the join, used on lanes [0, 1], allocated on 1"]
+    no_fork = done.source.replace("    _cp_lanes.wait(0)\n", "")
+    assert "lane 1 allocates before it waits for the main lane" in fused_lanes.check(no_fork, module())[0]
+
+
+def _inductor_code() -> str:
+    """The output code of a host compile with two chains of products, in-place updates and
+    planned reuses (the host's code has the same lines around its C++ kernels)."""
+    import torch
+
+    from capturepass.backends.inline_check import CodeCapture
+
+    def f(x, w, v):
+        a = torch.relu(x @ w)
+        b = torch.sigmoid(x @ v)
+        for _ in range(2):
+            a = torch.tanh(a @ w) + a
+            b = (b @ v) * b
+        return a.sum(0) + b.mean(0), a - b
+
+    torch._dynamo.reset()
+    with CodeCapture() as code, torch.no_grad():
+        torch.compile(f, backend="inductor", options={"fx_graph_cache": False})(
+            torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32))
+    torch._dynamo.reset()
+    (text,) = [c for c in code.codes if "def call(" in c]
+    return text
+
+
+@pytest.fixture(scope="module")
+def inductor_code() -> str:
+    return _inductor_code()
+
+
+def test_every_lane_assignment_of_real_inductor_code_checks_clean(inductor_code):
+    """Whatever lane each buffer's launch takes (three lanes, drawn), the rewrite of a real
+    Inductor compile's ``call`` passes the order check, and the module it makes compiles."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    buffers = sorted(set(__import__("re").findall(r"\bbuf\d+\b", inductor_code)))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.integers(0, 2), min_size=len(buffers), max_size=len(buffers)))
+    def run(lanes):
+        lane = dict(zip(buffers, lanes))
+        new, done = fused_lanes.rewrite_module(inductor_code, by_buffer(lane))
+        assert fused_lanes.check(done.source, inductor_code) == []
+        compile(new, "<rewritten>", "exec")
+
+    run()
