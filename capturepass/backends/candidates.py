@@ -24,6 +24,11 @@ The runtime measures these as captured graphs and keeps the fastest per shape
   Qwen2-MoE decoders, decode and prefill; BENCHMARKS.md, fifteenth run): the sync points left
   on one lane bound Inductor's fusion and its buffers are not reused across lanes.
 
+A program compiled with **lanes after fusion** (``regions="fused"``, the default on CUDA;
+``backends.fused_lanes``) is one compile for all: ``model`` is its code run with side streams,
+``one_lane`` the same code run without (one lane's own fusion and frees, so it counts as one
+lane's own program), and ``auxK`` / ``merged`` its lanes merged onto fewer streams.
+
 Candidates that put every kernel on the same stream as an earlier one of their kind are one
 candidate (the earlier name is kept). A graph whose cost model used one lane has one
 candidate, and nothing is measured.
@@ -62,6 +67,9 @@ class Candidate:
         plan: what ``emit`` planned for it (a lane map's: the cost model's).
         lane_map: for a candidate that runs the cost model's program with lanes merged, the
             stream of each of its lanes (``0`` the main one); ``None`` for a program of its own.
+        own_one_lane: whether it runs one lane's own code (its own compile, or a program
+            compiled with lanes after fusion run without side streams), though it has a
+            ``lane_map``.
     """
 
     name: str
@@ -74,6 +82,7 @@ class Candidate:
     _compile: Callable[[Any], Any] | None = None
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     lane_map: tuple[int, ...] | None = None
+    own_one_lane: bool = False
 
     @property
     def compiled(self) -> bool:
@@ -214,6 +223,10 @@ def derive(
     """
     first = Candidate("model", {}, len(meta.graph_info(model).lanes), estimate_us(model), model, model_plan,
                       model_program, compile_plan)
+    if getattr(model_program, "code_lanes", 0):
+        return _fused(first, opts)
+    if getattr(model_program, "fused", False):
+        return [first]  # compiled with lanes after fusion, and no kernel left on a side lane
     out = [first]
     own = {assignment(model): first.name}
     for name, overrides in variants(model):
@@ -231,6 +244,26 @@ def derive(
         mapped[sig] = name
         out.append(Candidate(name, {}, sig[0], estimate_us(model, lane_map), model, model_plan, model_program,
                              compile_plan, lane_map=lane_map))
+    return out
+
+
+def _fused(first: Candidate, opts: Options) -> list[Candidate]:
+    """The candidates of a program compiled with lanes after fusion: all of them that one
+    compile. One lane is its code without side streams (one lane's own, frees included);
+    the cost model's, fewer lanes and short lanes merged back are its lanes' code with lanes
+    merged onto fewer streams."""
+    model, program = first.graph, first.program
+    lanes = len(meta.graph_info(model).lanes)
+    one = Candidate("one_lane", dict(ONE_LANE_OVERRIDES), 1, estimate_us(model, (0,) * lanes), model, first.plan,
+                    program, lane_map=(0,) * lanes, own_one_lane=True)
+    out, seen = [first, one], {assignment(model), assignment(model, (0,) * lanes)}
+    for name, lane_map in lane_maps(model, opts):
+        sig = assignment(model, lane_map)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        out.append(Candidate(name, {}, sig[0], estimate_us(model, lane_map), model, first.plan, program,
+                             lane_map=lane_map))
     return out
 
 

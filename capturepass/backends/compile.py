@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from capturepass.backends import fused_lanes
 from capturepass.backends import inline as inline_segments
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.inline_check import CodeCapture, findings
@@ -121,7 +122,59 @@ def inline_route(opts: Options, plan: Plan) -> bool:
     """Whether ``plan``'s capture segments compile once each, their lanes inline:
     ``regions="segments"``, or ``"auto"`` on CUDA (on the host, ``"auto"`` already plans one
     region per segment)."""
-    return opts.regions == "segments" or (opts.regions == "auto" and meta.graph_info(plan.graph).on_cuda)
+    return opts.regions == "segments" or (opts.regions in ("auto", "fused") and meta.graph_info(plan.graph).on_cuda)
+
+
+def fused_route(opts: Options, plan: Plan) -> str | None:
+    """Why ``plan``'s lanes are not written into one lane's compile after fusion
+    (``backends.fused_lanes``), or ``None``: they are. That route is taken by
+    ``regions="fused"``, and by ``"auto"`` on CUDA, for a graph of more than one lane whose
+    regions Inductor compiles; a reason is worth logging only where it says ``unavailable``."""
+    info = meta.graph_info(plan.graph)
+    if opts.regions not in ("auto", "fused") or not info.on_cuda or len(info.lanes) < 2:
+        return "not asked for"
+    if any(r.compiler != "inductor" for r in plan.regions if r.kernels and not r.eager):
+        return "not asked for"
+    why = fused_lanes.unavailable()
+    return f"unavailable: {why}" if why is not None else None
+
+
+def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bool = False) -> Program:
+    """One lane's program, its kernels put on ``model``'s lanes after fusion.
+
+    ``one_lane`` is the plan of the same graph with one lane (``policy="off"``); its regions are
+    compiled once, each with its generated ``call`` rewritten (``backends.fused_lanes``): every
+    fused kernel takes the lane the cost model gave its FX nodes in ``model``, where they agree,
+    else the main lane. The program runs one lane's code on an owner without side streams and
+    the lanes' code on one with them, so every schedule candidate of the graph is this one
+    compile (``backends.candidates``).
+    """
+    graph = model.graph
+    lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
+                    if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE}
+    lanes = len(meta.graph_info(graph).lanes)
+    with fused_lanes.Compiling(lane_by_name) as rewrites:
+        program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
+    launches = sum(len(r.launches) for r in rewrites.reports)
+    side = sum(1 for r in rewrites.reports for _, lane in r.launches if lane)
+    title = meta.graph_info(graph).title
+    program.fused = True
+    if rewrites.findings:
+        log.warning("capturepass: %s: lanes after fusion left out of a compile whose rewrite the order check "
+                    "faults (%s); that code runs on one lane", meta.graph_info(graph).title, rewrites.findings[0])
+    if side == 0:
+        log.info("capturepass: %s: no fused kernel of one lane's compile lies on a side lane alone (%d launches); "
+                 "it runs on one lane", title, launches)
+        return program
+    program.code_lanes = lanes
+    # Owners, dumps and measurements see the lanes the code runs on: the cost model's.
+    program.info = meta.graph_info(graph)
+    what = (f"one Inductor compile with lanes after fusion: {side} of {launches} launches on side lanes, "
+            f"{sum(r.switches for r in rewrites.reports)} lane switches, {sum(r.records for r in rewrites.reports)} "
+            f"events, {sum(len(r.held) for r in rewrites.reports)} frees held to the join")
+    log.info("capturepass: %s: %s", title, what)
+    meta.add_decision(graph, what)
+    return program
 
 
 def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = False) -> Program:
@@ -285,6 +338,7 @@ def compile_graph(
     regions: bool = True,
     record: bool = True,
     log_decisions: bool = True,
+    one_lane: Callable[[], Plan] | None = None,
 ) -> CompiledGraph:
     """Runs capturepass on one ATen graph.
 
@@ -311,6 +365,9 @@ def compile_graph(
         log_decisions: log the passes' decisions and write the dumps into the structured
             trace (off for a schedule candidate: the log and the trace tell of the graph
             that runs; a candidate's choice is logged when it is measured).
+        one_lane: the plan of the same graph with one lane, made on demand: where
+            :func:`fused_route` allows, the program is that plan's compile with this plan's
+            lanes written in after fusion (:func:`compile_fused`).
 
     Raises:
         PipelineError, PassError, VerificationError, EmitError, CapturePassError: as the passes
@@ -331,7 +388,16 @@ def compile_graph(
     plan: Plan | None = ctx.artifacts.get("plan")
     program = None
     if plan is not None and regions:
-        program = compile_regions(plan, eager_fallback=bool(not_capturable), inline=inline_route(opts, plan))
+        why = fused_route(opts, plan)
+        if why is None and one_lane is None:
+            why = "unavailable: the graph's one-lane plan cannot be made here"
+        if why is None:
+            program = compile_fused(plan, one_lane(), opts, eager_fallback=bool(not_capturable))
+        else:
+            if why.startswith("unavailable"):
+                log.info("capturepass: %s: lanes after fusion %s; each capture segment is compiled with its lanes "
+                         "inline", meta.graph_info(gm).title, why)
+            program = compile_regions(plan, eager_fallback=bool(not_capturable), inline=inline_route(opts, plan))
         ctx.artifacts["program"] = program
         if dumper is not None:
             dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")

@@ -184,6 +184,8 @@ def _aten_compiler(
         dump_dir = driver.dump_folder(opts.dump_dir, compile_id, kind)
         # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
         pristine = _pristine_copy(gm) if graph_opts.cudagraphs != CaptureMode.NONE else None
+        # What the one-lane plan of lanes after fusion is made from (uncaptured CUDA graphs too).
+        source = pristine if pristine is not None or not driver.on_cuda(examples) else _pristine_copy(gm)
 
         # The cost model calibrated on this device by earlier measured choices (or the nominal one).
         device_model = _device_model(graph_opts, examples)
@@ -195,6 +197,7 @@ def _aten_compiler(
                 compiled = driver.compile_graph(
                     graph, examples, compile_opts, name=kind, dump_dir=dump_dir, front_dumps=front_dumps,
                     not_capturable=not_capturable, record=record,
+                    one_lane=(lambda: plan_with(candidates.ONE_LANE_OVERRIDES)[1]) if source is not None else None,
                 )
             if device_model is not None:
                 meta.add_decision(compiled.graph, device_model.describe())
@@ -204,7 +207,7 @@ def _aten_compiler(
         breaks: dict[str, str] = {}
 
         def plan_with(overrides: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
-            graph = _pristine_copy(pristine)
+            graph = _pristine_copy(source)
             new = driver.compile_graph(
                 graph, examples, dataclasses.replace(opts, **overrides), name=kind, regions=False, record=False,
                 log_decisions=False, not_capturable=breaks,

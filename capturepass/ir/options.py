@@ -25,7 +25,7 @@ from capturepass.ir.meta import CaptureMode
 
 POLICIES = ("auto", "hints", "off")
 INNER_COMPILERS = ("inductor", "eager", "tensorrt")
-REGION_MODES = ("auto", "lanes", "segments")
+REGION_MODES = ("auto", "lanes", "segments", "fused")
 # How the schedule of a captured graph is chosen (option ``pick``).
 PICKS = ("measure", "model")
 CUDAGRAPH_MODES = tuple(mode.value for mode in CaptureMode)
@@ -105,12 +105,16 @@ class Options:
             the storage of every retained object are those the capture baked in
             (a debug aid; raises ``ResourceError`` naming what moved).
         regions: ``"auto"``: on a host graph (no CUDA tensor, lanes run in program
-            order) each segment is one region, compiled once; on CUDA, each capture segment
-            compiled once with its lanes inline (one Inductor compile;
-            ``capturepass.backends.inline``), a segment that cannot be keeping one region per
-            lane between sync points, with the reason logged. ``"lanes"``: the per-lane
-            regions everywhere (the region route; on the CPU, to inspect the outer program a
-            GPU runs it by). ``"segments"``: the inline route on the host too.
+            order) each segment is one region, compiled once; on CUDA, ``"fused"`` where this
+            torch allows, else ``"segments"``'s inline route (logged). ``"fused"``: lanes after
+            fusion: one lane's plan compiled once by Inductor, each fused kernel put on the
+            lane the cost model gave its nodes by a rewrite of the generated code
+            (``capturepass.backends.fused_lanes``), so every schedule candidate is that one
+            compile and keeps one lane's fusion. ``"segments"``: each capture segment compiled
+            once with its lanes inline (``capturepass.backends.inline``; on the host too), a
+            segment that cannot be keeping one region per lane between sync points, with the
+            reason logged. ``"lanes"``: the per-lane regions everywhere (the region route; on
+            the CPU, to inspect the outer program a GPU runs it by).
         disable: names of passes to leave out, for bisecting a compile; a pass
             that a later one depends on cannot be left out (``PipelineError``).
         pick: ``"measure"`` (the default): when a CUDA graph is captured for a new

@@ -345,7 +345,7 @@ class Emit(Pass):
         # segment is one region and one compile: Inductor fuses across what would be lanes on a
         # GPU, and the outer program calls one function. Option regions="lanes" keeps the
         # per-lane regions a CUDA graph gets, to inspect or test them without a GPU.
-        merge = ctx.options.regions == "auto" and not meta.graph_info(gm).on_cuda
+        merge = ctx.options.regions in ("auto", "fused") and not meta.graph_info(gm).on_cuda
         if merge:
             ctx.count(self.name, "merged_lanes")
         steps = _plan(gm, merge_lanes=merge)

@@ -326,7 +326,7 @@ class Executor(Releases):
     def _new_owner(self, name: str, model: _Model, role: str, args: Sequence[Any], device: torch.device | None,
                    captured: bool, share: bool = False, places: frozenset[int] = frozenset()) -> GraphOwner:
         shared = model.shared(device) if share else None
-        owner = GraphOwner(name, len(self.program.info.lanes), device, captured=captured, shared=shared)
+        owner = GraphOwner(name, self.program.lanes, device, captured=captured, shared=shared)
         if self._record is not None:
             self._record.add(name, model.name, role, naming.describe_inputs(args, self._static_positions, places),
                              str(owner.device) if owner.device is not None else "cpu")
@@ -596,7 +596,7 @@ class Executor(Releases):
         one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool.
         With ``warm_only`` it only warms up: ``capture_warmed(args)`` captures it later.
         ``lane_map``: the owner's stream of each lane (``GraphOwner``; ``None``: one each)."""
-        owner = GraphOwner(name, len(program.info.lanes), device, captured=True, shared=shared, lane_map=lane_map)
+        owner = GraphOwner(name, program.lanes, device, captured=True, shared=shared, lane_map=lane_map)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
             out = cap.warm(args, real) if warm_only else cap.run(args, real)

@@ -131,6 +131,7 @@ class CudaLanes(Lanes):
         self.pool = pool
         self._events: list[torch.cuda.Event] = []
         self._external: dict[tuple[str, bool], torch.cuda.Event] = {}
+        self._code: dict[int, torch.cuda.Event] = {}
 
     def _stream(self, lane: int) -> torch.cuda.Stream:
         # The outer program and the sync points run with lane 0's stream current.
@@ -151,6 +152,14 @@ class CudaLanes(Lanes):
     def new_event(self, role: str) -> int:
         self._events.append(self.pool.acquire(self.owner, self.scope, role))
         return len(self._events) - 1
+
+    def code_event(self, slot: int) -> torch.cuda.Event:
+        """The event of slot ``slot`` of code compiled with lanes after fusion
+        (``runtime.code_lanes``), leased for this owner and scope at its first use."""
+        event = self._code.get(slot)
+        if event is None:
+            event = self._code[slot] = self.pool.acquire(self.owner, self.scope, EventRole.JOIN)
+        return event
 
     def record(self, event: int, lane: int) -> None:
         self._events[event].record(self._stream(lane))
@@ -194,3 +203,4 @@ class CudaLanes(Lanes):
         super().close()
         self._events.clear()
         self._external.clear()
+        self._code.clear()

@@ -119,6 +119,12 @@ class CandidateLike(Protocol):
 # -- timing and choice -------------------------------------------------------------------------------
 
 
+def _own(cand: Any) -> bool:
+    """Whether a candidate runs one lane's own code: a program of its own with one lane, or a
+    program compiled with lanes after fusion run without side streams (``own_one_lane``)."""
+    return bool(getattr(cand, "own_one_lane", False)) or (cand.lanes == 1 and getattr(cand, "lane_map", None) is None)
+
+
 def time_rounds(
     n: int, measure_round: Callable[[Sequence[int]], list[float]], budget_s: float,
     warmup: int = WARMUP_ROUNDS, max_rounds: int = MAX_ROUNDS, per_sample: int = 1,
@@ -696,15 +702,15 @@ class Picker:
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6
         lanes = [c.lanes for c in self.candidates]
-        chosen = choose(medians, lanes, mapped=[getattr(c, "lane_map", None) is not None for c in self.candidates])
+        chosen = choose(medians, lanes, mapped=[not _own(c) and getattr(c, "lane_map", None) is not None
+                                                for c in self.candidates])
         for j, i in enumerate(kept):
             if i != chosen:
                 caps[j].owner.close()
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us), "measured_us": _us(medians[i]),
                   "note": notes.get(i)} for i, c in enumerate(self.candidates)]
         # One lane's own program (a lane map onto one stream runs the lanes' program).
-        one = next((i for i, c in enumerate(self.candidates)
-                    if c.lanes == 1 and getattr(c, "lane_map", None) is None and medians[i] is not None), None)
+        one = next((i for i, c in enumerate(self.candidates) if _own(c) and medians[i] is not None), None)
         scale = None
         if one is not None and self.candidates[one].estimate_us > 0:
             scale = round(medians[one] / self.candidates[one].estimate_us, 4)  # type: ignore[operator]
@@ -738,8 +744,7 @@ class Picker:
 
     def _own_one_lane(self, index: int) -> bool:
         """Whether candidate ``index`` is one lane's own program (not a lane map of another's)."""
-        cand = self.candidates[index]
-        return cand.lanes == 1 and getattr(cand, "lane_map", None) is None
+        return _own(self.candidates[index])
 
     def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int) -> Any:
         """``cap``, the chosen candidate's capture, or a new capture of it where measuring dropped

@@ -40,7 +40,7 @@ import torch.fx as fx
 from capturepass.ir import meta
 from capturepass.ir.meta import EventRole, GraphInfo
 from capturepass.ir.plan import Inline, Plan, RegionPlan, Step, StepKind
-from capturepass.runtime import comms, context, naming
+from capturepass.runtime import code_lanes, comms, context, naming
 from capturepass.runtime.inline import runner as inline_runner
 from capturepass.runtime.lanes import run_here
 from capturepass.runtime.owner import GraphOwner
@@ -171,6 +171,11 @@ class Program:
         regions: every compiled region.
         output: the output structure (annotated-graph nodes in a pytree).
         static_inputs: input positions whose storage the caller keeps fixed.
+        code_lanes: for regions compiled with lanes after fusion (``backends.fused_lanes``:
+            one lane's plan, each fused kernel's lane written into its generated code), the
+            lanes that code runs on; ``0`` otherwise. An owner with side streams binds them
+            around every region call, and the code runs its kernels there; an owner without
+            runs one lane's code.
     """
 
     def __init__(self, plan: Plan, compiled: Mapping[int, Callable[..., Sequence[Any]]]) -> None:
@@ -188,6 +193,13 @@ class Program:
         self.static_inputs = self.info.static_inputs
         self.regions = [s.payload for s in steps if s.kind == StepKind.REGION]
         self.pieces = self._split(steps, out_node)
+        self.code_lanes = 0
+        self.fused = False  # compiled with lanes after fusion (``code_lanes`` 0: none left on a side lane)
+
+    @property
+    def lanes(self) -> int:
+        """The lanes an owner of this program has: the plan's, or its code's."""
+        return max(len(self.info.lanes), self.code_lanes)
 
     @staticmethod
     def _split(steps: list[Step], out_node: fx.Node) -> list[Piece]:
@@ -229,7 +241,12 @@ class Program:
         caller runs them around each segment's capture and replay (a captured graph
         cannot wait for a stream outside its capture).
         """
-        return BoundProgram(self, [_piece_module(p, owner, lanes, externals) for p in self.pieces])
+        bound = None
+        streams = getattr(lanes, "streams", None) or ()
+        if self.code_lanes and any(s is not None for s in streams):
+            # The lanes' streams, not the owner's: a warm-up runs every lane on one stream.
+            bound = (tuple(streams), getattr(lanes, "code_event", None))
+        return BoundProgram(self, [_piece_module(p, owner, lanes, externals, bound) for p in self.pieces])
 
 
 class BoundProgram:
@@ -282,12 +299,25 @@ class BoundProgram:
         return "\n\n".join(parts)
 
 
+def _on_code_lanes(runner: Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]],
+                   streams: tuple[Any, ...], event_of: Callable[[int], Any] | None,
+                   ) -> Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]:
+    """``runner`` with ``streams`` bound as the side lanes of code compiled with lanes after
+    fusion, its events leased by the owner's lanes (``event_of``)."""
+    def run(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
+        with code_lanes.bind(streams, event_of):
+            return runner(fn, args)
+
+    return run
+
+
 def _segment_of(node: fx.Node) -> int | None:
     seg = meta.info(node).segment
     return seg.index if seg is not None else None
 
 
-def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: bool = True) -> fx.GraphModule:
+def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: bool = True,
+                  code_lanes_of: tuple[tuple[Any, ...], Any] | None = None) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: graph.placeholder(n.name) for n in piece.live_in}
     for step in piece.steps:
@@ -298,6 +328,8 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             runner = inline_runner(spec, owner, lanes) if spec.inline is not None else lanes.region_runner(spec.lane)
             if spec.eager and owner.captured:
                 runner = _weak_args(runner, lanes)
+            if code_lanes_of is not None:
+                runner = _on_code_lanes(runner, *code_lanes_of)
             call = graph.call_function(RegionCall(spec, runner), tuple(env[n] for n in spec.inputs))
             for k, out in enumerate(spec.outputs):
                 env[out] = graph.call_function(operator.getitem, (call, k))
@@ -386,7 +418,7 @@ _describe_ids = itertools.count()
 
 def describe(program: Program) -> str:
     """The outer program's generated code, bound to a throwaway host owner (handles as in the IR)."""
-    owner = GraphOwner(f"{program.info.owner}.describe{next(_describe_ids)}", len(program.info.lanes), None,
+    owner = GraphOwner(f"{program.info.owner}.describe{next(_describe_ids)}", program.lanes, None,
                        captured=False)
     try:
         return program.bind(owner, owner.lanes("eager")).code().strip()

@@ -392,8 +392,9 @@ def test_target_and_draft_owners_are_disjoint():
     def with_ws(m):
         return lambda x: m(torch.ops.cptest_gpu.with_workspace(x))
 
-    ct = torch.compile(with_ws(target), backend="capturepass", options={"verify": True})
-    cd = torch.compile(with_ws(draft), backend="capturepass", options={"verify": True})
+    # The cost model's lanes (a measured choice of one lane would lease no event to compare).
+    ct = torch.compile(with_ws(target), backend="capturepass", options={"verify": True, "pick": "model"})
+    cd = torch.compile(with_ws(draft), backend="capturepass", options={"verify": True, "pick": "model"})
     _WS_PTRS.clear()
     xs = [torch.randn(16, 256, device="cuda") for _ in range(6)]
     for i, x in enumerate(xs):  # interleaved replays

@@ -120,11 +120,13 @@ def test_tiny_branches_choice_follows_the_rule_and_equals_eager(tmp_path):
 
 @torch.no_grad()
 def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatch):
-    """With a timer that makes one lane fastest, the executor replays the one-lane capture."""
+    """With a timer that makes one lane fastest, the executor replays the one-lane capture
+    (the inline route: one lane is a program of its own)."""
     monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {"one_lane": 1e-6}))
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path)})
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"pick_cache_dir": str(tmp_path), "regions": "segments"})
     for _ in range(3):
         x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), model(x), **BF16)
@@ -136,8 +138,10 @@ def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatc
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("choice", ["aux1", "serial"])
-def test_a_lane_map_chosen_by_the_timer_runs_the_models_program_and_equals_eager(choice, tmp_path, monkeypatch):
+# Lanes after fusion have no "serial" of their own: every lane on one stream is one lane's code.
+@pytest.mark.parametrize(("regions", "choice"), [("segments", "aux1"), ("segments", "serial"), ("fused", "aux1")])
+def test_a_lane_map_chosen_by_the_timer_runs_the_models_program_and_equals_eager(choice, regions, tmp_path,
+                                                                                 monkeypatch):
     """A candidate that merges lanes captures the cost model's program (no compile of its own)
     with merged lanes on one stream: equal to eager over three calls with new inputs. ``serial``
     (every lane on the caller's stream, the strongest merge; no default candidate, added here):
@@ -151,7 +155,8 @@ def test_a_lane_map_chosen_by_the_timer_runs_the_models_program_and_equals_eager
     monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {choice: 1e-6}))
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="capturepass", options={"pick_cache_dir": str(tmp_path), "verify": True})
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"pick_cache_dir": str(tmp_path), "verify": True, "regions": regions})
     for _ in range(3):
         x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), model(x), **BF16)
@@ -175,11 +180,12 @@ def test_the_next_compile_of_a_graph_builds_only_what_its_cached_choice_captures
                                                                                   caplog):
     """A second compile of the same static graph (another process, or after ``dynamo.reset``)
     finds the first one's choice before compiling: ``one_lane`` compiles the graph with one lane
-    alone (no candidates), another choice leaves ``one_lane`` uncompiled; equal to eager."""
+    alone (no candidates), another choice leaves ``one_lane`` uncompiled (the inline route, where
+    it is a program of its own); equal to eager."""
     monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {choice: 1e-6}))
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
-    options = {"pick_cache_dir": str(tmp_path)}
+    options = {"pick_cache_dir": str(tmp_path), "regions": "segments"}
     x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(torch.compile(model, backend="capturepass", options=options)(x), model(x), **BF16)
     assert _executor()._picker.records[0].choice == choice
@@ -360,3 +366,23 @@ def test_measuring_the_candidates_holds_no_more_memory_than_one_capture(tmp_path
     measured, n = _first_call_peak("measure", tmp_path)
     assert n >= 2
     assert measured <= 1.10 * alone, (measured / 2**20, alone / 2**20)
+
+
+@torch.no_grad()
+def test_one_lane_chosen_with_lanes_after_fusion_runs_the_one_compile_without_side_streams(tmp_path, monkeypatch):
+    """Lanes after fusion: one lane is the one compile run with no side stream bound (one
+    lane's own code); chosen by the timer, its capture equals eager over new inputs."""
+    monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {"one_lane": 1e-6}))
+    torch.manual_seed(0)
+    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="capturepass",
+                             options={"pick_cache_dir": str(tmp_path), "regions": "fused", "verify": True})
+    for _ in range(3):
+        x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(compiled(x), model(x), **BF16)
+    ex = _executor()
+    (record,) = ex._picker.records
+    assert record.choice == "one_lane"
+    (cap,) = ex._captures.values()
+    assert cap.program.code_lanes >= 2 and all(c.program is cap.program for c in ex._picker.candidates)
+    assert cap.owner.streams and all(s is None for s in cap.owner.streams)
