@@ -30,91 +30,30 @@ import torch.fx as fx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class LanesAfterFusion:
-    """The post-grad plan, the fused kernels' lanes and the rewrite of each compile's code."""
-
-    def __init__(self) -> None:
-        self.lane: dict[fx.Node, int] = {}
-        self.by_name: dict[str, int] = {}
-        self.buffers: dict[str, int] = {}
-        self.reports: list[dict[str, Any]] = []
-
-    def plan(self, graph: fx.Graph) -> None:
-        from capturepass.backends import compile as driver
-        from capturepass.ir import meta
-        from capturepass.ir.meta import OwnerId
-
-        root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
-        inputs = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        copy = fx.Graph()
-        value_map: dict[fx.Node, fx.Node] = {}
-        copy.output(copy.graph_copy(graph, value_map))
-        compiled = driver.compile_graph(fx.GraphModule(root, copy), inputs, driver.resolve(None),
-                                        name="post_grad", owner=OwnerId(900_000 + len(self.reports)),
-                                        dump_dir=None, regions=False, record=False)
-        del compiled
-        for node, planned in value_map.items():
-            if meta.has_info(planned):
-                self.lane[node] = meta.lane_of(planned).index
-                self.by_name[node.name] = self.lane[node]
-
-    def after_fusion(self, nodes: list[Any]) -> list[Any]:
-        for node in nodes:
-            origins = set()
-            for inner in node.get_nodes():
-                ir = getattr(inner, "node", None)
-                origins |= set(getattr(ir, "origins", ()) or ())
-            lanes = {self.lane[o] for o in origins if o in self.lane}
-            lane = lanes.pop() if len(lanes) == 1 else 0
-            for name in node.get_buffer_names():
-                self.buffers[name] = lane
-        return nodes
-
-    def lane_of(self, writes: list[str], sources: list[str]) -> int | None:
-        for w in writes:
-            if w in self.buffers:
-                return self.buffers[w]
-        lanes = {self.by_name[s] for s in sources if s in self.by_name}
-        return lanes.pop() if len(lanes) == 1 else None
-
-    def rewrite(self, code: str) -> str:
-        from capturepass.backends import fused_lanes
-
-        new, done = fused_lanes.rewrite_module(code, self.lane_of)
-        self.reports.append(dict(launches=len(done.launches), side=sum(1 for _, lane in done.launches if lane),
-                                 switches=done.switches, records=done.records, waits=done.waits,
-                                 held=len(done.held), lanes=done.lanes))
-        return new
-
-
-def compiled(model: Any, lanes: LanesAfterFusion | None) -> Any:
-    from torch._inductor.graph import GraphLowering
+def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
+    """``torch.compile(model, backend="inductor")``; with ``lanes``, every compile's code
+    rewritten with the lanes of capturepass's plan of its post-grad graph (planned on a copy), and
+    called with side streams bound. Returns the callable and the rewrites' reports."""
+    from capturepass.backends import fused_lanes
+    from capturepass.runtime import code_lanes
 
     torch._dynamo.reset()
-    if lanes is None:
-        return torch.compile(model, backend="inductor", options={"fx_graph_cache": False})
-    real = GraphLowering._compile_to_module_lines
-
-    def patched(self: Any, wrapper_code: Any) -> Any:
-        wrapper_code.value = lanes.rewrite(wrapper_code.value)
-        return real(self, wrapper_code)
-
     fn = torch.compile(model, backend="inductor", options={"fx_graph_cache": False})
-    from capturepass.runtime import code_lanes
+    if not lanes:
+        return fn, []
+    rewriting = fused_lanes.Compiling({})
+
+    def plan(graph: fx.Graph) -> None:
+        planned, _ = fused_lanes.plan_lanes(graph)
+        rewriting.lane_by_name = {node.name: lane for node, lane in planned.items()}
 
     streams = [torch.cuda.Stream() for _ in range(4)]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        # The rewritten code runs its lanes' body while side streams are bound.
-        with inductor_config.patch(post_grad_custom_post_pass=lanes.plan, _post_fusion_custom_pass=lanes.after_fusion), \
-                code_lanes.bind(streams):
-            GraphLowering._compile_to_module_lines = patched
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                GraphLowering._compile_to_module_lines = real
+        with inductor_config.patch(post_grad_custom_post_pass=plan), rewriting, code_lanes.bind(streams):
+            return fn(*args, **kwargs)
 
-    return call
+    return call, rewriting.reports
 
 
 def captured(fn: Any, args: tuple, kwargs: dict) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -181,10 +120,9 @@ def main() -> None:
         model, a, kw = workload(spec)
         with torch.no_grad():
             ref = tensor_of(model(*a, **kw)).float()
-            one = compiled(model, None)
+            one, _ = compiled(model, False)
             g1, o1 = captured(one, a, kw)
-            lanes = LanesAfterFusion()
-            two = compiled(model, lanes)
+            two, reports = compiled(model, True)
             g2, o2 = captured(two, a, kw)
             g1.replay(); g2.replay(); torch.cuda.synchronize()
             scale = ref.abs().max().item()
@@ -193,7 +131,9 @@ def main() -> None:
             same = (tensor_of(o1).float() - tensor_of(o2).float()).abs().max().item() / scale
             t1, t2 = timed_rounds([g1, g2])
         row = dict(workload=spec, one_lane_ms=t1, fused_lanes_ms=t2, ratio=t2 / t1, err_one=err1, err_lanes=err2,
-                   lanes_vs_one=same, rewrites=lanes.reports)
+                   lanes_vs_one=same, rewrites=[dict(launches=len(r.launches), side=sum(1 for _, k in r.launches if k),
+                                                     switches=r.switches, records=r.records, waits=r.waits,
+                                                     held=len(r.held), lanes=r.lanes) for r in reports])
         rows.append(row)
         print(json.dumps(row), flush=True)
         del g1, g2, o1, o2, one, two, model

@@ -20,9 +20,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx as fx
 
-from capturepass.backends import compile as driver
-from capturepass.ir import meta
-from capturepass.ir.meta import OwnerId
+from capturepass.backends import fused_lanes as lanes_after_fusion
 from capturepass.testing import zoo
 
 
@@ -30,24 +28,14 @@ class _Lanes:
     """The plan's lane of each node of the graphs Inductor compiles, and what fusion made of them."""
 
     def __init__(self) -> None:
-        self.lane: dict[fx.Node, Any] = {}
+        self.lane: dict[fx.Node, str] = {}
         self.names: list[str] = []
         self.graphs: list[dict[str, Any]] = []
 
     def plan(self, graph: fx.Graph) -> None:
         """Inductor's post-grad custom pass: plans a copy, leaves ``graph`` as it is."""
-        root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
-        inputs = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-        copy = fx.Graph()
-        value_map: dict[fx.Node, fx.Node] = {}
-        copy.output(copy.graph_copy(graph, value_map))
-        compiled = driver.compile_graph(fx.GraphModule(root, copy), inputs, driver.resolve(None),
-                                        name="post_grad", owner=OwnerId(900_000 + len(self.graphs)),
-                                        dump_dir=None, regions=False, record=False)
-        self.names = list(meta.graph_info(compiled.graph).lanes)
-        for node, planned in value_map.items():
-            if meta.has_info(planned):
-                self.lane[node] = meta.lane_of(planned)
+        lanes, self.names = lanes_after_fusion.plan_lanes(graph)
+        self.lane.update({node: f"s{lane}" for node, lane in lanes.items()})
 
     def after_fusion(self, nodes: list[Any]) -> list[Any]:
         """Inductor's post-fusion pass: counts the fused nodes by the lanes of their origins."""

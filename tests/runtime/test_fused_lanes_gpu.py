@@ -22,13 +22,6 @@ pytestmark = pytest.mark.gpu
 BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.fixture
 def inductor_modules(monkeypatch):
     """The modules Inductor generates while the test runs (one per compile)."""

@@ -119,14 +119,16 @@ def test_tiny_branches_choice_follows_the_rule_and_equals_eager(tmp_path):
 
 
 @torch.no_grad()
-def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatch):
-    """With a timer that makes one lane fastest, the executor replays the one-lane capture
-    (the inline route: one lane is a program of its own)."""
+@pytest.mark.parametrize("regions", ["segments", "fused"])
+def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(regions, tmp_path, monkeypatch):
+    """With a timer that makes one lane fastest, the executor replays the one-lane capture: on
+    the inline route a program of its own; with lanes after fusion the one compile, run with no
+    side stream bound (one lane's own code)."""
     monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {"one_lane": 1e-6}))
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(model, backend="capturepass",
-                             options={"pick_cache_dir": str(tmp_path), "regions": "segments"})
+                             options={"pick_cache_dir": str(tmp_path), "regions": regions, "verify": True})
     for _ in range(3):
         x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), model(x), **BF16)
@@ -134,7 +136,11 @@ def test_one_lane_chosen_by_the_timer_runs_and_equals_eager(tmp_path, monkeypatc
     (record,) = ex._picker.records
     assert record.choice == "one_lane"
     (cap,) = ex._captures.values()
-    assert len(cap.program.info.lanes) == 1
+    if regions == "segments":
+        assert len(cap.program.info.lanes) == 1
+    else:
+        assert cap.program.code_lanes >= 2 and all(c.program is cap.program for c in ex._picker.candidates)
+        assert cap.owner.streams and all(s is None for s in cap.owner.streams)
 
 
 @torch.no_grad()
@@ -367,22 +373,3 @@ def test_measuring_the_candidates_holds_no_more_memory_than_one_capture(tmp_path
     assert n >= 2
     assert measured <= 1.10 * alone, (measured / 2**20, alone / 2**20)
 
-
-@torch.no_grad()
-def test_one_lane_chosen_with_lanes_after_fusion_runs_the_one_compile_without_side_streams(tmp_path, monkeypatch):
-    """Lanes after fusion: one lane is the one compile run with no side stream bound (one
-    lane's own code); chosen by the timer, its capture equals eager over new inputs."""
-    monkeypatch.setattr(pick.Picker, "__init__", _with_timer(pick.Picker.__init__, {"one_lane": 1e-6}))
-    torch.manual_seed(0)
-    model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(model, backend="capturepass",
-                             options={"pick_cache_dir": str(tmp_path), "regions": "fused", "verify": True})
-    for _ in range(3):
-        x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
-        torch.testing.assert_close(compiled(x), model(x), **BF16)
-    ex = _executor()
-    (record,) = ex._picker.records
-    assert record.choice == "one_lane"
-    (cap,) = ex._captures.values()
-    assert cap.program.code_lanes >= 2 and all(c.program is cap.program for c in ex._picker.candidates)
-    assert cap.owner.streams and all(s is None for s in cap.owner.streams)
