@@ -44,6 +44,9 @@ OPTION_SETS = {
     "aux4": {"max_aux_lanes": 4},
     # Each capture segment one Inductor compile with its lanes inline (the host keeps the lanes).
     "segments": {"regions": "segments"},
+    # One lane's compile with the lanes written into its code after fusion; on the host the
+    # lanes' body runs, in program order.
+    "fused": {"regions": "fused"},
 }
 
 

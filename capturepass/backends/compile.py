@@ -128,10 +128,12 @@ def inline_route(opts: Options, plan: Plan) -> bool:
 def fused_route(opts: Options, plan: Plan) -> str | None:
     """Why ``plan``'s lanes are not written into one lane's compile after fusion
     (``backends.fused_lanes``), or ``None``: they are. That route is taken by
-    ``regions="fused"``, and by ``"auto"`` on CUDA, for a graph of more than one lane whose
+    ``regions="fused"`` (on the host too, where the lanes run in program order: to read and run
+    the code a GPU would), and by ``"auto"`` on CUDA, for a graph of more than one lane whose
     regions Inductor compiles; a reason is worth logging only where it says ``unavailable``."""
     info = meta.graph_info(plan.graph)
-    if opts.regions not in ("auto", "fused") or not info.on_cuda or len(info.lanes) < 2:
+    asked = opts.regions == "fused" or (opts.regions == "auto" and info.on_cuda)
+    if not asked or len(info.lanes) < 2:
         return "not asked for"
     if any(r.compiler != "inductor" for r in plan.regions if r.kernels and not r.eager):
         return "not asked for"
@@ -153,7 +155,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
                     if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE}
     lanes = len(meta.graph_info(graph).lanes)
-    with fused_lanes.Compiling(lane_by_name) as rewrites:
+    with fused_lanes.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
     launches = sum(len(r.launches) for r in rewrites.reports)
     side = sum(1 for r in rewrites.reports for _, lane in r.launches if lane)

@@ -184,8 +184,9 @@ def _aten_compiler(
         dump_dir = driver.dump_folder(opts.dump_dir, compile_id, kind)
         # Kept for rebuilds after a capture failed on one op (never needed when nothing is captured).
         pristine = _pristine_copy(gm) if graph_opts.cudagraphs != CaptureMode.NONE else None
-        # What the one-lane plan of lanes after fusion is made from (uncaptured CUDA graphs too).
-        source = pristine if pristine is not None or not driver.on_cuda(examples) else _pristine_copy(gm)
+        # What the one-lane plan of lanes after fusion is made from (uncaptured graphs too).
+        fused = driver.on_cuda(examples) or graph_opts.regions == "fused"
+        source = pristine if pristine is not None or not fused else _pristine_copy(gm)
 
         # The cost model calibrated on this device by earlier measured choices (or the nominal one).
         device_model = _device_model(graph_opts, examples)

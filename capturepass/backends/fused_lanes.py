@@ -60,6 +60,8 @@ _SKIP = ("assert_size_stride", "assert_alignment", "torch.cuda.set_device", "wit
 # The name the rewritten code calls its lanes' runtime by (bound in the module's globals).
 RUNTIME = "_cp_lanes"
 _plans = itertools.count()  # owner ids of the plans of graphs planned on a copy
+# The device index the rewrite gives a host compile's code: its lanes' calls then do nothing.
+HOST = -1
 
 
 class RewriteError(ValueError):
@@ -518,11 +520,13 @@ class Compiling:
     stays one lane's), and ``findings`` says why.
 
     Inductor's FX graph cache is off inside: its key does not cover the lanes, and a hit skips
-    the scheduler whose fused nodes the lanes are read from.
+    the scheduler whose fused nodes the lanes are read from. With ``host``, a host compile's code
+    is rewritten too (its lanes' body runs in program order: :data:`HOST`).
     """
 
-    def __init__(self, lane_by_name: Mapping[str, int]) -> None:
+    def __init__(self, lane_by_name: Mapping[str, int], host: bool = False) -> None:
         self.lane_by_name = dict(lane_by_name)
+        self.host = host
         self.reports: list[Rewritten] = []
         self.findings: list[str] = []
         self._buffers: dict[str, int] = {}
@@ -556,8 +560,9 @@ class Compiling:
         real, me = self._real, self
 
         def write_module(lowering: Any, wrapper_code: Any) -> Any:
-            if "cuda" in getattr(lowering, "device_types", ()) and "def call(" in wrapper_code.value:
-                index = next(iter(getattr(lowering, "device_idxs", ()) or ()), 0)
+            devices = getattr(lowering, "device_types", ())
+            if ("cuda" in devices or (me.host and "cpu" in devices)) and "def call(" in wrapper_code.value:
+                index = next(iter(getattr(lowering, "device_idxs", ()) or ()), 0) if "cuda" in devices else HOST
                 new, done = rewrite_module(wrapper_code.value, me.lane_of, device=index)
                 found = check(done.source, wrapper_code.value)
                 if found:

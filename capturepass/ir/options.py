@@ -110,7 +110,8 @@ class Options:
             fusion: one lane's plan compiled once by Inductor, each fused kernel put on the
             lane the cost model gave its nodes by a rewrite of the generated code
             (``capturepass.backends.fused_lanes``), so every schedule candidate is that one
-            compile and keeps one lane's fusion. ``"segments"``: each capture segment compiled
+            compile and keeps one lane's fusion (on the host too, where the lanes' body runs
+            in program order: to read and run the code a GPU would). ``"segments"``: each capture segment compiled
             once with its lanes inline (``capturepass.backends.inline``; on the host too), a
             segment that cannot be keeping one region per lane between sync points, with the
             reason logged. ``"lanes"``: the per-lane regions everywhere (the region route; on

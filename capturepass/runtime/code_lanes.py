@@ -41,10 +41,11 @@ class Frame:
 
     def __init__(self, device: int, streams: Sequence[Any], event_of: Callable[[int], Any] | None) -> None:
         self.device = device
-        self.entry = torch.cuda.current_stream(device)
-        self.streams = streams
+        # A host compile's code (device -1): its lanes run in program order, nothing to switch.
+        self.entry = torch.cuda.current_stream(device) if device >= 0 else None
+        self.streams = streams if device >= 0 else ()
         self.used: dict[int, Any] = {}
-        self.capturing = torch.cuda.is_current_stream_capturing()
+        self.capturing = device >= 0 and torch.cuda.is_current_stream_capturing()
         self.event_of = event_of
 
     def stream(self, lane: int) -> Any:
@@ -82,24 +83,30 @@ def enter(device: int) -> None:
 
 def switch(lane: int) -> None:
     """Makes ``lane``'s stream current."""
-    torch.cuda.set_stream(_local.frames[-1].stream(lane))  # type: ignore[index]
+    f = _local.frames[-1]  # type: ignore[index]
+    if f.entry is not None:
+        torch.cuda.set_stream(f.stream(lane))
 
 
 def record(slot: int) -> None:
     """Records event ``slot`` on the current stream."""
     f = _local.frames[-1]  # type: ignore[index]
-    f.event(slot).record(torch.cuda.current_stream(f.device))
+    if f.entry is not None:
+        f.event(slot).record(torch.cuda.current_stream(f.device))
 
 
 def wait(slot: int) -> None:
     """Makes the current stream wait for event ``slot``."""
     f = _local.frames[-1]  # type: ignore[index]
-    torch.cuda.current_stream(f.device).wait_event(f.event(slot))
+    if f.entry is not None:
+        torch.cuda.current_stream(f.device).wait_event(f.event(slot))
 
 
 def leave() -> None:
     """Ends the call: the main lane waits for every side lane it used and is current again."""
     f = _local.frames.pop()  # type: ignore[union-attr]
+    if f.entry is None:
+        return
     for lane, stream in f.used.items():
         done = f.event(-lane)
         done.record(stream)
@@ -128,4 +135,5 @@ class bind:
         if frames is not None and len(frames) > self.depth:
             entry = frames[self.depth].entry
             del frames[self.depth:]
-            torch.cuda.set_stream(entry)
+            if entry is not None:
+                torch.cuda.set_stream(entry)

@@ -246,7 +246,14 @@ class Program:
         if self.code_lanes and any(s is not None for s in streams):
             # The lanes' streams, not the owner's: a warm-up runs every lane on one stream.
             bound = (tuple(streams), getattr(lanes, "code_event", None))
+        elif self.code_lanes and owner.device is None:
+            # A host compile's lanes' body, run in program order (its lanes' calls do nothing).
+            bound = ((HOST_LANE,) * (self.code_lanes - 1), None)
         return BoundProgram(self, [_piece_module(p, owner, lanes, externals, bound) for p in self.pieces])
+
+
+# What stands for a side lane's stream when a host compile's lanes' body runs.
+HOST_LANE = "host"
 
 
 class BoundProgram:

@@ -214,3 +214,30 @@ def test_every_lane_assignment_of_real_inductor_code_checks_clean(inductor_code)
         compile(new, "<rewritten>", "exec")
 
     run()
+
+
+def test_on_the_host_the_fused_route_runs_its_lanes_body_in_program_order(monkeypatch):
+    """``regions="fused"`` on the host: one Inductor compile whose code has the lanes written in;
+    the owner binds its lanes' body (the lanes' calls do nothing there), and every call equals
+    eager with new inputs. The rewrite's summary is one of the graph's decisions."""
+    import torch
+
+    from capturepass.backends.compile import last_compiled
+    from capturepass.ir import meta
+    from capturepass.runtime import code_lanes
+    from tests.helpers import two_lanes
+
+    entered: list[int] = []
+    real = code_lanes.enter
+    monkeypatch.setattr(code_lanes, "enter", lambda device: (entered.append(device), real(device))[1])
+    w = torch.randn(64, 64) / 8
+    compiled = torch.compile(two_lanes, backend="capturepass", options={"regions": "fused", "verify": True})
+    for _ in range(3):
+        x = torch.randn(64, 64)
+        torch.testing.assert_close(compiled(x, w), two_lanes(x, w))
+    graph = last_compiled()[-1]
+    assert graph.program.fused and graph.program.code_lanes == 2 == len(meta.graph_info(graph.graph).lanes)
+    assert entered == [fused_lanes.HOST] * 3
+    (decision,) = [d for d in meta.graph_info(graph.graph).decisions
+                   if isinstance(d, str) and d.startswith("one Inductor compile with lanes after fusion")]
+    assert "on side lanes" in decision
