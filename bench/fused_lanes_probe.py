@@ -17,6 +17,7 @@ what the rewrite wrote. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -33,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
     """``torch.compile(model, backend="inductor")``; with ``lanes``, every compile's code
     rewritten with the lanes of capturepass's plan of its post-grad graph (planned on a copy), and
-    called with side streams bound. Returns the callable and the rewrites' reports."""
+    called with side streams bound. Returns the callable and the rewrites' summaries."""
     from capturepass.backends import fused_lanes
     from capturepass.runtime import code_lanes
 
@@ -53,7 +54,7 @@ def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
         with inductor_config.patch(post_grad_custom_post_pass=plan), rewriting, code_lanes.bind(streams):
             return fn(*args, **kwargs)
 
-    return call, rewriting.reports
+    return call, rewriting.summaries
 
 
 def captured(fn: Any, args: tuple, kwargs: dict) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -131,9 +132,7 @@ def main() -> None:
             same = (tensor_of(o1).float() - tensor_of(o2).float()).abs().max().item() / scale
             t1, t2 = timed_rounds([g1, g2])
         row = dict(workload=spec, one_lane_ms=t1, fused_lanes_ms=t2, ratio=t2 / t1, err_one=err1, err_lanes=err2,
-                   lanes_vs_one=same, rewrites=[dict(launches=len(r.launches), side=sum(1 for _, k in r.launches if k),
-                                                     switches=r.switches, records=r.records, waits=r.waits,
-                                                     held=len(r.held), lanes=r.lanes) for r in reports])
+                   lanes_vs_one=same, rewrites=[dataclasses.asdict(r) for r in reports])
         rows.append(row)
         print(json.dumps(row), flush=True)
         del g1, g2, o1, o2, one, two, model

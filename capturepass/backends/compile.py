@@ -157,8 +157,9 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     lanes = len(meta.graph_info(graph).lanes)
     with fused_lanes.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
-    launches = sum(len(r.launches) for r in rewrites.reports)
-    side = sum(1 for r in rewrites.reports for _, lane in r.launches if lane)
+    done = rewrites.summaries
+    launches = sum(r.launches for r in done)
+    side = sum(r.side for r in done)
     title = meta.graph_info(graph).title
     program.fused = True
     if rewrites.findings:
@@ -172,8 +173,8 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     # Owners, dumps and measurements see the lanes the code runs on: the cost model's.
     program.info = meta.graph_info(graph)
     what = (f"one Inductor compile with lanes after fusion: {side} of {launches} launches on side lanes, "
-            f"{sum(r.switches for r in rewrites.reports)} lane switches, {sum(r.records for r in rewrites.reports)} "
-            f"events, {sum(len(r.held) for r in rewrites.reports)} frees held to the join")
+            f"{sum(r.switches for r in done)} lane switches, {sum(r.records for r in done)} events, "
+            f"{sum(r.held for r in done)} frees held to the join")
     log.info("capturepass: %s: %s", title, what)
     meta.add_decision(graph, what)
     return program

@@ -34,7 +34,9 @@ storage they name (correct, and at worst ordered more than needed).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -69,6 +71,37 @@ class RewriteError(ValueError):
 
 
 @dataclasses.dataclass
+class Summary:
+    """What one rewrite wrote (counts), as the rewritten module states it in its first line
+    (:data:`MARK`), so that a module loaded from Inductor's cache still tells it."""
+
+    launches: int
+    side: int
+    switches: int
+    records: int
+    held: int
+    lanes: list[int]
+
+    def line(self) -> str:
+        return f"{MARK}{json.dumps(dataclasses.asdict(self), sort_keys=True)}"
+
+    @classmethod
+    def of_module(cls, source: str) -> "Summary | None":
+        """The summary a rewritten module's first line states, or ``None``."""
+        for line in source.splitlines()[:3]:
+            if line.startswith(MARK):
+                try:
+                    return cls(**json.loads(line[len(MARK):]))
+                except (TypeError, ValueError):
+                    return None
+        return None
+
+
+# The first line of a rewritten module: its summary follows as JSON.
+MARK = "# capturepass lanes after fusion: "
+
+
+@dataclasses.dataclass
 class Rewritten:
     """The rewritten ``call`` and what the rewrite put in it.
 
@@ -89,6 +122,10 @@ class Rewritten:
     waits: int
     held: list[str]
     lanes: list[int]
+
+    def summary(self) -> Summary:
+        return Summary(len(self.launches), sum(1 for _, lane in self.launches if lane), self.switches,
+                       self.records, len(self.held), list(self.lanes))
 
 
 def kernel_params(module_source: str) -> dict[str, list[str]]:
@@ -493,7 +530,8 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
         f"{indent}def {lanes}({params}):",
         *done.source.splitlines()[1:],
     ]
-    new = [f"import capturepass.runtime.code_lanes as {RUNTIME}", *lines[:first], *dispatch, *lines[end:]]
+    new = [done.summary().line(), f"import capturepass.runtime.code_lanes as {RUNTIME}", *lines[:first], *dispatch,
+           *lines[end:]]
     return "\n".join(new) + "\n", done
 
 
@@ -512,24 +550,71 @@ def unavailable() -> str | None:
     return None
 
 
+# Part of the FX graph cache key of a compile with lanes after fusion: a change to what the
+# rewrite writes must not load a module an earlier rule wrote.
+REWRITE_VERSION = 1
+
+
+def _scheduler_pass_base() -> type | None:
+    """Inductor's base class of a scheduler pass whose ``uuid()`` enters the FX graph cache key
+    (``torch._inductor.custom_graph_pass.CustomSchedulerPass``), where this torch has one."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomSchedulerPass
+    except ImportError:
+        return None
+    return CustomSchedulerPass
+
+
+def _lanes_pass(key: str, run: Callable[[list[Any]], list[Any]] | None = None) -> Any:
+    """Inductor's post-fusion scheduler pass that reads the lanes (``run``), keyed by ``key`` in
+    the FX graph cache. Inductor pickles and deep-copies its config: the pass pickles as its key
+    (unpickled it reads nothing) and copies as itself."""
+    base = _scheduler_pass_base()
+    assert base is not None
+
+    class LanesAfterFusion(base):  # type: ignore[misc, valid-type]
+        def __call__(self, nodes: list[Any]) -> list[Any]:
+            return run(nodes) if run is not None else nodes
+
+        def uuid(self) -> str:
+            return key
+
+        def __deepcopy__(self, memo: dict) -> Any:
+            return self
+
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return _lanes_pass, (key,)
+
+    return LanesAfterFusion()
+
+
 class Compiling:
     """While active, every Inductor compile of a CUDA graph has its ``call`` rewritten with
     lanes after fusion (:func:`rewrite_module`): each fused kernel takes the lane ``lane_by_name``
-    gives its FX origins when they agree on one, else the main lane. ``reports`` collects what
-    each rewrite wrote; a rewrite that :func:`check` finds fault with is not used (the code
-    stays one lane's), and ``findings`` says why.
+    gives its FX origins when they agree on one, else the main lane. ``summaries`` collects what
+    each rewrite wrote (a module Inductor loads from its cache states its own); a rewrite that
+    :func:`check` finds fault with is not used (the code stays one lane's), and ``findings``
+    says why. With ``host``, a host compile's code is rewritten too (its lanes' body runs in
+    program order: :data:`HOST`).
 
-    Inductor's FX graph cache is off inside: its key does not cover the lanes, and a hit skips
-    the scheduler whose fused nodes the lanes are read from. With ``host``, a host compile's code
-    is rewritten too (its lanes' body runs in program order: :data:`HOST`).
+    The post-fusion hook is a scheduler pass whose ``uuid()`` covers the lanes and the rewrite's
+    rules, so Inductor's FX graph cache stays on (a hit loads the rewritten module, checked when
+    it was written); where this torch has no such pass, the cache is off inside (its key would
+    not cover the lanes, and a hit skips the scheduler the lanes are read from).
     """
 
     def __init__(self, lane_by_name: Mapping[str, int], host: bool = False) -> None:
         self.lane_by_name = dict(lane_by_name)
         self.host = host
-        self.reports: list[Rewritten] = []
+        self.summaries: list[Summary] = []
         self.findings: list[str] = []
         self._buffers: dict[str, int] = {}
+        self._writing = False
+
+    def key(self) -> str:
+        """What the FX graph cache key takes of this compile's lanes."""
+        text = json.dumps([REWRITE_VERSION, self.host, sorted(self.lane_by_name.items())])
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def after_fusion(self, nodes: list[Any]) -> list[Any]:
         if self._user is not None:
@@ -551,13 +636,27 @@ class Compiling:
         lanes = {self.lane_by_name[s] for s in sources if s in self.lane_by_name}
         return lanes.pop() if len(lanes) == 1 else None
 
+    def _hook(self) -> Any:
+        me = self
+        base = _scheduler_pass_base() if self._user is None else None
+        if base is None:
+            def after_fusion(nodes: list[Any]) -> list[Any]:
+                # A function, not a bound method: Inductor deep-copies its config for a repro at
+                # every compile (torch 2.13), and a function is copied as itself.
+                return me.after_fusion(nodes)
+
+            return after_fusion
+
+        return _lanes_pass(me.key(), me.after_fusion)
+
     def __enter__(self) -> "Compiling":
         from torch._inductor import config as inductor_config
         from torch._inductor.graph import GraphLowering
 
         self._user = inductor_config._post_fusion_custom_pass
         self._real = GraphLowering._compile_to_module_lines
-        real, me = self._real, self
+        self._saved = GraphLowering.save_output_code
+        real, me, saved = self._real, self, self._saved
 
         def write_module(lowering: Any, wrapper_code: Any) -> Any:
             devices = getattr(lowering, "device_types", ())
@@ -572,24 +671,36 @@ class Compiling:
                     wrapper_code.value = new
                     if hasattr(wrapper_code, "line_map"):
                         wrapper_code.line_map = []  # its line numbers are the original's
-                    me.reports.append(done)
+                    me.summaries.append(done.summary())
             me._buffers = {}
-            return real(lowering, wrapper_code)
+            me._writing = True
+            try:
+                return real(lowering, wrapper_code)
+            finally:
+                me._writing = False
 
-        def after_fusion(nodes: list[Any]) -> list[Any]:
-            # A function, not a bound method: Inductor deep-copies its config for a repro at
-            # every compile (torch 2.13), and a function is copied as itself.
-            return me.after_fusion(nodes)
+        def save_output_code(code: str) -> None:
+            # Inductor calls this for a module it loads from its cache too: its summary is in it.
+            if not me._writing and (got := Summary.of_module(code)) is not None:
+                me.summaries.append(got)
+            if saved is not None:
+                saved(code)
 
-        self._patch = inductor_config.patch(_post_fusion_custom_pass=after_fusion, fx_graph_cache=False)
+        hook = self._hook()
+        patches: dict[str, Any] = {"_post_fusion_custom_pass": hook}
+        if not isinstance(hook, _scheduler_pass_base() or ()):
+            patches["fx_graph_cache"] = False
+        self._patch = inductor_config.patch(**patches)
         self._patch.__enter__()
         GraphLowering._compile_to_module_lines = write_module
+        GraphLowering.save_output_code = save_output_code
         return self
 
     def __exit__(self, *exc: object) -> None:
         from torch._inductor.graph import GraphLowering
 
         GraphLowering._compile_to_module_lines = self._real
+        GraphLowering.save_output_code = self._saved
         self._patch.__exit__(*exc)
 
 

@@ -241,3 +241,47 @@ def test_on_the_host_the_fused_route_runs_its_lanes_body_in_program_order(monkey
     (decision,) = [d for d in meta.graph_info(graph.graph).decisions
                    if isinstance(d, str) and d.startswith("one Inductor compile with lanes after fusion")]
     assert "on side lanes" in decision
+
+
+def test_a_compile_served_from_inductors_cache_keeps_its_lanes(monkeypatch):
+    """Inductor's FX graph cache stays on: the post-fusion pass's key covers the lanes, a second
+    compile of the same graph loads the rewritten module from the cache, its first line tells
+    what the rewrite wrote, and its lanes' body runs. A different lane map is another key."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from capturepass.backends.compile import last_compiled
+    from capturepass.runtime import code_lanes
+    from tests.helpers import two_lanes
+
+    if fused_lanes._scheduler_pass_base() is None:
+        pytest.skip("this torch's FX graph cache key takes no scheduler pass: the cache is off for these compiles")
+    entered: list[int] = []
+    real = code_lanes.enter
+    monkeypatch.setattr(code_lanes, "enter", lambda device: (entered.append(device), real(device))[1])
+    w = torch.randn(64, 64) / 8
+    x = torch.randn(64, 64)
+    first = None
+    for _ in range(2):
+        torch._dynamo.reset()
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        compiled = torch.compile(two_lanes, backend="capturepass", options={"regions": "fused"})
+        torch.testing.assert_close(compiled(x, w), two_lanes(x, w))
+        summary = meta_decision(last_compiled()[-1])
+        if first is None:
+            first = summary
+        else:
+            assert counters["inductor"]["fxgraph_cache_hit"] > hits
+            assert summary == first
+        assert last_compiled()[-1].program.code_lanes == 2
+    assert entered == [fused_lanes.HOST] * 2
+    a, b = fused_lanes.Compiling({"mm": 1, "sin": 0}), fused_lanes.Compiling({"mm": 0, "sin": 0})
+    assert a.key() != b.key() and a.key() == fused_lanes.Compiling({"sin": 0, "mm": 1}).key()
+
+
+def meta_decision(graph) -> str:
+    from capturepass.ir import meta
+
+    (decision,) = [d for d in meta.graph_info(graph.graph).decisions
+                   if isinstance(d, str) and d.startswith("one Inductor compile with lanes after fusion")]
+    return decision
