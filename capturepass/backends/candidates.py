@@ -70,6 +70,8 @@ class Candidate:
         own_one_lane: whether it runs one lane's own code (its own compile, or a program
             compiled with lanes after fusion run without side streams), though it has a
             ``lane_map``.
+        fused: whether its program was compiled with lanes after fusion (part of the schedule
+            cache's key: another route's measured choice says nothing of this one's).
     """
 
     name: str
@@ -83,6 +85,7 @@ class Candidate:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     lane_map: tuple[int, ...] | None = None
     own_one_lane: bool = False
+    fused: bool = False
 
     @property
     def compiled(self) -> bool:
@@ -253,9 +256,10 @@ def _fused(first: Candidate, opts: Options) -> list[Candidate]:
     the cost model's, fewer lanes and short lanes merged back are its lanes' code with lanes
     merged onto fewer streams."""
     model, program = first.graph, first.program
+    first.fused = True
     lanes = len(meta.graph_info(model).lanes)
     one = Candidate("one_lane", dict(ONE_LANE_OVERRIDES), 1, estimate_us(model, (0,) * lanes), model, first.plan,
-                    program, lane_map=(0,) * lanes, own_one_lane=True)
+                    program, lane_map=(0,) * lanes, own_one_lane=True, fused=True)
     out, seen = [first, one], {assignment(model), assignment(model, (0,) * lanes)}
     for name, lane_map in lane_maps(model, opts):
         sig = assignment(model, lane_map)
@@ -263,15 +267,16 @@ def _fused(first: Candidate, opts: Options) -> list[Candidate]:
             continue
         seen.add(sig)
         out.append(Candidate(name, {}, sig[0], estimate_us(model, lane_map), model, first.plan, program,
-                             lane_map=lane_map))
+                             lane_map=lane_map, fused=True))
     return out
 
 
 def graph_key(gm: fx.GraphModule, opts: Options, candidates: Sequence[Candidate], breaks: Sequence[str] = ()) -> str:
     """A stable hash of a graph before lane assignment, the options that change its schedule,
-    the candidates' names, the nodes made breaks after a failed capture and the torch build
-    (the graph part of the schedule cache's key)."""
-    parts = [str(gm.graph), opts.key(), [c.name for c in candidates], list(breaks), torch.__version__]
+    the candidates' names (and whether they are lanes after fusion), the nodes made breaks after
+    a failed capture and the torch build (the graph part of the schedule cache's key)."""
+    parts = [str(gm.graph), opts.key(), [f"{c.name}@fused" if getattr(c, "fused", False) else c.name
+                                         for c in candidates], list(breaks), torch.__version__]
     vals = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":

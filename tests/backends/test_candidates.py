@@ -104,6 +104,9 @@ def test_graph_key_is_stable_and_changes_with_graph_and_options():
     names = [candidates.Candidate(n, {}, 1, 0.0, None, None) for n in ("model", "one_lane")]
     assert candidates.graph_key(pa, oa, names) == candidates.graph_key(pb, ob, names)
     assert candidates.graph_key(pa, oa, names, breaks=["mm"]) != candidates.graph_key(pa, oa, names)
+    # The same names as lanes after fusion: another route's measured choice says nothing of them.
+    fused = [candidates.Candidate(n, {}, 1, 0.0, None, None, fused=True) for n in ("model", "one_lane")]
+    assert candidates.graph_key(pa, oa, fused) != candidates.graph_key(pa, oa, names)
     _, pc, oc, _ = _compile(f, inputs, max_aux_lanes=1)
     assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pc, oc, names)
     _, pd, od, _ = _compile(_chain_tiny, (torch.randn(8, 8), torch.randn(8, 8)))
