@@ -35,6 +35,7 @@ def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
     """``torch.compile(model, backend="inductor")``; with ``lanes``, every compile's code
     rewritten with the lanes of capturepass's plan of its post-grad graph (planned on a copy), and
     called with side streams bound. Returns the callable and the rewrites' summaries."""
+    from capturepass.backends import compile as driver
     from capturepass.backends import fused_lanes
     from capturepass.runtime import code_lanes
 
@@ -45,7 +46,7 @@ def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
     rewriting = fused_lanes.Compiling({})
 
     def plan(graph: fx.Graph) -> None:
-        planned, _ = fused_lanes.plan_lanes(graph)
+        planned, _ = driver.plan_lanes(graph)
         rewriting.lane_by_name = {node.name: lane for node, lane in planned.items()}
 
     streams = [torch.cuda.Stream() for _ in range(4)]

@@ -20,7 +20,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.fx as fx
 
-from capturepass.backends import fused_lanes as lanes_after_fusion
+from capturepass.backends import compile as driver
 from capturepass.testing import zoo
 
 
@@ -34,7 +34,7 @@ class _Lanes:
 
     def plan(self, graph: fx.Graph) -> None:
         """Inductor's post-grad custom pass: plans a copy, leaves ``graph`` as it is."""
-        lanes, self.names = lanes_after_fusion.plan_lanes(graph)
+        lanes, self.names = driver.plan_lanes(graph)
         self.lane.update({node: f"s{lane}" for node, lane in lanes.items()})
 
     def after_fusion(self, nodes: list[Any]) -> list[Any]:

@@ -417,3 +417,25 @@ def dump_folder(dump_dir: str | os.PathLike | None, compile_id: int, name: str) 
     if dump_dir is None:
         return None
     return os.path.join(os.fspath(dump_dir), f"{compile_id:03d}_{name}")
+
+
+_plans = itertools.count()  # owner ids of graphs planned on a copy (:func:`plan_lanes`)
+
+
+def plan_lanes(graph: fx.Graph, options: Options | Mapping[str, Any] | None = None,
+               ) -> tuple[dict[fx.Node, int], list[str]]:
+    """The cost model's lane of each node of an Inductor post-grad graph, planned by the passes
+    on a copy (``graph`` is left as it is), and the lanes' names.
+
+    What a pass that gives lanes to a compile it does not own reads: Inductor's own post-grad
+    graph, whose nodes are the fused kernels' origins (``backends.fused_lanes``).
+    """
+    root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
+    inputs = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+    copy = fx.Graph()
+    value_map: dict[fx.Node, fx.Node] = {}
+    copy.output(copy.graph_copy(graph, value_map))
+    planned = compile_graph(fx.GraphModule(root, copy), inputs, resolve(options), name="post_grad",
+                            owner=OwnerId(900_000 + next(_plans)), dump_dir=None, regions=False, record=False)
+    lanes = {node: meta.lane_of(new).index for node, new in value_map.items() if meta.has_info(new)}
+    return lanes, list(meta.graph_info(planned.graph).lanes)

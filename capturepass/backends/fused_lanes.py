@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -61,7 +60,6 @@ _SKIP = ("assert_size_stride", "assert_alignment", "torch.cuda.set_device", "wit
 
 # The name the rewritten code calls its lanes' runtime by (bound in the module's globals).
 RUNTIME = "_cp_lanes"
-_plans = itertools.count()  # owner ids of the plans of graphs planned on a copy
 # The device index the rewrite gives a host compile's code: its lanes' calls then do nothing.
 HOST = -1
 
@@ -800,28 +798,3 @@ def check(rewritten: str, module_source: str) -> list[str]:
         elif line.kind == "return" and not joined:
             out.append("returns before the side lanes are joined")
     return out
-
-
-def plan_lanes(graph: Any, options: Any = None) -> tuple[dict[Any, int], list[str]]:
-    """The cost model's lane of each node of an Inductor post-grad graph, planned by capturepass's
-    passes on a copy (``graph`` is left as it is), and the lanes' names.
-
-    What a pass that gives lanes to a compile it does not own reads: Inductor's own post-grad
-    graph, whose nodes are the fused kernels' origins.
-    """
-    import torch.fx as fx
-
-    from capturepass.backends import compile as driver
-    from capturepass.ir import meta
-
-    root = graph.owning_module if graph.owning_module is not None else torch.nn.Module()
-    inputs = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
-    copy = fx.Graph()
-    value_map: dict[fx.Node, fx.Node] = {}
-    copy.output(copy.graph_copy(graph, value_map))
-    planned = driver.compile_graph(fx.GraphModule(root, copy), inputs, driver.resolve(options), name="post_grad",
-                                   owner=meta.OwnerId(900_000 + next(_plans)), dump_dir=None, regions=False,
-                                   record=False)
-    lanes = {node: meta.lane_of(new).index for node, new in value_map.items() if meta.has_info(new)}
-    return lanes, list(meta.graph_info(planned.graph).lanes)
-
