@@ -34,6 +34,7 @@ storage they name (correct, and at worst ordered more than needed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -339,10 +340,12 @@ def _parse(module_source: str, lane_of: Callable[[list[str], list[str]], int | N
             new_name, old = line.names
             base = names.of(old)
             lane = first_lane.get(new_name, 0)
-            if lanes_of.get(base, set()) - {lane} and base in alloc_of and overwrites.get(new_name, False):
-                parsed[k] = _Line("alloc", f"{line.indent}{new_name} = {alloc_of[base]}", line.indent,
+            # A plain reuse has the reused name's size and strides (a view of its block would be
+            # a reinterpret_tensor): only a name allocated as it stands gives them.
+            if lanes_of.get(base, set()) - {lane} and old in alloc_of and overwrites.get(new_name, False):
+                parsed[k] = _Line("alloc", f"{line.indent}{new_name} = {alloc_of[old]}", line.indent,
                                   names=[new_name], lane=lane)
-                alloc_of[new_name] = alloc_of[base]
+                alloc_of[new_name] = alloc_of[old]
                 lanes_of[new_name] = set()
                 parsed.insert(k + 1, _Line("del", f"{line.indent}del {old}", line.indent, names=[old]))
             else:
@@ -548,9 +551,12 @@ def unavailable() -> str | None:
     return None
 
 
-# Part of the FX graph cache key of a compile with lanes after fusion: a change to what the
-# rewrite writes must not load a module an earlier rule wrote.
-REWRITE_VERSION = 1
+@functools.cache
+def rewrite_version() -> str:
+    """Part of the FX graph cache key of a compile with lanes after fusion: this module's source,
+    hashed, so that a change to what the rewrite writes never loads a module an earlier rule wrote."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 def _scheduler_pass_base() -> type | None:
@@ -611,7 +617,7 @@ class Compiling:
 
     def key(self) -> str:
         """What the FX graph cache key takes of this compile's lanes."""
-        text = json.dumps([REWRITE_VERSION, self.host, sorted(self.lane_by_name.items())])
+        text = json.dumps([rewrite_version(), self.host, sorted(self.lane_by_name.items())])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def after_fusion(self, nodes: list[Any]) -> list[Any]:

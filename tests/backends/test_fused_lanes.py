@@ -285,3 +285,36 @@ def meta_decision(graph) -> str:
     (decision,) = [d for d in meta.graph_info(graph.graph).decisions
                    if isinstance(d, str) and d.startswith("one Inductor compile with lanes after fusion")]
     return decision
+
+
+VIEW_REUSE = textwrap.dedent('''\
+    triton_poi_a_0 = async_compile.triton('triton_poi_a_0', """
+    def triton_poi_a_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+        pass
+    """, device_str='cuda')
+    def call(args):
+        arg0_1, = args
+        args.clear()
+        with torch.cuda._DeviceGuard(0):
+            buf0 = empty_strided_cuda((2, 8, 64), (512, 64, 1), torch.float32)
+            stream0 = get_raw_stream(0)
+            triton_poi_a_0.run(arg0_1, buf0, 1024, stream=stream0)
+            buf1 = reinterpret_tensor(buf0, (16, 64), (64, 1), 0); del buf0  # reuse
+            stream0 = get_raw_stream(0)
+            triton_poi_a_0.run(arg0_1, buf1, 1024, stream=stream0)
+            buf2 = buf1; del buf1  # reuse
+            stream0 = get_raw_stream(0)
+            triton_poi_a_0.run(arg0_1, buf2, 1024, stream=stream0)
+        return (buf2, )
+    ''')
+
+
+def test_a_reuse_of_a_view_keeps_the_block_it_cannot_size():
+    """``buf2 = buf1`` reuses a view of buf0's block ((16, 64) over a (2, 8, 64) allocation): a
+    block of its own would have to be sized as buf1, which no allocation line gives, so the
+    reuse stays (found by the architecture sweep: xglm's ``addmm(..., out=buf30)`` resized a
+    block allocated as the view's base) and lane 1 waits for it."""
+    done = fused_lanes.rewrite(VIEW_REUSE, by_buffer({"buf2": 1}))
+    text = body(done)
+    assert "buf2 = buf1; del buf1  # reuse" in text and text.count("empty_strided_cuda") == 1
+    assert fused_lanes.check(done.source, VIEW_REUSE) == []
