@@ -71,7 +71,7 @@ class RewriteError(ValueError):
 
 @dataclasses.dataclass
 class Summary:
-    """What one rewrite wrote (counts), as the rewritten module states it in its first line
+    """What one rewrite wrote (counts), as the rewritten module states it in a line of its own
     (:data:`MARK`), so that a module loaded from Inductor's cache still tells it."""
 
     launches: int
@@ -86,14 +86,15 @@ class Summary:
 
     @classmethod
     def of_module(cls, source: str) -> "Summary | None":
-        """The summary a rewritten module's first line states, or ``None``."""
-        for line in source.splitlines()[:3]:
-            if line.startswith(MARK):
-                try:
-                    return cls(**json.loads(line[len(MARK):]))
-                except (TypeError, ValueError):
-                    return None
-        return None
+        """The summary a rewritten module states, or ``None`` (its first line as the rewrite wrote
+        it; Inductor may put its compile-time tuning block before it)."""
+        m = re.search(rf"^{re.escape(MARK)}(.*)$", source, re.MULTILINE)
+        if m is None:
+            return None
+        try:
+            return cls(**json.loads(m.group(1)))
+        except (TypeError, ValueError):
+            return None
 
 
 # The first line of a rewritten module: its summary follows as JSON.

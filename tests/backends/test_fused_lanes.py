@@ -318,3 +318,13 @@ def test_a_reuse_of_a_view_keeps_the_block_it_cannot_size():
     text = body(done)
     assert "buf2 = buf1; del buf1  # reuse" in text and text.count("empty_strided_cuda") == 1
     assert fused_lanes.check(done.source, VIEW_REUSE) == []
+
+
+def test_a_rewritten_module_states_its_summary_wherever_inductor_puts_it():
+    new, done = fused_lanes.rewrite_module(module(), by_buffer({"buf0": 1, "buf2": 1}))
+    want = done.summary()
+    assert (want.launches, want.side, want.lanes) == (4, 2, [1])
+    assert fused_lanes.Summary.of_module(new) == want
+    # Inductor's compile-time tuning block goes before the module's text.
+    assert fused_lanes.Summary.of_module('r"""\ntuning\n"""\n' + new) == want
+    assert fused_lanes.Summary.of_module(module()) is None
