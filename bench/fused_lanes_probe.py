@@ -36,14 +36,14 @@ def compiled(model: Any, lanes: bool) -> tuple[Any, list[Any]]:
     rewritten with the lanes of capturepass's plan of its post-grad graph (planned on a copy), and
     called with side streams bound. Returns the callable and the rewrites' summaries."""
     from capturepass.backends import compile as driver
-    from capturepass.backends import fused_lanes
+    from capturepass.backends import fused_inductor
     from capturepass.runtime import code_lanes
 
     torch._dynamo.reset()
     fn = torch.compile(model, backend="inductor", options={"fx_graph_cache": False})
     if not lanes:
         return fn, []
-    rewriting = fused_lanes.Compiling({})
+    rewriting = fused_inductor.Compiling({})
 
     def plan(graph: fx.Graph) -> None:
         planned, _ = driver.plan_lanes(graph)

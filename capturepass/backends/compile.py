@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from capturepass.backends import fused_lanes
+from capturepass.backends import fused_inductor
 from capturepass.backends import inline as inline_segments
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.inline_check import CodeCapture, findings
@@ -137,7 +137,7 @@ def fused_route(opts: Options, plan: Plan) -> str | None:
         return "not asked for"
     if any(r.compiler != "inductor" for r in plan.regions if r.kernels and not r.eager):
         return "not asked for"
-    why = fused_lanes.unavailable()
+    why = fused_inductor.unavailable()
     return f"unavailable: {why}" if why is not None else None
 
 
@@ -155,7 +155,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
                     if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE}
     lanes = len(meta.graph_info(graph).lanes)
-    with fused_lanes.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
+    with fused_inductor.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
     done = rewrites.summaries
     launches = sum(r.launches for r in done)

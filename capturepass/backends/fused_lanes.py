@@ -18,28 +18,29 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   writes it; any other call is taken to write every storage it names. A launch waits, through
   an event recorded right after the launch it depends on, for the last write of what it reads
   and for the last write and every read since of what it writes, unless an earlier wait on its
-  lane already covers it (vector clocks). A side lane's first launch waits for the main lane
-  (a capture must fork every stream it uses from the capturing one), and the main lane waits
-  for every side lane at the end.
+  lane already covers it (vector clocks). A side lane first waits for the main lane's entry,
+  before it allocates or launches anything (a capture must fork every stream it uses from the
+  capturing one), and the main lane waits for every side lane at the end.
 - **Allocations.** A buffer's ``empty_strided`` runs on the lane of the first launch that names
-  it, and counts as a write there: the allocator hands it a block that lane's stream freed.
+  it, and counts as a write there: the allocator hands it a block that lane's stream freed. A
+  planned reuse that only writes the reused block and runs on another lane than a user of the
+  block gets a block of its own, allocated as the reused name was.
 - **Frees.** A ``del`` of a storage used on a lane other than its allocating one moves after the
   final join: the allocator gives a freed block back to its allocating stream at once, and the
   other lane may still be reading it (Inductor emits no ``record_stream``).
 
 Lines the rewrite cannot classify are launches on the current lane that read and write every
-storage they name (correct, and at worst ordered more than needed).
+storage they name (correct, and at worst ordered more than needed). :func:`check` runs a
+rewritten body's lane calls on vector clocks apart from the rewrite. The hooks that run all this
+inside Inductor's compile are in ``capturepass.backends.fused_inductor``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ HOST = -1
 
 
 class RewriteError(ValueError):
-    """The code is not in a form the rewrite reads (no ``call``, a line it must not move)."""
+    """The code is not in a form the rewrite reads (it has no ``call``)."""
 
 
 @dataclasses.dataclass
@@ -369,7 +370,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         module_source: the output code of one Inductor compile (a CUDA graph's).
         lane_of: a launch's lane from the buffers it writes and the source nodes Inductor
             listed above it (``None``: no lane known, the main lane's).
-        device: the CUDA device index of the code's kernels.
+        device: the CUDA device index of the code's kernels (:data:`HOST` for a host compile's).
 
     Returns:
         The rewritten function and what was written into it.
@@ -535,178 +536,6 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     new = [done.summary().line(), f"import capturepass.runtime.code_lanes as {RUNTIME}", *lines[:first], *dispatch,
            *lines[end:]]
     return "\n".join(new) + "\n", done
-
-
-def unavailable() -> str | None:
-    """Why this torch's Inductor cannot be given lanes after fusion (``None``: it can): the
-    scheduler's post-fusion hook and the step that writes the generated module must exist."""
-    try:
-        from torch._inductor import config as inductor_config
-        from torch._inductor.graph import GraphLowering
-    except ImportError:
-        return "this torch has no Inductor"
-    if not hasattr(inductor_config, "_post_fusion_custom_pass"):
-        return "this torch's Inductor has no post-fusion scheduler hook (config._post_fusion_custom_pass)"
-    if not callable(getattr(GraphLowering, "_compile_to_module_lines", None)):
-        return "this torch's Inductor writes its modules otherwise (no GraphLowering._compile_to_module_lines)"
-    return None
-
-
-@functools.cache
-def rewrite_version() -> str:
-    """Part of the FX graph cache key of a compile with lanes after fusion: this module's source,
-    hashed, so that a change to what the rewrite writes never loads a module an earlier rule wrote."""
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:16]
-
-
-def _scheduler_pass_base() -> type | None:
-    """Inductor's base class of a scheduler pass whose ``uuid()`` enters the FX graph cache key
-    (``torch._inductor.custom_graph_pass.CustomSchedulerPass``), where this torch has one."""
-    try:
-        from torch._inductor.custom_graph_pass import CustomSchedulerPass
-    except ImportError:
-        return None
-    return CustomSchedulerPass
-
-
-def _lanes_pass(key: str, run: Callable[[list[Any]], list[Any]] | None = None) -> Any:
-    """Inductor's post-fusion scheduler pass that reads the lanes (``run``), keyed by ``key`` in
-    the FX graph cache. Inductor pickles and deep-copies its config: the pass pickles as its key
-    (unpickled it reads nothing) and copies as itself."""
-    base = _scheduler_pass_base()
-    assert base is not None
-
-    class LanesAfterFusion(base):  # type: ignore[misc, valid-type]
-        def __call__(self, nodes: list[Any]) -> list[Any]:
-            return run(nodes) if run is not None else nodes
-
-        def uuid(self) -> str:
-            return key
-
-        def __deepcopy__(self, memo: dict) -> Any:
-            return self
-
-        def __reduce__(self) -> tuple[Any, tuple[str]]:
-            return _lanes_pass, (key,)
-
-    return LanesAfterFusion()
-
-
-class Compiling:
-    """While active, every Inductor compile of a CUDA graph has its ``call`` rewritten with
-    lanes after fusion (:func:`rewrite_module`): each fused kernel takes the lane ``lane_by_name``
-    gives its FX origins when they agree on one, else the main lane. ``summaries`` collects what
-    each rewrite wrote (a module Inductor loads from its cache states its own); a rewrite that
-    :func:`check` finds fault with is not used (the code stays one lane's), and ``findings``
-    says why. With ``host``, a host compile's code is rewritten too (its lanes' body runs in
-    program order: :data:`HOST`).
-
-    The post-fusion hook is a scheduler pass whose ``uuid()`` covers the lanes and the rewrite's
-    rules, so Inductor's FX graph cache stays on (a hit loads the rewritten module, checked when
-    it was written); where this torch has no such pass, the cache is off inside (its key would
-    not cover the lanes, and a hit skips the scheduler the lanes are read from).
-    """
-
-    def __init__(self, lane_by_name: Mapping[str, int], host: bool = False) -> None:
-        self.lane_by_name = dict(lane_by_name)
-        self.host = host
-        self.summaries: list[Summary] = []
-        self.findings: list[str] = []
-        self._buffers: dict[str, int] = {}
-        self._writing = False
-
-    def key(self) -> str:
-        """What the FX graph cache key takes of this compile's lanes."""
-        text = json.dumps([rewrite_version(), self.host, sorted(self.lane_by_name.items())])
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def after_fusion(self, nodes: list[Any]) -> list[Any]:
-        if self._user is not None:
-            nodes = self._user(nodes)
-        for node in nodes:
-            origins: set[Any] = set()
-            for inner in node.get_nodes():
-                origins |= set(getattr(getattr(inner, "node", None), "origins", ()) or ())
-            lanes = {self.lane_by_name[o.name] for o in origins if getattr(o, "name", None) in self.lane_by_name}
-            lane = lanes.pop() if len(lanes) == 1 else 0
-            for name in node.get_buffer_names():
-                self._buffers[name] = lane
-        return nodes
-
-    def lane_of(self, writes: list[str], sources: list[str]) -> int | None:
-        for w in writes:
-            if w in self._buffers:
-                return self._buffers[w]
-        lanes = {self.lane_by_name[s] for s in sources if s in self.lane_by_name}
-        return lanes.pop() if len(lanes) == 1 else None
-
-    def _hook(self) -> Any:
-        me = self
-        base = _scheduler_pass_base() if self._user is None else None
-        if base is None:
-            def after_fusion(nodes: list[Any]) -> list[Any]:
-                # A function, not a bound method: Inductor deep-copies its config for a repro at
-                # every compile (torch 2.13), and a function is copied as itself.
-                return me.after_fusion(nodes)
-
-            return after_fusion
-
-        return _lanes_pass(me.key(), me.after_fusion)
-
-    def __enter__(self) -> "Compiling":
-        from torch._inductor import config as inductor_config
-        from torch._inductor.graph import GraphLowering
-
-        self._user = inductor_config._post_fusion_custom_pass
-        self._real = GraphLowering._compile_to_module_lines
-        self._saved = GraphLowering.save_output_code
-        real, me, saved = self._real, self, self._saved
-
-        def write_module(lowering: Any, wrapper_code: Any) -> Any:
-            devices = getattr(lowering, "device_types", ())
-            if ("cuda" in devices or (me.host and "cpu" in devices)) and "def call(" in wrapper_code.value:
-                index = next(iter(getattr(lowering, "device_idxs", ()) or ()), 0) if "cuda" in devices else HOST
-                new, done = rewrite_module(wrapper_code.value, me.lane_of, device=index)
-                found = check(done.source, wrapper_code.value)
-                if found:
-                    # Left as one lane's code, with what the check found (the compile logs it).
-                    me.findings.extend(found)
-                else:
-                    wrapper_code.value = new
-                    if hasattr(wrapper_code, "line_map"):
-                        wrapper_code.line_map = []  # its line numbers are the original's
-                    me.summaries.append(done.summary())
-            me._buffers = {}
-            me._writing = True
-            try:
-                return real(lowering, wrapper_code)
-            finally:
-                me._writing = False
-
-        def save_output_code(code: str) -> None:
-            # Inductor calls this for a module it loads from its cache too: its summary is in it.
-            if not me._writing and (got := Summary.of_module(code)) is not None:
-                me.summaries.append(got)
-            if saved is not None:
-                saved(code)
-
-        hook = self._hook()
-        patches: dict[str, Any] = {"_post_fusion_custom_pass": hook}
-        if not isinstance(hook, _scheduler_pass_base() or ()):
-            patches["fx_graph_cache"] = False
-        self._patch = inductor_config.patch(**patches)
-        self._patch.__enter__()
-        GraphLowering._compile_to_module_lines = write_module
-        GraphLowering.save_output_code = save_output_code
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from torch._inductor.graph import GraphLowering
-
-        GraphLowering._compile_to_module_lines = self._real
-        GraphLowering.save_output_code = self._saved
-        self._patch.__exit__(*exc)
 
 
 _LANES_CALL = re.compile(rf"^{RUNTIME}\.(enter|switch|record|wait|leave)\((-?\d*)\)$")

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from expecttest import assert_expected_inline
 
-from capturepass.backends import fused_lanes
+from capturepass.backends import fused_inductor, fused_lanes
 
 MODULE = textwrap.dedent('''\
     from torch._C import _cuda_getCurrentRawStream as get_raw_stream
@@ -254,7 +254,7 @@ def test_a_compile_served_from_inductors_cache_keeps_its_lanes(monkeypatch):
     from capturepass.runtime import code_lanes
     from tests.helpers import two_lanes
 
-    if fused_lanes._scheduler_pass_base() is None:
+    if fused_inductor._scheduler_pass_base() is None:
         pytest.skip("this torch's FX graph cache key takes no scheduler pass: the cache is off for these compiles")
     entered: list[int] = []
     real = code_lanes.enter
@@ -275,8 +275,8 @@ def test_a_compile_served_from_inductors_cache_keeps_its_lanes(monkeypatch):
             assert summary == first
         assert last_compiled()[-1].program.code_lanes == 2
     assert entered == [fused_lanes.HOST] * 2
-    a, b = fused_lanes.Compiling({"mm": 1, "sin": 0}), fused_lanes.Compiling({"mm": 0, "sin": 0})
-    assert a.key() != b.key() and a.key() == fused_lanes.Compiling({"sin": 0, "mm": 1}).key()
+    a, b = fused_inductor.Compiling({"mm": 1, "sin": 0}), fused_inductor.Compiling({"mm": 0, "sin": 0})
+    assert a.key() != b.key() and a.key() == fused_inductor.Compiling({"sin": 0, "mm": 1}).key()
 
 
 def meta_decision(graph) -> str:
@@ -328,3 +328,24 @@ def test_a_rewritten_module_states_its_summary_wherever_inductor_puts_it():
     # Inductor's compile-time tuning block goes before the module's text.
     assert fused_lanes.Summary.of_module('r"""\ntuning\n"""\n' + new) == want
     assert fused_lanes.Summary.of_module(module()) is None
+
+
+def test_a_compile_with_nothing_on_a_side_lane_keeps_inductors_code():
+    """No fused kernel on a side lane: the module is written as Inductor made it (no second
+    body, no lanes' calls), and its summary still counts its launches."""
+    import torch
+
+    from capturepass.backends.inline_check import CodeCapture
+
+    from torch._inductor import utils as inductor_utils
+
+    # A fresh cache: a compile served by AOT autograd's or Inductor's cache writes no module.
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    torch._dynamo.reset()
+    with fresh(), fused_inductor.Compiling({}, host=True) as rewriting, CodeCapture() as code, torch.no_grad():
+        torch.compile(lambda x, w: torch.relu(x @ w) + 1, backend="inductor")(torch.randn(8, 8), torch.randn(8, 8))
+    torch._dynamo.reset()
+    (text,) = [c for c in code.codes if "def call(" in c]
+    assert fused_lanes.RUNTIME not in text and fused_lanes.MARK not in text
+    (summary,) = rewriting.summaries
+    assert summary.side == 0 and summary.launches >= 1

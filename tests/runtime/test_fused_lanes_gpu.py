@@ -69,9 +69,7 @@ def test_measured_choice_costs_one_compile(inductor_modules, tmp_path):
         x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(compiled(x), model(x), **BF16)
     assert len(inductor_modules) == 1
-    ex = last_compiled()[-1].executor
-    names = [c.split(" ")[0] for c in (ch.text() for ch in ex.schedule_choices)]
-    assert names, "no schedule was measured"
+    assert last_compiled()[-1].executor.schedule_choices, "no schedule was measured"
 
 
 @torch.no_grad()
