@@ -164,7 +164,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     program.fused = True
     if rewrites.findings:
         log.warning("capturepass: %s: lanes after fusion left out of a compile whose rewrite the order check "
-                    "faults (%s); that code runs on one lane", meta.graph_info(graph).title, rewrites.findings[0])
+                    "faults or that it cannot read (%s); that code runs on one lane", title, rewrites.findings[0])
     if side == 0:
         log.info("capturepass: %s: no fused kernel of one lane's compile lies on a side lane alone (%d launches); "
                  "it runs on one lane", title, launches)

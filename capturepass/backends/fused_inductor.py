@@ -154,17 +154,20 @@ class Compiling:
             devices = getattr(lowering, "device_types", ())
             if ("cuda" in devices or (me.host and "cpu" in devices)) and "def call(" in wrapper_code.value:
                 index = next(iter(getattr(lowering, "device_idxs", ()) or ()), 0) if "cuda" in devices else HOST
-                new, done = rewrite_module(wrapper_code.value, me.lane_of, device=index)
-                found = check(done.source, wrapper_code.value) if done.lanes else []
+                try:
+                    new, done = rewrite_module(wrapper_code.value, me.lane_of, device=index)
+                    found = check(done.source, wrapper_code.value) if done.lanes else []
+                except Exception as exc:  # noqa: BLE001 - code the rewrite cannot read runs as written
+                    found = [f"the rewrite could not read the code ({type(exc).__name__}: {exc})"]
+                    done = None
                 if found:
                     # Left as one lane's code, with what the check found (the compile logs it).
                     me.findings.extend(found)
-                elif done.lanes:
-                    wrapper_code.value = new
-                    if hasattr(wrapper_code, "line_map"):
-                        wrapper_code.line_map = []  # its line numbers are the original's
-                if not found:
-                    # A module with nothing on a side lane stays as Inductor wrote it.
+                else:
+                    if done.lanes:  # a module with nothing on a side lane stays as Inductor wrote it
+                        wrapper_code.value = new
+                        if hasattr(wrapper_code, "line_map"):
+                            wrapper_code.line_map = []  # its line numbers are the original's
                     me.summaries.append(done.summary())
             me._buffers = {}
             me._writing = True

@@ -349,3 +349,23 @@ def test_a_compile_with_nothing_on_a_side_lane_keeps_inductors_code():
     assert fused_lanes.RUNTIME not in text and fused_lanes.MARK not in text
     (summary,) = rewriting.summaries
     assert summary.side == 0 and summary.launches >= 1
+
+
+def test_code_the_rewrite_cannot_read_is_compiled_as_written(monkeypatch):
+    """A rewrite that raises leaves the module as Inductor wrote it, with the reason among the
+    findings the compile logs: the compile does not fail for it."""
+    import torch
+
+    def broken(*args, **kwargs):
+        raise ValueError("an unexpected line")
+
+    monkeypatch.setattr(fused_inductor, "rewrite_module", broken)
+    torch._dynamo.reset()
+    with fused_inductor.Compiling({}, host=True) as rewriting, torch.no_grad():
+        x, w = torch.randn(8, 8), torch.randn(8, 8)
+        got = torch.compile(lambda x, w: torch.relu(x @ w) + 1, backend="inductor",
+                            options={"fx_graph_cache": False})(x, w)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, torch.relu(x @ w) + 1)
+    assert rewriting.findings == ["the rewrite could not read the code (ValueError: an unexpected line)"]
+    assert rewriting.summaries == []
