@@ -352,6 +352,8 @@ def _parse(module_source: str, lane_of: Callable[[list[str], list[str]], int | N
                 parsed.insert(k + 1, _Line("del", f"{line.indent}del {old}", line.indent, names=[old]))
             else:
                 names.base[new_name] = old
+                if old in alloc_of:  # a plain reuse of a reuse is still allocated as the first was
+                    alloc_of[new_name] = alloc_of[old]
         elif line.kind == "alias":
             names.base[line.names[0]] = line.names[1]
         elif line.kind == "launch":

@@ -320,6 +320,20 @@ def test_a_reuse_of_a_view_keeps_the_block_it_cannot_size():
     assert fused_lanes.check(done.source, VIEW_REUSE) == []
 
 
+def test_a_reuse_of_a_reuse_gets_its_own_block_on_another_lane():
+    """``buf2 = buf1`` where buf1 is itself a reuse of buf0 (same sizes and strides, as Inductor
+    chains a matmul's outputs): on lane 1 buf2 gets a block allocated as buf0 was, so lane 1
+    waits only for its fork, not for the main lane's last use of the block (a wait there
+    serialises two lanes of matmul chains)."""
+    chained = VIEW_REUSE.replace("reinterpret_tensor(buf0, (16, 64), (64, 1), 0)", "buf0").replace(
+        "(2, 8, 64), (512, 64, 1)", "(16, 64), (64, 1)")
+    done = fused_lanes.rewrite(chained, by_buffer({"buf2": 1}))
+    text = body(done)
+    assert "buf2 = empty_strided_cuda((16, 64), (64, 1), torch.float32)" in text
+    assert "buf2 = buf1" not in text and done.waits == 1  # the fork from the main lane's entry
+    assert fused_lanes.check(done.source, chained) == []
+
+
 def test_a_rewritten_module_states_its_summary_wherever_inductor_puts_it():
     new, done = fused_lanes.rewrite_module(module(), by_buffer({"buf0": 1, "buf2": 1}))
     want = done.summary()
