@@ -88,7 +88,7 @@ def rows(model_name: str, shape: str, picked, alone: dict[str, float], whole: di
     """The report's rows for one model and shape.
 
     Args:
-        picked: the default's choice (``runtime.pick.PickRecord``), or ``None`` when it measured
+        picked: the default's choice (``runtime.choices.PickRecord``), or ``None`` when it measured
             nothing (an uncaptured graph).
         alone: median microseconds per replay alone of each variant's graphs (``VARIANTS``).
         whole: median microseconds per whole call of each variant.

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from capturepass.runtime.pick import PickRecord
+from capturepass.runtime.choices import PickRecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "pick_check.py")

@@ -51,10 +51,11 @@ from capturepass.errors import EmitError, OptionError
 from capturepass.ir import collectives, cost, meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
-from capturepass.runtime import calibration, pick
+from capturepass.runtime import calibration, choices
 from capturepass.runtime.calibration import CalibrationStore
 from capturepass.runtime.executor import Executor
-from capturepass.runtime.pick import Picker, PickRecord, ScheduleCache, append_record, default_cache_dir
+from capturepass.runtime.choices import PickRecord, ScheduleCache, append_record, default_cache_dir
+from capturepass.runtime.pick import Picker
 
 log = logging.getLogger("capturepass")
 
@@ -379,9 +380,9 @@ def _cached_choice(kind: str, pristine: fx.GraphModule | None, opts: Options,
         return None, None
     hint_key = candidates.graph_key(pristine, opts, ())
     cache = ScheduleCache(_cache_dir(opts))
-    shapes = cache.shapes(ScheduleCache.graph_summary_key(pick.device_name(device), hint_key))
+    shapes = cache.shapes(ScheduleCache.graph_summary_key(choices.device_name(device), hint_key))
     if not any(_symbolic(x) for x in examples):
-        choice = shapes.get(pick.shape_text(examples))
+        choice = shapes.get(choices.shape_text(examples))
         if choice is not None:
             log.info("capturepass: %s graph: schedule %s from the schedule cache (an earlier process measured this "
                      "graph and shape); %s", kind, choice,
@@ -401,7 +402,7 @@ def lane_factor(opts: Options, device: torch.device | None) -> float | None:
     no device, ``pick="model"`` or ``pick_predict`` off (the default)."""
     if opts.pick != "measure" or not opts.pick_predict or device is None:
         return None
-    return CalibrationStore(_cache_dir(opts)).lane_factor(pick.device_name(device))
+    return CalibrationStore(_cache_dir(opts)).lane_factor(choices.device_name(device))
 
 
 def _lanes_predicted_slower(kind: str, plan_with: Callable[[dict[str, Any]], tuple[fx.GraphModule, Any]],
@@ -457,7 +458,7 @@ def calibrated_model(opts: Options, device: torch.device | None) -> cost.DeviceM
     reproducible schedules)."""
     if opts.pick != "measure" or device is None:
         return None
-    return CalibrationStore(_cache_dir(opts)).model(pick.device_name(device))
+    return CalibrationStore(_cache_dir(opts)).model(choices.device_name(device))
 
 
 def _decompositions(inner: str) -> dict | None:

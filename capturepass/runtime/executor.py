@@ -751,7 +751,7 @@ class Executor(Releases):
     @property
     def schedule_choices(self) -> list[Any]:
         """The measured (or cached) schedule choices of this callable's shapes, oldest first
-        (:class:`~capturepass.runtime.pick.PickRecord`); empty without a measured choice."""
+        (:class:`~capturepass.runtime.choices.PickRecord`); empty without a measured choice."""
         return list(self._picker.records) if self._picker is not None else []
 
     @property

@@ -41,11 +41,11 @@ The choice is kept in a JSON file per key (device name, a hash of the graph befo
 lane assignment with the options that change its schedule, the shapes), under
 ``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
 torch's cache directory): another process that compiles the same graph captures
-only the chosen candidate. Each choice is also added to the graph's summary (every shape's
-choice, keyed by the graph's hash before its schedule: :meth:`ScheduleCache.add_shape`), which
-the graph's next compile reads before compiling anything (``backends.dynamo``), and each shape
-where the cost model's lanes and one lane were both measured leaves a lane sample of the device
-(``runtime.calibration``). A cache file that cannot be read or written is reported
+only the chosen candidate (``capturepass.runtime.choices``: the records and the cache). Each
+choice is also added to the graph's summary (every shape's choice, keyed by the graph's hash
+before its schedule: ``ScheduleCache.add_shape``), which the graph's next compile reads before
+compiling anything (``backends.dynamo``), and each shape where the cost model's lanes and one
+lane were both measured leaves a lane sample of the device (``runtime.calibration``). A cache file that cannot be read or written is reported
 once (a warning), and the candidates are measured anyway. A candidate that fails to
 compile or to capture is left out (logged); timing that fails keeps the cost model's
 schedule (a warning); the cost model's own capture failing is the executor's to handle,
@@ -54,16 +54,13 @@ derived again).
 
 Each choice is logged (one INFO line per candidate and one for the choice), added
 to the graph record's decisions, and written to the graph's dump folder
-(:data:`PICKS_FILE`), which ``capturepass show`` reads: every candidate's estimate
-(the cost model's makespan) against its measured median.
+(``choices.PICKS_FILE``), which ``capturepass show`` reads: every candidate's estimate (the
+cost model's makespan) against its measured median.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
-import json
 import logging
 import os
 import statistics
@@ -72,12 +69,12 @@ from typing import Any, Protocol
 
 import torch
 
-from capturepass.ir.options import CACHE_DIR_ENV, PICK_LOCK_ENV
+from capturepass.ir.options import PICK_LOCK_ENV
 from capturepass.runtime import files
+from capturepass.runtime.choices import PickRecord, ScheduleCache, device_name, round_us, shape_text
 
 log = logging.getLogger("capturepass")
 
-PICKS_FILE = "schedules.json"
 # The first rounds let each candidate reach a steady state (instruction and L2 caches, clocks);
 # the last of them prices a round for the budget.
 WARMUP_ROUNDS = 2
@@ -92,10 +89,6 @@ REPEATS = 4
 # decode graph's three lanes timed 1.1% faster than one lane on the call's tokens and 2.7% slower
 # on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
 TIE = 0.02
-# Bumped when what a cached choice means changes (candidate names, what is timed).
-CACHE_FORMAT = 3
-# A graph summary's choice when its shapes chose differently.
-MIXED = "mixed"
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
@@ -225,103 +218,6 @@ def replay_segments(cap: Any) -> None:
 # -- the record of one choice ------------------------------------------------------------------------
 
 
-def _us(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
-
-
-@dataclasses.dataclass
-class PickRecord:
-    """One shape's choice: every candidate's estimate and measured median, and the choice.
-
-    Attributes:
-        graph: the graph's kind (``"inference"``, ``"forward"``).
-        shape: the shapes of the call's arguments other than its parameters (:func:`shape_text`).
-        device: the CUDA device's name.
-        choice: the chosen candidate's name.
-        cached: the choice was read from the cache (nothing was measured).
-        budget_ms: the measuring budget.
-        rounds: timed rounds per candidate.
-        replays: replays run in all (warm-up rounds included).
-        candidates: per candidate, ``name``, ``lanes``, ``estimate_us`` (the cost model's
-            makespan) and ``measured_us`` (the median; ``None`` when it was not measured),
-            and ``note`` (why not, if it was not).
-        scale: the one-lane candidate's measured time over its estimate (how far the cost
-            model's absolute times are off on this device), or ``None``.
-    """
-
-    graph: str
-    shape: str
-    device: str
-    choice: str
-    cached: bool
-    budget_ms: float
-    rounds: int
-    replays: int
-    candidates: list[dict[str, Any]]
-    scale: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the entry of :data:`PICKS_FILE` and the cache)."""
-        return dataclasses.asdict(self)
-
-    def text(self) -> str:
-        """The one-line decision the graph record and ``show`` print."""
-        chosen = next(c for c in self.candidates if c["name"] == self.choice)
-        head = f"schedule for {self.shape} on {self.device}: {self.choice} ({chosen['lanes']} lane(s))"
-        if self.cached:
-            head += f", cached choice (measured {chosen['measured_us']} us in an earlier process)"
-        else:
-            head += f", measured fastest ({self.rounds} round(s), {self.replays} replays)"
-        parts = []
-        for c in self.candidates:
-            if c["measured_us"] is None:
-                parts.append(f"{c['name']} {c['lanes']} lane(s): estimate {c['estimate_us']} us, "
-                             f"not measured ({c.get('note') or 'cached choice'})")
-            else:
-                parts.append(f"{c['name']} {c['lanes']} lane(s): estimate {c['estimate_us']} us, "
-                             f"measured {c['measured_us']} us")
-        line = head + "; " + "; ".join(parts)
-        if self.scale is not None:
-            line += f"; cost model scale (one lane, measured/estimate) {self.scale:.2f}"
-        return line
-
-
-def append_record(dump_dir: str | None, record: PickRecord) -> None:
-    """Adds ``record`` to the graph's :data:`PICKS_FILE` in ``dump_dir`` (one entry per shape)."""
-    if dump_dir is None:
-        return
-    path = os.path.join(dump_dir, PICKS_FILE)
-    try:
-        entries = load_records(dump_dir)
-    except (OSError, ValueError):
-        entries = []
-    entries.append(record.to_json())
-    try:
-        os.makedirs(dump_dir, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"picks": entries}, f, indent=1)
-    except OSError as e:
-        files.warn_once(f"dump:{path}", "capturepass: could not write %s: %s", path, e)
-
-
-def load_records(folder: str | None) -> list[dict[str, Any]]:
-    """The entries of ``folder``'s :data:`PICKS_FILE` (``[]`` when there is none).
-
-    Raises:
-        ValueError: the file is not a ``{"picks": [...]}`` document.
-    """
-    if folder is None:
-        return []
-    path = os.path.join(folder, PICKS_FILE)
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        doc = json.load(f)
-    if not isinstance(doc, dict) or not isinstance(doc.get("picks"), list):
-        raise ValueError(f"{path}: expected an object with a list 'picks'")
-    return [e for e in doc["picks"] if isinstance(e, dict)]
-
-
 @contextlib.contextmanager
 def measuring_turn():
     """Holds an exclusive lock on the file ``CAPTUREPASS_PICK_LOCK`` names (when set) while the
@@ -351,123 +247,7 @@ def measuring_turn():
         yield
 
 
-# -- the cache ---------------------------------------------------------------------------------------
-
-
-def default_cache_dir() -> str:
-    """``CAPTUREPASS_CACHE_DIR``, else ``capturepass/schedules`` under torch's cache directory
-    (Inductor's, where its compiled kernels live), else under ``~/.cache``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return env
-    base = None
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        base = cache_dir()
-    except Exception:  # noqa: BLE001 - a torch without it, or a cache dir it cannot make
-        base = None
-    if not base:
-        base = os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "capturepass", "schedules")
-
-
-class ScheduleCache:
-    """Measured choices on disk, one JSON file per key, written atomically.
-
-    Args:
-        directory: the folder (made when the first choice is written).
-    """
-
-    def __init__(self, directory: str | os.PathLike) -> None:
-        self.directory = os.fspath(directory)
-
-    @staticmethod
-    def key(device: str, graph: str, shape: str) -> str:
-        """The key of one choice: a digest of the device name, the graph's hash and the shapes."""
-        text = json.dumps([CACHE_FORMAT, device, graph, shape])
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    def path(self, key: str) -> str:
-        """The file of ``key``."""
-        return os.path.join(self.directory, f"{key}.json")
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        """The cached entry of ``key``, or ``None`` (none, or unreadable: warned once)."""
-        path = self.path(key)
-        entry = files.read_json(path, "capturepass: the schedule cache file %s cannot be read (%s: %s); "
-                                      "measuring the candidates again")
-        if entry is None:
-            return None
-        if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT or entry.get("key") != key \
-                or not isinstance(entry.get("choice"), str) or not isinstance(entry.get("record"), dict):
-            files.warn_once(f"read:{path}", "capturepass: the schedule cache file %s is not a cached choice; "
-                       "measuring the candidates again", path)
-            return None
-        return entry
-
-    def put(self, key: str, record: PickRecord) -> None:
-        """Writes the choice of ``key`` (a failure is warned once; the choice still holds here)."""
-        self._write(key, record.choice, record.to_json())
-
-    def _write(self, key: str, choice: str, record: dict[str, Any]) -> None:
-        entry = {"format": CACHE_FORMAT, "key": key, "choice": choice, "record": record}
-        files.write_json(self.path(key), entry, "capturepass: cannot write the schedule cache in %s (%s); "
-                                                "the choice is not kept for other processes", indent=1)
-
-    @staticmethod
-    def graph_summary_key(device: str, graph: str) -> str:
-        """The key of the choices of every shape measured of one graph (``graph``: its hash before
-        its schedule, :func:`capturepass.backends.candidates.graph_key` without candidates)."""
-        return ScheduleCache.key(device, graph, "*")
-
-    def shapes(self, key: str) -> dict[str, str]:
-        """The choice of each shape kept under the graph summary ``key`` (none: empty)."""
-        entry = self.get(key)
-        shapes = entry["record"].get("shapes") if entry is not None else None
-        if not isinstance(shapes, dict):
-            return {}
-        return {k: v for k, v in shapes.items() if isinstance(k, str) and isinstance(v, str)}
-
-    def add_shape(self, key: str, shape: str, choice: str) -> None:
-        """Adds a shape's choice to the graph summary ``key`` (written only when it changes). Its
-        ``choice`` is the one every shape made, or ``"mixed"``. Two processes adding at once may
-        lose one's shape: it is measured again by the next process that meets it."""
-        known = self.shapes(key)
-        if known.get(shape) == choice:
-            return
-        shapes = {**known, shape: choice}
-        common = set(shapes.values())
-        self._write(key, common.pop() if len(common) == 1 else MIXED, {"shapes": shapes})
-
-
 # -- the picker --------------------------------------------------------------------------------------
-
-
-def shape_text(args: Sequence[Any], skip: Sequence[int] = ()) -> str:
-    """The shapes, strides and dtypes of a call's arguments (scalars by value), as one string;
-    the positions in ``skip`` (the parameters, when shown to a reader) left out."""
-    parts = []
-    left_out = set(skip)
-    for i, a in enumerate(args):
-        if i in left_out:
-            continue
-        if isinstance(a, torch.Tensor):
-            dtype = str(a.dtype).replace("torch.", "")
-            parts.append(f"{dtype}{list(a.shape)}{'' if a.is_contiguous() else tuple(a.stride())}")
-        elif isinstance(a, (int, float, bool)):
-            parts.append(repr(a))
-        else:
-            parts.append(type(a).__name__)
-    return "(" + ", ".join(parts) + ")"
-
-
-def device_name(device: torch.device | None) -> str:
-    """The name of a CUDA device and its compute capability (the cache's device key)."""
-    if device is None or device.type != "cuda":
-        return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} sm{major}{minor}"
 
 
 class Picker:
@@ -612,7 +392,7 @@ class Picker:
             return cap, first.outputs
         measured = {c.get("name"): c.get("measured_us") for c in entry["record"].get("candidates", [])
                     if isinstance(c, dict)}
-        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us),
+        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
                   "measured_us": measured.get(c.name) if isinstance(measured.get(c.name), (int, float)) else None,
                   "note": None} for c in self.candidates]
         record = PickRecord(self.graph, shape, dev, cand.name, True, self.budget_ms, 0, 0, cands,
@@ -707,8 +487,8 @@ class Picker:
         for j, i in enumerate(kept):
             if i != chosen:
                 caps[j].owner.close()
-        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": _us(c.estimate_us), "measured_us": _us(medians[i]),
-                  "note": notes.get(i)} for i, c in enumerate(self.candidates)]
+        cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
+                  "measured_us": round_us(medians[i]), "note": notes.get(i)} for i, c in enumerate(self.candidates)]
         # One lane's own program (a lane map onto one stream runs the lanes' program).
         one = next((i for i, c in enumerate(self.candidates) if _own(c) and medians[i] is not None), None)
         scale = None
@@ -722,7 +502,7 @@ class Picker:
                      self.graph, shape, c["name"], c["lanes"], c["estimate_us"],
                      f"measured {c['measured_us']} us" if c["measured_us"] is not None else f"not measured ({c['note']})")
         log.info("capturepass: %s graph, shape %s: chose schedule %s (%d lane(s)), measured %s us over %d round(s)",
-                 self.graph, shape, record.choice, self.candidates[chosen].lanes, _us(medians[chosen]), rounds)
+                 self.graph, shape, record.choice, self.candidates[chosen].lanes, round_us(medians[chosen]), rounds)
         if self.cache is not None:
             self.cache.put(key, record)
             self._summarize(dev, args, record.choice)

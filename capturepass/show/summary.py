@@ -33,7 +33,7 @@ from typing import Any
 from capturepass.errors import DumpError
 from capturepass.ir.graph_json import GraphDoc
 from capturepass.runtime import naming
-from capturepass.runtime.pick import PICKS_FILE, PickRecord, load_records
+from capturepass.runtime.choices import PICKS_FILE, PickRecord, load_records
 from capturepass.show.dumps import load_graph_dirs
 from capturepass.show.schedule import duration_us, graph_timing, short_op, timing_line
 

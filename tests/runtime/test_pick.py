@@ -24,7 +24,7 @@ from capturepass.backends.compile import compile_graph
 from capturepass.errors import DumpError, OptionError
 from capturepass.ir import meta
 from capturepass.ir.options import Options
-from capturepass.runtime import files, pick
+from capturepass.runtime import choices, files, pick
 from capturepass.runtime.pick import Picker, ScheduleCache
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
@@ -307,7 +307,7 @@ def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, ca
     p.capture(_Executor(), [torch.randn(4, 8)], real=True)
     (path,) = (tmp_path / "cache").iterdir()
     entry = json.loads(path.read_text())
-    assert (entry["format"], entry["choice"]) == (pick.CACHE_FORMAT, "aux1")
+    assert (entry["format"], entry["choice"]) == (choices.CACHE_FORMAT, "aux1")
     # A fresh picker (another process): nothing measured, only the chosen candidate captured.
     fresh, timer, picked, cands = _picker(tmp_path, us)
     ex = _Executor()
@@ -534,7 +534,7 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
     compiled, pristine, opts, plan_with = _compile(*_moe())
     graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path))
     monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
-    monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
+    monkeypatch.setattr(choices, "device_name", lambda device: "FakeGPU sm90")
     args = [torch.randn(16, 64), *_moe()[1][1:]]
     other = [torch.randn(8, 64), *args[1:]]
     dynamic = [args[0], FakeTensorMode(shape_env=ShapeEnv()).shape_env.create_unbacked_symint(), *args[1:]]
@@ -545,7 +545,7 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
                        hint_key=hint_key)
     us = {"model": 30.0, "one_lane": 25.0, "aux1": 40.0}
     p.measure_round = lambda caps, order: [us[caps[i].name] / 1e6 for i in order]
-    p.device_name = pick.device_name
+    p.device_name = choices.device_name
     p.capture(_Executor(), args, real=True)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         assert dynamo._cached_choice("inference", pristine, graph_opts, args) == (hint_key, "one_lane")
@@ -558,8 +558,8 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
     us["model"] = 10.0
     p.capture(_Executor(), other, real=True)
     summary = ScheduleCache(tmp_path).get(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key))
-    assert summary["choice"] == pick.MIXED and summary["record"]["shapes"] == {
-        pick.shape_text(args): "one_lane", pick.shape_text(other): "model"}
+    assert summary["choice"] == choices.MIXED and summary["record"]["shapes"] == {
+        choices.shape_text(args): "one_lane", choices.shape_text(other): "model"}
     assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, "model")
     assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, None)
     # Each shape where both the lanes and one lane were measured is a lane sample of the device:
@@ -586,7 +586,7 @@ def test_lanes_predicted_no_faster_than_one_lane_compile_one_lane_alone(tmp_path
     from capturepass.runtime.calibration import CalibrationStore
 
     monkeypatch.setattr(dynamo, "cuda_device", lambda examples: torch.device("cuda", 0))
-    monkeypatch.setattr(pick, "device_name", lambda device: "FakeGPU sm90")
+    monkeypatch.setattr(choices, "device_name", lambda device: "FakeGPU sm90")
     compiled, pristine, opts, plan_with = _compile(*_moe())
     graph_opts = dataclasses.replace(opts.for_graph("inference", True), pick_cache_dir=str(tmp_path),
                                      pick_predict=True)
@@ -625,7 +625,7 @@ def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
     assert "model 3 lane(s): estimate 18.09 us, measured 30.0 us; one_lane 1 lane(s): estimate 34.0 us, measured " \
            "25.0 us; aux1 2 lane(s): estimate 22.1 us, measured 40.0 us; cost model scale (one lane, " \
            "measured/estimate) 0.74" in text
-    doc = json.loads((folder / pick.PICKS_FILE).read_text())
+    doc = json.loads((folder / choices.PICKS_FILE).read_text())
     assert [e["choice"] for e in doc["picks"]] == ["one_lane"]
     # show: the plain line and the JSON decision with each candidate's estimate against its measurement.
     assert cli.main(["show", str(tmp_path / "dump")]) == 0
@@ -643,12 +643,12 @@ def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
 
 
 def test_malformed_schedules_file_names_the_field(tmp_path):
-    (tmp_path / pick.PICKS_FILE).write_text(json.dumps({"picks": [{"graph": "inference", "shape": "()",
+    (tmp_path / choices.PICKS_FILE).write_text(json.dumps({"picks": [{"graph": "inference", "shape": "()",
                                                                    "device": "x", "choice": "a", "cached": False,
                                                                    "rounds": "many"}]}))
     with pytest.raises(DumpError, match=r"picks\[0\]\.rounds: expected int, got 'many'"):
         show_summary.pick_decisions(str(tmp_path))
-    (tmp_path / pick.PICKS_FILE).write_text("[1]")
+    (tmp_path / choices.PICKS_FILE).write_text("[1]")
     with pytest.raises(DumpError, match="cannot be read"):
         show_summary.pick_decisions(str(tmp_path))
 
@@ -672,7 +672,7 @@ def test_the_executor_hands_the_picker_its_parameters_positions():
             return self
 
         def capture(self, executor, args, real, protect, device):
-            seen.append((executor.static_positions, pick.shape_text(args, executor.static_positions)))
+            seen.append((executor.static_positions, choices.shape_text(args, executor.static_positions)))
             return types.SimpleNamespace(owner=None), ("out",)
 
     ex = Executor(program, picker=Picker())

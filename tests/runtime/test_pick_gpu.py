@@ -20,7 +20,7 @@ import torch
 import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.ir import meta
-from capturepass.runtime import pick
+from capturepass.runtime import choices, pick
 from capturepass.testing.models import MoEBlock
 
 pytestmark = pytest.mark.gpu
@@ -96,7 +96,7 @@ def test_moe_block_picks_a_measured_candidate_and_equals_eager(tmp_path, caplog)
     graph = [g for g in last_compiled() if g.name == "inference"][-1].graph
     assert meta.graph_info(graph).decisions[-1] == record.text()
     (folder,) = [d for d in (tmp_path / "dump").iterdir() if d.name.endswith("_inference")]
-    assert [e["choice"] for e in pick.load_records(str(folder))] == [record.choice]
+    assert [e["choice"] for e in choices.load_records(str(folder))] == [record.choice]
     kept = sorted(p.name.startswith("calibration-") for p in (tmp_path / "cache").iterdir())
     # The choice under the graph's key with its candidates and under its key before the schedule
     # (a graph of one shape: for its next compile), and the device's calibration sample.
@@ -222,7 +222,7 @@ def test_the_devices_lane_factor_decides_whether_the_lanes_are_compiled(factor, 
     from capturepass.runtime.calibration import CalibrationStore
 
     device = torch.device("cuda", torch.cuda.current_device())
-    CalibrationStore(tmp_path).add_lanes(pick.device_name(device), "an earlier graph", 1.0, factor)
+    CalibrationStore(tmp_path).add_lanes(choices.device_name(device), "an earlier graph", 1.0, factor)
     torch.manual_seed(0)
     model = MoEBlock(512, 1024, 8, 256, 2, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(model, backend="capturepass",
@@ -289,7 +289,7 @@ def test_a_measured_one_lane_replay_calibrates_what_an_uncaptured_compile_schedu
     measured = torch.compile(model, backend="capturepass", options={"pick_cache_dir": cache})
     x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(measured(x), model(x), **BF16)
-    fitted = CalibrationStore(cache).model(pick.device_name(x.device))
+    fitted = CalibrationStore(cache).model(choices.device_name(x.device))
     assert fitted is not None and fitted.samples == 1 and fitted.scale > 0
     torch._dynamo.reset()
     uncaptured = torch.compile(model, backend="capturepass", options={"pick_cache_dir": cache, "cudagraphs": "none"})
