@@ -5,7 +5,9 @@
 that writes the generated module (``GraphLowering._compile_to_module_lines``: its ``call`` is
 rewritten by :func:`capturepass.backends.fused_lanes.rewrite_module` and checked by
 :func:`~capturepass.backends.fused_lanes.check`). :func:`unavailable` says where this torch has
-neither; the code rewriting itself is in ``fused_lanes`` and reads no Inductor object.
+neither; the code rewriting itself is in ``fused_lanes`` and reads no Inductor object. Before the
+compile, :func:`sums_kept_apart` keeps one of Inductor's pattern fusions from joining two lanes'
+work into one library call.
 """
 
 from __future__ import annotations
