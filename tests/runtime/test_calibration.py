@@ -119,7 +119,7 @@ def test_compiles_read_the_model_only_for_schedules_nothing_measures(tmp_path, m
     is the nominal model everywhere; a host graph measures nothing."""
     store = CalibrationStore(tmp_path)
     fitted = store.add(DEVICE, "g0", GRAPHS[0], 1e-3)
-    monkeypatch.setattr(dynamo.pick, "device_name", lambda d: DEVICE)
+    monkeypatch.setattr(dynamo.choices, "device_name", lambda d: DEVICE)
     cuda = [torch.empty(2, device="meta")]
     monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda", 0)))
 
