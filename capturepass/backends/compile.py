@@ -155,8 +155,6 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
                     if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE}
     lanes = len(meta.graph_info(graph).lanes)
-    apart = sum(fused_inductor.sums_kept_apart(r.graph, lane_by_name) for r in one_lane.regions
-                if r.compiler == "inductor" and not r.eager)
     with fused_inductor.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
     done = rewrites.summaries
@@ -176,8 +174,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     program.info = meta.graph_info(graph)
     what = (f"one Inductor compile with lanes after fusion: {side} of {launches} launches on side lanes, "
             f"{sum(r.switches for r in done)} lane switches, {sum(r.records for r in done)} events, "
-            f"{sum(r.held for r in done)} frees held to the join"
-            + (f", {apart} sum(s) kept apart from another lane's matrix product" if apart else ""))
+            f"{sum(r.held for r in done)} frees held to the join")
     log.info("capturepass: %s: %s", title, what)
     meta.add_decision(graph, what)
     return program

@@ -5,9 +5,7 @@
 that writes the generated module (``GraphLowering._compile_to_module_lines``: its ``call`` is
 rewritten by :func:`capturepass.backends.fused_lanes.rewrite_module` and checked by
 :func:`~capturepass.backends.fused_lanes.check`). :func:`unavailable` says where this torch has
-neither; the code rewriting itself is in ``fused_lanes`` and reads no Inductor object. Before the
-compile, :func:`sums_kept_apart` keeps one of Inductor's pattern fusions from joining two lanes'
-work into one library call.
+neither; the code rewriting itself is in ``fused_lanes`` and reads no Inductor object.
 """
 
 from __future__ import annotations
@@ -17,9 +15,6 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
-
-import torch
-from torch import fx
 
 from capturepass.backends import fused_lanes
 from capturepass.backends.fused_lanes import HOST, Summary, check, rewrite_module
@@ -38,42 +33,6 @@ def unavailable() -> str | None:
     if not callable(getattr(GraphLowering, "_compile_to_module_lines", None)):
         return "this torch's Inductor writes its modules otherwise (no GraphLowering._compile_to_module_lines)"
     return None
-
-
-def sums_kept_apart(graph: fx.GraphModule, lane_by_name: Mapping[str, int]) -> int:
-    """Keeps Inductor from fusing ``add(mm(a, b), c)`` into one ``addmm`` where the lanes give
-    the product, the sum and ``c``'s producer to more than one lane; returns how many sums.
-
-    One library call cannot run on two lanes: the fused call would wait for every input of both
-    before the product starts, so a product the cost model put beside other work (a shared
-    expert's down projection beside the routed experts it is added to, on an engine's
-    token-major activations) would run after that work. Kept apart, the product runs on its lane
-    and the sum, a pointwise kernel of its own (fused with what follows it on its lane), waits
-    for both. Inductor's post-grad pattern matches ``aten.add`` only (its keyword arguments are
-    not compared): the sum becomes ``sub(x, y, alpha=-1)``, the same bits (``x - (-1 * y)`` is
-    ``x + y`` exactly), which no pattern turns into a library call. A graph input as ``c`` is
-    ready at every lane's start and constrains nothing. ``graph`` is one lane's plan of a region,
-    compiled once for every candidate; the node keeps its name, by which its lane is found.
-    """
-    kept = 0
-    mm, add = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or node.target is not add or node.kwargs or len(node.args) != 2:
-            continue
-        product = next((a for a in node.args if isinstance(a, fx.Node) and a.target is mm), None)
-        if product is None or node.name not in lane_by_name or product.name not in lane_by_name:
-            continue
-        other = node.args[1] if node.args[0] is product else node.args[0]
-        lanes = {lane_by_name[node.name], lane_by_name[product.name]}
-        if isinstance(other, fx.Node) and other.name in lane_by_name:
-            lanes.add(lane_by_name[other.name])
-        if len(lanes) > 1:
-            node.target = torch.ops.aten.sub.Tensor
-            node.kwargs = {"alpha": -1}
-            kept += 1
-    if kept:
-        graph.recompile()
-    return kept
 
 
 @functools.cache

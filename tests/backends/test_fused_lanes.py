@@ -7,7 +7,6 @@ behind ``get_raw_stream``, extern matrix products with ``out=``, planned reuses)
 
 from __future__ import annotations
 
-import re
 import textwrap
 
 import pytest
@@ -388,89 +387,3 @@ def test_code_the_rewrite_cannot_read_is_compiled_as_written(monkeypatch):
     assert rewriting.findings == ["the rewrite could not read the code (ValueError: an unexpected line)"]
     assert rewriting.summaries == []
 
-
-def _sum_of_product(lanes: dict[str, int]):
-    """``add(mm(a, b), c)`` with ``c = relu(x)``, as AOT autograd writes it, and the lane map."""
-    import torch
-    from torch import fx
-
-    g = fx.Graph()
-    a, b, x = g.placeholder("a"), g.placeholder("b"), g.placeholder("x")
-    c = g.call_function(torch.ops.aten.relu.default, (x,))
-    c.name = "relu"
-    mm = g.call_function(torch.ops.aten.mm.default, (a, b))
-    mm.name = "mm"
-    add = g.call_function(torch.ops.aten.add.Tensor, (c, mm))
-    add.name = "add"
-    g.output((add,))
-    return fx.GraphModule(torch.nn.Module(), g), lanes
-
-
-@pytest.mark.parametrize("lanes, apart", [
-    ({"mm": 1, "add": 0, "relu": 0}, 1),  # the product beside the main lane's work
-    ({"mm": 0, "add": 0, "relu": 1}, 1),  # the product would wait for another lane's operand
-    ({"mm": 1, "add": 1, "relu": 1}, 0),  # one lane: Inductor's addmm stays
-    ({"mm": 0, "add": 0}, 0),  # the other operand a graph input: ready at every lane's start
-])
-def test_a_sum_of_another_lanes_product_is_kept_apart_with_the_same_bits(lanes, apart):
-    """Inductor fuses ``add(mm(a, b), c)`` into one ``addmm``, which cannot run on two lanes; where
-    the lanes differ the sum is written as ``sub(c, mm, alpha=-1)``, which no pattern matches and
-    which computes the same bits (bfloat16 here, where an ``addmm`` would round once)."""
-    import torch
-
-    gm, lanes = _sum_of_product(lanes)
-    if "relu" not in lanes:  # the other operand straight from an input
-        add = next(n for n in gm.graph.nodes if n.name == "add")
-        add.args = (next(n for n in gm.graph.nodes if n.name == "x"), add.args[1])
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    args = [torch.randn(16, 32, dtype=torch.bfloat16), torch.randn(32, 8, dtype=torch.bfloat16),
-            torch.randn(16, 8, dtype=torch.bfloat16)]
-    before = gm(*args)[0]
-    assert fused_inductor.sums_kept_apart(gm, lanes) == apart
-    (add,) = [n for n in gm.graph.nodes if n.name == "add"]
-    expected = (torch.ops.aten.sub.Tensor, {"alpha": -1}) if apart else (torch.ops.aten.add.Tensor, {})
-    assert (add.target, dict(add.kwargs)) == expected
-    assert torch.equal(gm(*args)[0], before)
-
-
-def test_the_showcase_moes_shared_expert_keeps_its_down_projection_on_its_lane():
-    """The MoE block on the host route: its output is the routed sum plus the shared expert's
-    down projection, which Inductor would fuse into one ``addmm`` on the lane of the join. Kept
-    apart, every matrix product of the shared expert runs on its side lane, and no ``addmm`` is
-    left; calls equal eager."""
-    import torch
-    from torch._inductor.graph import GraphLowering
-
-    from capturepass.backends.compile import last_compiled
-    from capturepass.ir import meta
-    from capturepass.testing.models import MoEBlock
-
-    made: list[str] = []
-    real = GraphLowering.compile_to_module
-
-    def compile_to_module(self, *a, **k):
-        mod = real(self, *a, **k)
-        with open(mod.__file__) as f:
-            made.append(f.read())
-        return mod
-
-    torch.manual_seed(0)
-    model = MoEBlock()
-    # Compiled, not loaded from Inductor's cache: the module is read as it is written.
-    with pytest.MonkeyPatch.context() as mp, torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
-        mp.setattr(GraphLowering, "compile_to_module", compile_to_module)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="capturepass", options={"regions": "fused", "pick": "model"})
-        for _ in range(2):
-            x = torch.randn(16, 64)
-            torch.testing.assert_close(compiled(x), model(x))
-    (code,) = made
-    lanes_body = code[code.index("def _cp_lanes_call"):]
-    assert "addmm" not in lanes_body
-    stretches = re.split(r"_cp_lanes\.switch\((\d+)\)", lanes_body)  # text, lane, its text, lane, ...
-    on_side = [text.count("extern_kernels.mm(") for lane, text in zip(stretches[1::2], stretches[2::2]) if lane != "0"]
-    assert 3 in on_side, lanes_body  # the shared expert's three products on one side lane
-    (decision,) = [d for d in meta.graph_info(last_compiled()[-1].graph).decisions
-                   if isinstance(d, str) and d.startswith("one Inductor compile with lanes after fusion")]
-    assert decision.endswith("1 sum(s) kept apart from another lane's matrix product"), decision
