@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from capturepass.backends import fused_lanes
@@ -115,17 +115,20 @@ class Compiling:
             origins: set[Any] = set()
             for inner in node.get_nodes():
                 origins |= set(getattr(getattr(inner, "node", None), "origins", ()) or ())
-            lanes = {self.lane_by_name[o.name] for o in origins if getattr(o, "name", None) in self.lane_by_name}
-            lane = lanes.pop() if len(lanes) == 1 else 0
+            lane = self._agreed(getattr(o, "name", None) for o in origins)
             for name in node.get_buffer_names():
-                self._buffers[name] = lane
+                self._buffers[name] = lane if lane is not None else 0
         return nodes
 
     def lane_of(self, writes: list[str], sources: list[str]) -> int | None:
         for w in writes:
             if w in self._buffers:
                 return self._buffers[w]
-        lanes = {self.lane_by_name[s] for s in sources if s in self.lane_by_name}
+        return self._agreed(sources)
+
+    def _agreed(self, names: Iterable[Any]) -> int | None:
+        """The lane every one of ``names`` with a lane has, or ``None`` (none, or several)."""
+        lanes = {self.lane_by_name[n] for n in names if n in self.lane_by_name}
         return lanes.pop() if len(lanes) == 1 else None
 
     def _hook(self) -> Any:

@@ -69,9 +69,10 @@ class Frame:
 
 
 def active() -> bool:
-    """Whether side streams are bound: the lanes' body runs."""
-    bound = _local.bound
-    return bound is not None and any(s is not None for s in bound)
+    """Whether lanes are bound (:class:`bind`): the lanes' body runs. Called by every call of
+    the generated code; a lane bound to ``None`` runs on the caller's stream, so binding only
+    ``None`` is correct too (the owner binds only where a side stream exists)."""
+    return _local.bound is not None
 
 
 def enter(device: int) -> None:
