@@ -18,8 +18,7 @@ from capturepass.ir.options import Options
 from capturepass.passes.base import PassContext
 from capturepass.backends import dynamo
 from capturepass.backends.compile import compile_graph
-from capturepass.runtime import context as runtime_context
-from capturepass.runtime.replay import Capture
+from capturepass.testing.host_graphs import HostGraphCapture
 from capturepass.testing.models import MoEBlock
 
 _owners = itertools.count(1000)
@@ -109,33 +108,28 @@ def unneeded_waits(gm: fx.GraphModule) -> list[str]:
     return unneeded
 
 
-class HostCapture(Capture):
-    """Stands in for the executor's capture class on a machine without CUDA (nothing can be captured
-    there): runs the program eagerly for the "capture" and each "replay", checks that a replay sees
-    the in-place inputs at their captured addresses, and logs ``("capture" | "replay", id)``."""
+class HostCapture(HostGraphCapture):
+    """Stands in for the executor's capture class on a machine without CUDA: the real warm-up,
+    capture bookkeeping and replay path over host graphs (``capturepass.testing.host_graphs``:
+    a segment's replay runs its code again on the memory it was captured on and writes its
+    results where the capture's outputs live); also checks that a replay sees the in-place
+    inputs at their captured addresses, and logs ``("capture" | "replay", id)``."""
 
     log: list[tuple[str, int]] = []
 
     def run(self, args, real):
-        out = self.warm(args, real)
-        self.capture_warmed(args)
-        return out
+        HostCapture.log.append(("capture", id(self)))
+        return super().run(args, real)
 
     def warm(self, args, real):
-        self.in_place_ptrs = {i: args[i].data_ptr() for i in self.in_place}
         HostCapture.log.append(("capture", id(self)))
-        with runtime_context.running(self.owner):
-            return self.eager(*args)
-
-    def capture_warmed(self, args):
-        pass
+        return super().warm(args, real)
 
     def replay(self, args, check=False):
         # The executor keys the capture on these addresses: a replay must never see another.
         assert {i: args[i].data_ptr() for i in self.in_place} == self.in_place_ptrs
         HostCapture.log.append(("replay", id(self)))
-        with runtime_context.running(self.owner):
-            return self.eager(*args)
+        return super().replay(args, check)
 
 
 def capture_on_host(set_attr: Callable[[Any, str, Any], None] = setattr) -> list[tuple[str, int]]:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -252,18 +252,8 @@ class Capture:
             outputs.rescue_group(owner.shared.held_outputs)
             if capture.POOL_WARM_UP_UNSUPPORTED is None:
                 self._buffers_into_pool()
-        with capture.exclusive():  # cuBLAS's cache is the process's: one capture at a time
-            torch.cuda.synchronize(device)
-            capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
-            try:
-                self._capture(args, env, out)
-                torch.cuda.synchronize(device)
-            finally:
-                # The workspaces the capture allocated are the graphs' memory from now on (their
-                # replays write them), freed into the pool as the capture's temporaries are: left
-                # in cuBLAS's cache they stay allocated, and the next capture's warm-up, outside
-                # the pool, peaks with them beside its own (cudagraph trees clear before and after).
-                capture.clear_cublas_workspaces()
+        with self._capturing(device):
+            self._capture(args, env, out)
         if let_go:
             self._let_go(args)
             self.let_go = True
@@ -273,6 +263,35 @@ class Capture:
             owner.before_close.append(self.outputs.close)
             if owner.shared is not None:
                 self.outputs.group = owner.shared.held_outputs
+
+    # -- what a CUDA capture does (a host stand-in overrides these three) -------------------------
+    @contextlib.contextmanager
+    def _capturing(self, device: torch.device) -> Iterator[None]:
+        """The scope of capturing every segment of this capture."""
+        with capture.exclusive():  # cuBLAS's cache is the process's: one capture at a time
+            torch.cuda.synchronize(device)
+            capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
+            try:
+                yield
+                torch.cuda.synchronize(device)
+            finally:
+                # The workspaces the capture allocated are the graphs' memory from now on (their
+                # replays write them), freed into the pool as the capture's temporaries are: left
+                # in cuBLAS's cache they stay allocated, and the next capture's warm-up, outside
+                # the pool, peaks with them beside its own (cudagraph trees clear before and after).
+                capture.clear_cublas_workspaces()
+
+    def _capture_stream(self) -> Any:
+        """The stream the segments are captured on, ordered after the caller's."""
+        stream = self.owner.begin_capture()
+        stream.wait_stream(torch.cuda.current_stream(self.owner.device))
+        return stream
+
+    def _segment_graph(self, p: int, bound: Any, env: dict[fx.Node, Any], stream: Any) -> tuple[Any, Any]:
+        """A fresh graph for piece ``p`` and the context that captures the piece's run into it
+        (``env`` holds what the piece reads, its staged buffers in place)."""
+        graph = torch.cuda.CUDAGraph()
+        return graph, capture.segment(graph, self.owner.pool, stream, self.owner.side_streams)
 
     def _lets_go(self) -> bool:
         """Whether this capture holds its outputs (and, in the pool, its input buffers) over
@@ -343,8 +362,7 @@ class Capture:
     def _capture(self, args: Sequence[Any], warm: dict[fx.Node, Any], out: Any) -> None:
         program, owner = self.program, self.owner
         device = owner.device
-        stream = owner.begin_capture()
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream = self._capture_stream()
         # External joins run outside the graphs, around each segment's replay.
         bound = program.bind(owner, owner.lanes("capture:0"), externals=False)
         env = bound.initial_env(args)
@@ -378,11 +396,11 @@ class Capture:
                         staged.append((node, buf))
                     else:
                         scalars.append((node, value))
-                graph = torch.cuda.CUDAGraph()
+                graph, capturing = self._segment_graph(p, bound, env, stream)
                 owner.graphs[piece.segment] = graph
                 owner.capturing = piece.segment
                 try:
-                    with capture.segment(graph, owner.pool, stream, owner.side_streams):
+                    with capturing:
                         bound.run_piece(p, env)
                 except CapturePassError:
                     owner.graphs.pop(piece.segment, None)

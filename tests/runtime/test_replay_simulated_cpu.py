@@ -1,81 +1,37 @@
 """The whole capture-and-replay path of ``runtime.replay`` on the host, with CUDA graphs simulated.
 
-A CUDA graph replays its kernels into the addresses its capture saw. The stand-in here
-records, while a segment "captures", the piece it ran, the tensors it read and the
-tensors it produced; its replay runs the piece again on those same input tensors (so it
-reads what the call copied into them, and writes what it writes in place again) and
-copies the results into the captured output tensors, as a replay overwrites its pool.
-Everything else is the real runtime: the executor's keys and in-place rule, the input
-buffers and copies, the output aliases and their rescue. The GPU halves are in
-``test_outputs_gpu.py``.
+A CUDA graph replays its kernels into the addresses its capture saw. The stand-in
+(``capturepass.testing.host_graphs``) keeps, when a segment "captures", the tensors it read; its
+replay runs the piece again on those same input tensors (so it reads what the call copied into
+them, and writes what it writes in place again) and copies the results into the captured output
+tensors, as a replay overwrites its pool. Everything else is the real runtime: the executor's
+keys and in-place rule, the input buffers and copies, the output aliases and their rescue. The
+GPU halves are in ``test_outputs_gpu.py``.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 
 from capturepass.backends.compile import last_compiled
-from capturepass.runtime import capture, outputs
-from capturepass.runtime.program import BoundProgram
+from capturepass.runtime import executor as executor_module
+from capturepass.runtime import outputs
+from capturepass.testing.host_graphs import HostGraphCapture
 import tests.helpers  # noqa: F401 - registers torch.ops.cptest.host_round
 
 pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
 
 
-class _Graph:
-    capturing: "_Graph | None" = None
-
-    def __init__(self) -> None:
-        self.runs: list[tuple] = []
-
-    def replay(self) -> None:
-        for module, ins, outs in self.runs:
-            for static, new in zip(outs, module(*ins)):
-                if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
-                    static.copy_(new)
-
-
-class _Stream:
-    def wait_stream(self, other) -> None:
-        pass
-
-
 @pytest.fixture(params=["swap", "move"])
 def simulated(monkeypatch, request):
-    """CUDA graphs simulated on the host (see the module's docstring); held outputs rescued by
-    swapping their storage's memory, or by moving their tensors (torch without
+    """CUDA graphs simulated on the host (``capturepass.testing.host_graphs``); held outputs
+    rescued by swapping their storage's memory, or by moving their tensors (torch without
     ``_swap_data_ptr_``, as on torch 2.11)."""
     if request.param == "swap" and not outputs.SWAP:
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
     monkeypatch.setattr(outputs, "SWAP", request.param == "swap")
-    real_run_piece = BoundProgram.run_piece
-
-    def run_piece(self, index, env):
-        graph = _Graph.capturing
-        piece = self.program.pieces[index]
-        ins = [env[n] for n in piece.live_in]
-        real_run_piece(self, index, env)
-        if graph is not None:
-            graph.runs.append((self.modules[index], ins, [env[n] for n in piece.live_out]))
-
-    @contextlib.contextmanager
-    def segment(graph, pool, stream, forked=()):
-        _Graph.capturing = graph
-        try:
-            yield
-        finally:
-            _Graph.capturing = None
-
-    monkeypatch.setattr(BoundProgram, "run_piece", run_piece)
-    monkeypatch.setattr(capture, "segment", segment)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _Stream())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(executor_module, "Capture", HostGraphCapture)
 
 
 def _compile(model, **options):

@@ -1,0 +1,119 @@
+"""CUDA graphs stood in for on a machine without CUDA, so that a capture's replays run on the host.
+
+A CUDA graph records the kernels of a segment once and replays them on the same memory: its
+inputs are read where the capture found them (static input buffers, staged buffers, the
+caller's parameters) and its outputs are written where the capture allocated them, the same
+tensors every replay. Nothing of that can be captured without CUDA, but its effect on memory
+can be reproduced: :class:`HostGraph` keeps the values the segment read at capture (the same
+tensor objects) and, at each replay, runs the segment's code again on them and writes what it
+computed into the tensors the capture returned. Everything around the launch is capturepass's
+real replay path (:class:`capturepass.runtime.replay.Capture`): the copies into the input
+buffers and back to written inputs, staged buffers of breaks, outputs handed out as aliases of
+the graph's memory and rescued when still held, inputs read in place.
+
+Only the graph is a stand-in; kernels run when the graph "replays", not when it is captured
+(where a CUDA capture runs none). :func:`replay_on_host` makes the executors built from then on
+capture this way::
+
+    from capturepass.testing.host_graphs import replay_on_host
+
+    undo = replay_on_host()
+    compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "monolithic"})
+    ...
+    undo()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from capturepass.runtime import executor as executor_module
+from capturepass.runtime import outputs
+from capturepass.runtime.replay import Capture
+
+
+class HostGraph:
+    """Stands in for one segment's CUDA graph on the host.
+
+    Args:
+        capture: the capture the segment belongs to (its ``seg_out`` are the graph's outputs).
+        piece: the segment's piece index.
+        bound: the program bound to the capture's lanes.
+        env: the values the segment reads, as they are when its capture begins.
+        run: whether :meth:`replay` runs the segment (``False``: a launch that does nothing, to
+            time the path around it).
+
+    Attributes:
+        replays: how many times it replayed.
+    """
+
+    def __init__(self, capture: Capture, piece: int, bound: Any, env: dict[fx.Node, Any], run: bool = True) -> None:
+        self.capture = capture
+        self.piece = piece
+        self.bound = bound
+        reads = {n: env[n] for n in bound.program.pieces[piece].live_in}
+        # A CUDA graph holds addresses, not tensors: an input read in place dies with its
+        # caller's tensor (the executor then releases the capture), whatever the graph read.
+        weak = outputs.non_owning(v for v in reads.values() if isinstance(v, torch.Tensor))
+        self.reads = {n: weak.get(id(v), v) for n, v in reads.items()}
+        self.run = run
+        self.replays = 0
+
+    def replay(self) -> None:
+        """Runs the segment on the memory it was captured on; writes its results where the
+        capture's outputs live."""
+        self.replays += 1
+        if not self.run:
+            return
+        env = dict(self.reads)
+        self.bound.run_piece(self.piece, env)
+        piece = self.bound.program.pieces[self.piece]
+        with torch.no_grad():
+            for node, static in zip(piece.live_out, self.capture.seg_out[self.piece]):
+                value = env[node]
+                if isinstance(static, torch.Tensor) and static.data_ptr() != value.data_ptr():
+                    static.copy_(value)
+
+
+class HostGraphCapture(Capture):
+    """:class:`Capture` with :class:`HostGraph` for its graphs: the real warm-up, capture
+    bookkeeping and replay path, on the host. :attr:`run_segments` ``False`` makes every replay's
+    launch do nothing (timing the path around it)."""
+
+    run_segments = True
+
+    @contextlib.contextmanager
+    def _capturing(self, device: torch.device | None) -> Iterator[None]:
+        yield
+
+    def _capture_stream(self) -> Any:
+        return None
+
+    def _segment_graph(self, p: int, bound: Any, env: dict[fx.Node, Any], stream: Any) -> tuple[Any, Any]:
+        return HostGraph(self, p, bound, env, run=self.run_segments), contextlib.nullcontext()
+
+
+def replay_on_host(run_segments: bool = True) -> Callable[[], None]:
+    """Makes the executors built from now on capture with :class:`HostGraphCapture` wherever a
+    GPU would capture; returns the function that undoes it."""
+    saved_capture, init = executor_module.Capture, executor_module.Executor.__init__
+    cls = type("HostGraphCapture", (HostGraphCapture,), {"run_segments": run_segments})
+
+    def host_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if self.program.info.captured and self.uncaptured_reason is None:
+            self.captured = True
+
+    executor_module.Capture = cls
+    executor_module.Executor.__init__ = host_init
+
+    def undo() -> None:
+        executor_module.Capture = saved_capture
+        executor_module.Executor.__init__ = init
+
+    return undo
