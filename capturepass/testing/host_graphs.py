@@ -11,8 +11,9 @@ real replay path (:class:`capturepass.runtime.replay.Capture`): the copies into 
 buffers and back to written inputs, staged buffers of breaks, outputs handed out as aliases of
 the graph's memory and rescued when still held, inputs read in place.
 
-Only the graph is a stand-in; kernels run when the graph "replays", not when it is captured
-(where a CUDA capture runs none). :func:`replay_on_host` makes the executors built from then on
+Only the graph is a stand-in. Its "capture" runs the segment (to make its outputs) and then
+puts back the memory of everything the segment read, so that, as with a CUDA capture, which
+runs no kernel, its writes in place happen at the warm-up and the replays only. :func:`replay_on_host` makes the executors built from then on
 capture this way::
 
     from capturepass.testing.host_graphs import replay_on_host
@@ -95,7 +96,26 @@ class HostGraphCapture(Capture):
         return None
 
     def _segment_graph(self, p: int, bound: Any, env: dict[fx.Node, Any], stream: Any) -> tuple[Any, Any]:
-        return HostGraph(self, p, bound, env, run=self.run_segments), contextlib.nullcontext()
+        reads = [env[n] for n in bound.program.pieces[p].live_in]
+        return HostGraph(self, p, bound, env, run=self.run_segments), _without_effects(reads)
+
+
+@contextlib.contextmanager
+def _without_effects(reads: list[Any]) -> Iterator[None]:
+    """Runs the block, then puts back the memory of every tensor of ``reads``: a CUDA capture runs
+    no kernel, so what the segment writes in place (an input, a buffer, a cache) is written by
+    its replays only; here the block runs it, and its writes are undone."""
+    saved: dict[int, tuple[Any, Any]] = {}
+    for v in reads:
+        if isinstance(v, torch.Tensor) and v.layout == torch.strided:
+            storage = v.untyped_storage()
+            if storage._cdata not in saved and storage.nbytes():
+                saved[storage._cdata] = (storage, storage.clone())
+    try:
+        yield
+    finally:
+        for storage, before in saved.values():
+            storage.copy_(before)
 
 
 def replay_on_host(run_segments: bool = True) -> Callable[[], None]:
