@@ -217,8 +217,7 @@ class OutputAliases:
         replaced by an alias of it; call once per replay, after it."""
         if not self._static:
             return out
-        fresh: dict[int, tuple[Any, list[weakref.ref] | None]] = {}  # one alias storage per static storage
-        copies: dict[int, Any] = {}
+        fresh: dict[int, Any] = {}  # one alias storage (or copy) per static storage
 
         def one(v: Any) -> Any:
             if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
@@ -230,25 +229,33 @@ class OutputAliases:
             if v.requires_grad:
                 self.copies += 1
                 return v.clone()
-            if self.copying is not None:
-                self.copies += 1
-                return _on_copy(v, static, copies)
-            alias, refs = fresh.get(key, (None, None))
-            if alias is None:
-                alias = torch._C._construct_storage_from_data_pointer(static.data_ptr(), v.device, static.nbytes())
-                refs = None if self._swap else []
-                fresh[key] = (alias, refs)
-                self._live.append((alias, static, refs if refs is not None else ()))
-                if self.group is not None and not self._in_group:
-                    self.group.append(self)
-                    self._in_group = True
-            self.aliased += 1
-            t = v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
-            if refs is not None:
-                refs.append(weakref.ref(t))
-            return t
+            return self.alias(v, key, fresh)
 
         return fx.node.map_aggregate(out, one)
+
+    def alias(self, v: torch.Tensor, key: int, fresh: dict[int, Any]) -> torch.Tensor:
+        """``v``, a tensor over the static storage ``key`` (its ``_cdata``) that requires no grad,
+        over an alias of that storage: one alias storage per static storage and call (``fresh``,
+        the call's, empty at its start), so that outputs viewing one storage still share one.
+        While :attr:`copying`, a copy instead."""
+        static = self._static[key]
+        if self.copying is not None:
+            self.copies += 1
+            return _on_copy(v, static, fresh)
+        alias, refs = fresh.get(key, (None, None))
+        if alias is None:
+            alias = torch._C._construct_storage_from_data_pointer(static.data_ptr(), v.device, static.nbytes())
+            refs = None if self._swap else []
+            fresh[key] = (alias, refs)
+            self._live.append((alias, static, refs if refs is not None else ()))
+            if self.group is not None and not self._in_group:
+                self.group.append(self)
+                self._in_group = True
+        self.aliased += 1
+        t = v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
+        if refs is not None:
+            refs.append(weakref.ref(t))
+        return t
 
     @property
     def num_live(self) -> int:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -157,6 +157,7 @@ class Capture:
         self.snapshot: Snapshot | None = None
         self._warmed: tuple[dict[fx.Node, Any], Any] | None = None  # (values, results) of warm()
         self.outputs_dropped = False
+        self.direct: _Direct | None = None  # the replay without a value environment, where it has none
         self.let_go = False  # outputs and input buffers held over non-owning storages (_let_go)
         # The call's arguments while the measured choice times this capture (``pick.replay_round``
         # copies them in first: another candidate's replays may have written the buffers).
@@ -263,6 +264,7 @@ class Capture:
             owner.before_close.append(self.outputs.close)
             if owner.shared is not None:
                 self.outputs.group = owner.shared.held_outputs
+        self.direct = _Direct.of(self)
 
     # -- what a CUDA capture does (a host stand-in overrides these three) -------------------------
     @contextlib.contextmanager
@@ -443,6 +445,7 @@ class Capture:
         if self.outputs is not None:
             self.outputs.close()  # it holds the static storages
         self.outputs_dropped = True
+        self.direct = None
         return True
 
     # -- replays ----------------------------------------------------------------------------------
@@ -471,6 +474,14 @@ class Capture:
             if self.in_place_ptrs and (moved := self.moved_in_place(args)):
                 raise InPlaceMoved(moved)
             self.input_copies += self.copy_in(args)
+            direct = self.direct
+            if direct is not None:
+                graphs = self.owner.graphs
+                for segment in direct.segments:
+                    graphs[segment].replay()
+                if self.copy_back:
+                    self._copy_back(args)
+                return direct.result(args, self.outputs)
             env: dict[fx.Node, Any] = dict(zip(program.inputs, args))
             env.update(program.constants)
             for node, buf in self.input_nodes:
@@ -490,11 +501,7 @@ class Capture:
                         self.eager_lanes.join_external(name, False)
                 for node, value in zip(piece.live_out, self.seg_out[p]):
                     env[node] = value
-            for i in self.copy_back:
-                arg, buf = args[i], self.inputs[i]
-                if arg.data_ptr() != buf.data_ptr():
-                    arg.copy_(buf)
-                    self.input_copies += 1
+            self._copy_back(args)
             env.update(zip(program.inputs, args))  # an input returned as is is the caller's tensor
             out = self.eager.result(env)
             if self.static_outputs:
@@ -505,6 +512,14 @@ class Capture:
             return fx.node.map_aggregate(
                 out, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in static else v
             )
+
+    def _copy_back(self, args: Sequence[Any]) -> None:
+        """Copies the buffers of the inputs the graph writes back into the caller's tensors."""
+        for i in self.copy_back:
+            arg, buf = args[i], self.inputs[i]
+            if arg.data_ptr() != buf.data_ptr():
+                arg.copy_(buf)
+                self.input_copies += 1
 
     def moved_in_place(self, args: Sequence[Any]) -> list[int]:
         """The in-place positions whose tensor in ``args`` is not where the graphs read it.
@@ -554,6 +569,86 @@ class Capture:
                     self.owner.name, piece.segment, why)
         self.uncaptured.add(p)
         return False
+
+
+# How a result of a direct replay is found: the value captured, an argument of the call, or an
+# alias of the graph's memory handed out anew at every call.
+_VALUE, _ARG, _ALIAS = 0, 1, 2
+
+
+class _Direct:
+    """A replay that needs no value environment: the segments to launch, in order, and where each
+    result comes from (a capture's replay otherwise threads every value of the graph through a
+    dictionary at each call, a few microseconds of host time on a decoder's 40 inputs).
+
+    Attributes:
+        segments: the segments to replay, in program order.
+        leaves: per result, ``(kind, what, key)``: ``_VALUE`` and the value (a segment output the
+            caller gets as it is, a constant), ``_ARG`` and the argument's position, ``_ALIAS``
+            and the segment output over static memory with its storage's key.
+        container: builds the results from their list (the program's output is a flat tuple or list).
+    """
+
+    __slots__ = ("segments", "leaves", "container")
+
+    def __init__(self, segments: tuple[int, ...], leaves: list[tuple[int, Any, Any]],
+                 container: Callable[[list[Any]], Any]) -> None:
+        self.segments = segments
+        self.leaves = leaves
+        self.container = container
+
+    @classmethod
+    def of(cls, cap: "Capture") -> "_Direct | None":
+        """The direct replay of ``cap``, or ``None`` where a replay needs its environment: a
+        piece that is not a captured segment (a break, views alone), staged buffers or host
+        values to check, external joins, an output that requires grad or is copied out (no
+        aliases here), or an output that is not a flat tuple or list of values."""
+        program, aliases = cap.program, cap.outputs
+        if cap.uncaptured or cap.outputs_dropped or (aliases is None and not cap.static_outputs):
+            return None
+        for p, piece in enumerate(program.pieces):
+            if piece.kind != "segment" or piece.external_joins or cap.seg_in.get(p) or cap.seg_scalars.get(p):
+                return None
+        out = program.output
+        if type(out) is tuple:
+            container: Callable[[list[Any]], Any] = tuple
+        elif isinstance(out, list):
+            container = fx.immutable_collections.immutable_list  # what ``map_arg`` makes of a list
+        else:
+            return None
+        produced: dict[fx.Node, Any] = {}
+        for p, piece in enumerate(program.pieces):
+            produced.update(zip(piece.live_out, cap.seg_out[p]))
+        position = {node: i for i, node in enumerate(program.inputs)}
+        leaves: list[tuple[int, Any, Any]] = []
+        for leaf in out:
+            if not isinstance(leaf, fx.Node):
+                if isinstance(leaf, (tuple, list, dict)):
+                    return None
+                leaves.append((_VALUE, leaf, None))
+            elif leaf in position:  # an input returned as is is the caller's tensor
+                leaves.append((_ARG, position[leaf], None))
+            elif leaf in program.constants:
+                leaves.append((_VALUE, program.constants[leaf], None))
+            elif leaf in produced:
+                value = produced[leaf]
+                if isinstance(value, torch.Tensor) and aliases is not None and aliases.is_static(value):
+                    if value.requires_grad:
+                        return None
+                    leaves.append((_ALIAS, value, value.untyped_storage()._cdata))
+                else:
+                    leaves.append((_VALUE, value, None))
+            else:
+                return None
+        return cls(tuple(piece.segment for piece in program.pieces), leaves, container)
+
+    def result(self, args: Sequence[Any], aliases: "outputs.OutputAliases | None") -> Any:
+        """The call's results, after its replay."""
+        fresh: dict[int, Any] = {}
+        return self.container([
+            what if kind == _VALUE else args[what] if kind == _ARG else aliases.alias(what, key, fresh)
+            for kind, what, key in self.leaves
+        ])
 
 
 def _storage_of(obj: Any) -> tuple[int, int] | None:

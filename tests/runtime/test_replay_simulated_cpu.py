@@ -17,21 +17,27 @@ import torch
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import executor as executor_module
 from capturepass.runtime import outputs
+from capturepass.runtime import replay as replay_module
 from capturepass.testing.host_graphs import HostGraphCapture
 import tests.helpers  # noqa: F401 - registers torch.ops.cptest.host_round
 
 pytestmark = pytest.mark.skipif(outputs.UNSUPPORTED is not None, reason=str(outputs.UNSUPPORTED))
 
 
-@pytest.fixture(params=["swap", "move"])
+@pytest.fixture(params=["swap", "move", "environment"])
 def simulated(monkeypatch, request):
     """CUDA graphs simulated on the host (``capturepass.testing.host_graphs``); held outputs
     rescued by swapping their storage's memory, or by moving their tensors (torch without
-    ``_swap_data_ptr_``, as on torch 2.11)."""
-    if request.param == "swap" and not outputs.SWAP:
+    ``_swap_data_ptr_``, as on torch 2.11); ``environment``: every replay threads the graph's
+    values through its environment (the path of programs with breaks), never the direct one."""
+    swap = request.param != "move"
+    if swap and not outputs.SWAP:
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_")
-    monkeypatch.setattr(outputs, "SWAP", request.param == "swap")
+    monkeypatch.setattr(outputs, "SWAP", swap)
     monkeypatch.setattr(executor_module, "Capture", HostGraphCapture)
+    if request.param == "environment":
+        monkeypatch.setattr(replay_module._Direct, "of", classmethod(lambda cls, cap: None))
+    return request.param
 
 
 def _compile(model, **options):
@@ -84,6 +90,7 @@ def test_held_outputs_keep_their_values_across_replays(simulated):
         for i in range(3):
             assert torch.equal(out[i], want[i])
     cap = _only_capture(ex)
+    assert (cap.direct is not None) == (simulated != "environment")
     y, head, _ = got[-1]
     assert head.untyped_storage()._cdata == y.untyped_storage()._cdata
     pool = {t.data_ptr() for outs in cap.seg_out.values() for t in outs}
@@ -210,7 +217,7 @@ def test_an_output_of_a_break_is_returned_as_it_is(simulated):
         want = model(x)
         assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
     cap = _only_capture(ex)
-    assert cap.uncaptured  # the break ran between the replays
+    assert cap.uncaptured and cap.direct is None  # the break ran between the replays
     assert cap.outputs.aliased == 2  # y * 2 of calls 2 and 3; the break's results are its own
     assert cap.outputs.rescues == 1  # call 3 found call 2's y * 2 held
 
@@ -299,3 +306,93 @@ def test_a_warm_up_on_copies_keeps_no_results_for_its_capture(simulated):
     again, out = ex._capture_program(ex.program, args, False, "probe2", None)
     assert out is None and again._warmed is None and again.seg_out
     again.owner.close()
+
+
+class _ReturnsItsInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x, cache):
+        self.steps.add_(1)  # a written static input: no buffer, no copy
+        cache.mul_(0.5).add_(self.a(x))  # a written input: copied in and back
+        y = self.a(x).relu()
+        return x, y, y.t(), cache.sum(), self.a.weight[:2]
+
+
+@torch.no_grad()
+def test_a_direct_replay_returns_what_the_environment_gives(simulated):
+    """The direct replay's results, one kind each: an input returned as is (the caller's tensor),
+    an output and a view of it (one alias storage), a written input's value, a view of a
+    parameter (the parameter's memory, never aliased); and the written input copied back."""
+    torch.manual_seed(0)
+    model, ref = _ReturnsItsInput(), _ReturnsItsInput()
+    ref.load_state_dict(model.state_dict())
+    compiled = _compile(model)
+    cache, ref_cache = torch.zeros(4, 8), torch.zeros(4, 8)
+    ex = _prime(compiled, torch.randn(4, 8), cache)
+    ref(torch.zeros(4, 8), ref_cache)  # the priming call wrote the cache and the step
+    ref_cache.copy_(cache)
+    ref.steps.copy_(model.steps)
+    for call in range(4):
+        x = torch.randn(4, 8)
+        got, want = compiled(x, cache), ref(x, ref_cache)
+        assert got[0] is x
+        for g, w in zip(got[1:], want[1:]):
+            assert torch.equal(g, w), call
+        assert got[1].untyped_storage()._cdata == got[2].untyped_storage()._cdata
+        assert got[4].data_ptr() == model.a.weight.data_ptr()
+        assert torch.equal(cache, ref_cache) and torch.equal(model.steps, ref.steps)
+    cap = _only_capture(ex)
+    assert (cap.direct is not None) == (simulated != "environment")
+    assert cap.input_copies > 0
+
+
+def _direct_of(output, static, *, constants=None, **overrides):
+    """``_Direct.of`` on a capture reduced to what it reads: one segment producing ``static``
+    (the value of ``%relu``), inputs ``%a`` and ``%b``, ``output`` built from those nodes."""
+    import types
+
+    import torch.fx as fx
+
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    relu = g.call_function(torch.relu, (a,))
+    const = g.get_attr("const")
+    nodes = {"a": a, "b": b, "relu": relu, "const": const}
+    out = fx.node.map_aggregate(output, lambda v: nodes[v] if isinstance(v, str) and v in nodes else v)
+    piece = types.SimpleNamespace(kind="segment", external_joins=(), live_out=[relu], segment=0)
+    program = types.SimpleNamespace(pieces=[piece], inputs=[a, b], output=out,
+                                    constants={const: constants} if constants is not None else {})
+    aliases = outputs.OutputAliases([static])
+    fields = dict(program=program, outputs=aliases, static_outputs=False, uncaptured=set(), outputs_dropped=False,
+                  seg_in={}, seg_scalars={}, seg_out={0: [static]})
+    fields.update(overrides)
+    return replay_module._Direct.of(types.SimpleNamespace(**fields)), aliases
+
+
+def test_a_direct_replay_reads_inputs_from_the_call_and_outputs_over_aliases():
+    import torch.fx as fx
+
+    static, table = torch.arange(6.0), torch.ones(3)
+    direct, aliases = _direct_of(("relu", "b", None, 7, "const", "relu"), static, constants=table)
+    args = [torch.zeros(6), torch.full((2,), 5.0)]
+    got = direct.result(args, aliases)
+    assert type(got) is tuple and len(got) == 6
+    assert got[1] is args[1] and got[2] is None and got[3] == 7 and got[4] is table
+    assert got[0] is not static and got[0].data_ptr() == static.data_ptr() and torch.equal(got[0], static)
+    # One alias storage per static storage and call: both results of %relu share it.
+    assert got[0].untyped_storage()._cdata == got[5].untyped_storage()._cdata
+    assert aliases.aliased == 2
+    listed, _ = _direct_of(["relu", "a"], static)
+    assert type(listed.result(args, aliases)) is fx.immutable_collections.immutable_list
+    # Where a replay needs its environment: a nested output, a value no piece or input gives,
+    # an output that requires grad, a break, staged buffers, an external join, copies out.
+    assert _direct_of((("relu",), "a"), static)[0] is None
+    assert _direct_of(("const",), static)[0] is None
+    assert _direct_of(("relu",), torch.arange(6.0, requires_grad=True))[0] is None
+    assert _direct_of(("relu",), static, uncaptured={0})[0] is None
+    assert _direct_of(("relu",), static, seg_in={0: [(None, static)]})[0] is None
+    assert _direct_of(("relu",), static, outputs=None)[0] is None
+    assert _direct_of(("relu",), static, outputs=None, static_outputs=True)[0] is not None
