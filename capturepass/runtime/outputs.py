@@ -75,6 +75,12 @@ def _unsupported() -> str | None:
 
 # Why outputs cannot be aliased with this torch (``None``: they can).
 UNSUPPORTED: str | None = _unsupported()
+# Makes a tensor over a storage with a dtype, sizes, strides and an offset in one call, as
+# cudagraph trees hand out their outputs (CUDA builds of torch, for CUDA storages). Checked once
+# against ``Tensor.set_`` before it is used (:func:`over_alias`).
+_BUILD = getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None)
+_BUILDS_FOR = "cuda"
+_build_ok: bool | None = None  # None: not checked yet
 # Whether a held alias storage can take a copy's memory in place (else its tensors are moved).
 SWAP: bool = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _warned = False
@@ -136,6 +142,44 @@ def non_owning(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
             out[id(v)] = _over(v, storage, made, lambda st: torch._C._construct_storage_from_data_pointer(
                 st.data_ptr(), v.device, st.nbytes()))
     return out
+
+
+def build_meta(v: torch.Tensor) -> dict[str, Any] | None:
+    """What :func:`over_alias` builds a tensor like ``v`` from in one call (``None`` where it
+    cannot: no such call in this torch, a tensor of another device or type, or a failed check)."""
+    if _BUILD is None or _build_ok is False or type(v) is not torch.Tensor or v.device.type != _BUILDS_FOR:
+        return None
+    return {"dtype": v.dtype, "size": tuple(v.shape), "stride": v.stride(), "storage_offset": v.storage_offset()}
+
+
+def over_alias(v: torch.Tensor, alias: Any, meta: dict[str, Any] | None) -> torch.Tensor:
+    """``v``'s sizes, strides, offset and dtype over the storage ``alias``: in one call from
+    ``meta`` (:func:`build_meta`) where that call passed its check, else through ``set_``."""
+    global _build_ok
+    if meta is not None and _build_ok:
+        return _BUILD(meta, alias)
+    t = v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
+    if meta is not None and _build_ok is None:
+        try:
+            built = _BUILD(meta, alias)
+            same = all(f(built) == f(t) for f in _ALIKE)
+        except Exception as exc:  # noqa: BLE001 - any failure of the fast call only disables it
+            same, why = False, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "it built a tensor unlike Tensor.set_'s"
+        _build_ok = same
+        if not same:
+            log.info("capturepass: replayed outputs are aliased through Tensor.set_ (%s did not pass its check: %s)",
+                     "_construct_CUDA_Tensor_From_Storage_And_Metadata", why)
+    return t
+
+
+# What a tensor built over an alias must agree on with one made by ``set_``.
+_ALIKE = (
+    torch.Tensor.data_ptr, lambda t: tuple(t.shape), torch.Tensor.stride, torch.Tensor.storage_offset,
+    lambda t: t.dtype, lambda t: t.device, lambda t: t.requires_grad, torch.Tensor.is_inference,
+    lambda t: t.untyped_storage()._cdata, lambda t: type(t),
+)
 
 
 def _over(v: torch.Tensor, storage: Any, made: dict[int, Any], make: Any) -> torch.Tensor:
@@ -233,11 +277,13 @@ class OutputAliases:
 
         return fx.node.map_aggregate(out, one)
 
-    def alias(self, v: torch.Tensor, key: int, fresh: dict[int, Any]) -> torch.Tensor:
+    def alias(self, v: torch.Tensor, key: int, fresh: dict[int, Any], meta: dict[str, Any] | None = None
+              ) -> torch.Tensor:
         """``v``, a tensor over the static storage ``key`` (its ``_cdata``) that requires no grad,
         over an alias of that storage: one alias storage per static storage and call (``fresh``,
         the call's, empty at its start), so that outputs viewing one storage still share one.
-        While :attr:`copying`, a copy instead."""
+        ``meta``: ``build_meta(v)``, for a caller that hands out ``v`` at every call. While
+        :attr:`copying`, a copy instead."""
         static = self._static[key]
         if self.copying is not None:
             self.copies += 1
@@ -252,7 +298,7 @@ class OutputAliases:
                 self.group.append(self)
                 self._in_group = True
         self.aliased += 1
-        t = v.new_empty(0).set_(alias, v.storage_offset(), v.size(), v.stride())
+        t = over_alias(v, alias, meta)
         if refs is not None:
             refs.append(weakref.ref(t))
         return t

@@ -583,9 +583,10 @@ class _Direct:
 
     Attributes:
         segments: the segments to replay, in program order.
-        leaves: per result, ``(kind, what, key)``: ``_VALUE`` and the value (a segment output the
+        leaves: per result, ``(kind, what, how)``: ``_VALUE`` and the value (a segment output the
             caller gets as it is, a constant), ``_ARG`` and the argument's position, ``_ALIAS``
-            and the segment output over static memory with its storage's key.
+            and the segment output over static memory with its storage's key and
+            ``outputs.build_meta`` of it.
         container: builds the results from their list (the program's output is a flat tuple or list).
     """
 
@@ -635,7 +636,7 @@ class _Direct:
                 if isinstance(value, torch.Tensor) and aliases is not None and aliases.is_static(value):
                     if value.requires_grad:
                         return None
-                    leaves.append((_ALIAS, value, value.untyped_storage()._cdata))
+                    leaves.append((_ALIAS, value, (value.untyped_storage()._cdata, outputs.build_meta(value))))
                 else:
                     leaves.append((_VALUE, value, None))
             else:
@@ -646,8 +647,8 @@ class _Direct:
         """The call's results, after its replay."""
         fresh: dict[int, Any] = {}
         return self.container([
-            what if kind == _VALUE else args[what] if kind == _ARG else aliases.alias(what, key, fresh)
-            for kind, what, key in self.leaves
+            what if kind == _VALUE else args[what] if kind == _ARG else aliases.alias(what, how[0], fresh, how[1])
+            for kind, what, how in self.leaves
         ])
 
 

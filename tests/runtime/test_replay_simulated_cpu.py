@@ -396,3 +396,51 @@ def test_a_direct_replay_reads_inputs_from_the_call_and_outputs_over_aliases():
     assert _direct_of(("relu",), static, seg_in={0: [(None, static)]})[0] is None
     assert _direct_of(("relu",), static, outputs=None)[0] is None
     assert _direct_of(("relu",), static, outputs=None, static_outputs=True)[0] is not None
+
+
+def _host_build(meta, storage):
+    """Stands in for torch's CUDA-only ``_construct_CUDA_Tensor_From_Storage_And_Metadata`` on
+    host storages: the same tensor, made the slow way."""
+    return torch.empty(0, dtype=meta["dtype"]).set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+@pytest.mark.parametrize("builder", ["right", "wrong", "raises"])
+@torch.no_grad()
+def test_outputs_built_in_one_call_only_once_that_call_passed_its_check(simulated, monkeypatch, builder, caplog):
+    """A direct replay hands its outputs out through the one-call builder where torch has it (a
+    CUDA build; here a host stand-in): checked at its first use against ``set_``, used from then on
+    if it agreed, never again (and said once) if not. The results equal eager's either way."""
+    import logging
+
+    calls = []
+
+    def build(meta, storage):
+        calls.append(meta)
+        if builder == "raises":
+            raise RuntimeError("no such layout")
+        t = _host_build(meta, storage)
+        return t if builder == "right" else t.t()
+
+    monkeypatch.setattr(outputs, "_BUILD", build)
+    monkeypatch.setattr(outputs, "_BUILDS_FOR", "cpu")
+    monkeypatch.setattr(outputs, "_build_ok", None)
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    xs = [torch.randn(4, 16) for _ in range(4)]
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        got = [compiled(x) for x in xs]
+    for x, out in zip(xs, got):
+        for g, w in zip(out, model(x)):
+            assert torch.equal(g, w)
+    if simulated == "environment":  # the environment's path makes each tensor through set_
+        assert calls == [] and outputs._build_ok is None
+        return
+    said = [r for r in caplog.records if "did not pass its check" in r.getMessage()]
+    # Three outputs over two storages per replay (y and its view, tanh), three replays.
+    if builder == "right":
+        assert outputs._build_ok is True and len(calls) == 9 and not said
+    else:
+        assert outputs._build_ok is False and len(calls) == 1 and len(said) == 1
+    assert _only_capture(ex).outputs.aliased == 9
