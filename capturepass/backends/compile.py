@@ -170,6 +170,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
                  "it runs on one lane", title, launches)
         return program
     program.code_lanes = lanes
+    program.lanes_code = list(rewrites.codes)
     # Owners, dumps and measurements see the lanes the code runs on: the cost model's.
     program.info = meta.graph_info(graph)
     what = (f"one Inductor compile with lanes after fusion: {side} of {launches} launches on side lanes, "
@@ -404,6 +405,9 @@ def compile_graph(
         ctx.artifacts["program"] = program
         if dumper is not None:
             dumper.append("emit", "\n# outer program\n" + describe(program) + "\n")
+            for k, code in enumerate(program.lanes_code):
+                dumper.append("emit", f"\n# lanes after fusion: compiled region {k}'s code while its owner binds side "
+                                      f"streams\n{code}")
     if dumper is not None:
         dumper.write(gm, front_dumps)
     compiled = CompiledGraph(name, gm, plan, program, ctx.counters, timing.timings, dump_dir, opts, ctx)

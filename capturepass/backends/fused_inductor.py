@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from capturepass.backends import fused_lanes
-from capturepass.backends.fused_lanes import HOST, Summary, check, rewrite_module
+from capturepass.backends.fused_lanes import HOST, RewriteError, Summary, check, lanes_call, rewrite_module
 
 
 def unavailable() -> str | None:
@@ -99,6 +99,7 @@ class Compiling:
         self.lane_by_name = dict(lane_by_name)
         self.host = host
         self.summaries: list[Summary] = []
+        self.codes: list[str] = []  # each rewritten module's lanes' body, as a function ``call``
         self.findings: list[str] = []
         self._buffers: dict[str, int] = {}
         self._writing = False
@@ -169,6 +170,7 @@ class Compiling:
                 else:
                     if done.lanes:  # a module with nothing on a side lane stays as Inductor wrote it
                         wrapper_code.value = new
+                        me.codes.append(lanes_call(new))
                         if hasattr(wrapper_code, "line_map"):
                             wrapper_code.line_map = []  # its line numbers are the original's
                     me.summaries.append(done.summary())
@@ -183,6 +185,10 @@ class Compiling:
             # Inductor calls this for a module it loads from its cache too: its summary is in it.
             if not me._writing and (got := Summary.of_module(code)) is not None:
                 me.summaries.append(got)
+                try:
+                    me.codes.append(lanes_call(code))
+                except RewriteError:  # a summary without its body: counted, not shown
+                    pass
             if saved is not None:
                 saved(code)
 

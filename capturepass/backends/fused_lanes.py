@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import textwrap
 from collections.abc import Callable, Mapping
 
 import torch
@@ -139,12 +140,13 @@ def kernel_params(module_source: str) -> dict[str, list[str]]:
     return out
 
 
-def call_body(module_source: str) -> tuple[int, int, list[str]]:
-    """The ``call`` function's span in ``module_source``: first line (its ``def``), the line
-    after its body, and the body's lines."""
+def call_body(module_source: str, name: str = "call") -> tuple[int, int, list[str]]:
+    """The span of the function ``name`` (``call``, or :func:`rewrite_module`'s ``_cp_lanes_call``)
+    in ``module_source``: first line (its ``def``), the line after its body, and the body's lines."""
     lines = module_source.splitlines()
+    pattern = _DEF_CALL if name == "call" else re.compile(rf"^(\s*)def {re.escape(name)}\((self, )?args\):\s*$")
     for i, line in enumerate(lines):
-        m = _DEF_CALL.match(line)
+        m = pattern.match(line)
         if m is None:
             continue
         indent = len(m.group(1))
@@ -154,7 +156,16 @@ def call_body(module_source: str) -> tuple[int, int, list[str]]:
         while end > i + 1 and not lines[end - 1].strip():
             end -= 1
         return i, end, lines[i + 1:end]
-    raise RewriteError("the generated module has no `def call(args)` function")
+    raise RewriteError(f"the generated module has no `def {name}(args)` function")
+
+
+def lanes_call(module_source: str) -> str:
+    """The lanes' body of a module :func:`rewrite_module` wrote, as a function ``call`` (what runs
+    while an owner binds side streams: the launches with their lane switches, records, waits and
+    held frees), dedented."""
+    first, end, _ = call_body(module_source, LANES_CALL)
+    lines = module_source.splitlines()[first:end]
+    return textwrap.dedent("\n".join(lines)).replace(f"def {LANES_CALL}(", "def call(", 1) + "\n"
 
 
 def split_args(text: str) -> list[str]:
@@ -519,7 +530,7 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     head = lines[first]
     indent = head[: len(head) - len(head.lstrip())]
     method = "self, " in head
-    one, lanes = "_cp_one_call", "_cp_lanes_call"
+    one, lanes = "_cp_one_call", LANES_CALL
     inner = indent + "    "
     target = "self." if method else ""
     params = "self, args" if method else "args"
@@ -539,6 +550,9 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
            *lines[end:]]
     return "\n".join(new) + "\n", done
 
+
+# The lanes' body of a rewritten module (its one lane's body is ``_cp_one_call``).
+LANES_CALL = "_cp_lanes_call"
 
 _LANES_CALL = re.compile(rf"^{RUNTIME}\.(enter|switch|record|wait|leave)\((-?\d*)\)$")
 

@@ -176,6 +176,8 @@ class Program:
             lanes that code runs on; ``0`` otherwise. An owner with side streams binds them
             around every region call, and the code runs its kernels there; an owner without
             runs one lane's code.
+        lanes_code: the lanes' body of each such region's generated code (a function ``call``
+            with its lane switches, records, waits and held frees), in compile order, for dumps.
     """
 
     def __init__(self, plan: Plan, compiled: Mapping[int, Callable[..., Sequence[Any]]]) -> None:
@@ -195,6 +197,7 @@ class Program:
         self.pieces = self._split(steps, out_node)
         self.code_lanes = 0
         self.fused = False  # compiled with lanes after fusion (``code_lanes`` 0: none left on a side lane)
+        self.lanes_code: list[str] = []
 
     @property
     def lanes(self) -> int:

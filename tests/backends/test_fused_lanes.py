@@ -387,3 +387,50 @@ def test_code_the_rewrite_cannot_read_is_compiled_as_written(monkeypatch):
     assert rewriting.findings == ["the rewrite could not read the code (ValueError: an unexpected line)"]
     assert rewriting.summaries == []
 
+
+
+def _lanes_of_launches(code: str, launch: str) -> list[int]:
+    """The lane current at each line of ``code`` (a lanes' body) that contains ``launch``."""
+    lane, found = 0, []
+    for line in code.splitlines():
+        line = line.strip()
+        if line.startswith(f"{fused_lanes.RUNTIME}.switch("):
+            lane = int(line[len(f"{fused_lanes.RUNTIME}.switch("):-1])
+        elif launch in line:
+            found.append(lane)
+    return found
+
+
+def _moe_lanes_code(dump_dir) -> str:
+    """The MoE block compiled with lanes after fusion on the host (equal to eager): the lanes'
+    body of its one compiled region."""
+    import torch
+
+    from capturepass.backends.compile import last_compiled
+    from capturepass.testing.models import MoEBlock
+
+    torch.manual_seed(0)
+    model = MoEBlock().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="capturepass", options={"regions": "fused", "dump_dir": str(dump_dir)})
+    with torch.no_grad():
+        x = torch.randn(16, 64)
+        torch.testing.assert_close(compiled(x), model(x))
+    (code,) = last_compiled()[-1].program.lanes_code
+    return code
+
+
+def test_the_lanes_body_is_in_the_dump_fresh_or_from_inductors_cache(tmp_path):
+    """What the GPU runs on the default route is the lanes' body of Inductor's code: the dump shows
+    it after the outer program, and a compile served from Inductor's cache shows the same body."""
+    bodies = []
+    for run in range(2):  # the second compile is served from Inductor's cache, where it has one
+        code = _moe_lanes_code(tmp_path / str(run))
+        assert code.startswith("def call(") and f"{fused_lanes.RUNTIME}.switch(" in code, code
+        (emit,) = (tmp_path / str(run)).glob("*_inference/*_emit.txt")
+        text = emit.read_text()
+        assert text.index("# outer program") < text.index("# lanes after fusion: compiled region 0's code") \
+            and code in text
+        bodies.append(code)
+    assert bodies[0] == bodies[1]
+
