@@ -152,8 +152,12 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     compile (``backends.candidates``).
     """
     graph = model.graph
+    # Views launch nothing: Inductor counts one among the origins of the kernel that reads it
+    # (a MoE's ``split`` of the experts' up projection, placed where the plan reads it, among the
+    # activation's and the down projection's), and its lane would move that kernel to the main lane.
     lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
-                    if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE}
+                    if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE
+                    and analysis.aliases_input(n) is None}
     lanes = len(meta.graph_info(graph).lanes)
     with fused_inductor.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))

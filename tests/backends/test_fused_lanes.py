@@ -434,3 +434,13 @@ def test_the_lanes_body_is_in_the_dump_fresh_or_from_inductors_cache(tmp_path):
         bodies.append(code)
     assert bodies[0] == bodies[1]
 
+
+def test_a_kernel_reading_a_view_of_another_lanes_value_stays_on_its_own_lane(tmp_path):
+    """The MoE block's routed experts (up projection, activation, down projection) are one lane in
+    the plan; the plan reads the up projection's ``split`` on the main lane, and Inductor lists that
+    view among the origins of the activation's kernel and the down projection's. A view launches
+    nothing and has no say: both batched products run on the experts' lane (the down projection
+    ran on the main lane before)."""
+    code = _moe_lanes_code(tmp_path)
+    lanes = _lanes_of_launches(code, "extern_kernels.bmm(")
+    assert len(lanes) == 2 and lanes[0] == lanes[1] != 0, code
