@@ -141,6 +141,15 @@ def fused_route(opts: Options, plan: Plan) -> str | None:
     return f"unavailable: {why}" if why is not None else None
 
 
+def votes_for_lane(node: fx.Node) -> bool:
+    """Whether ``node``'s lane counts toward the lane of a fused kernel it is an origin of (lanes
+    after fusion): a compute node that is not a view. A view launches nothing, and Inductor counts
+    one among the origins of the kernel that reads it: the MoE block's plan reads the experts' up
+    projection through a ``split`` on the main lane, whose vote moved the experts' activation and
+    down projection there."""
+    return meta.has_info(node) and meta.effect_of(node) is meta.Effect.COMPUTE and analysis.aliases_input(node) is None
+
+
 def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bool = False) -> Program:
     """One lane's program, its kernels put on ``model``'s lanes after fusion.
 
@@ -152,12 +161,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     compile (``backends.candidates``).
     """
     graph = model.graph
-    # Views launch nothing: Inductor counts one among the origins of the kernel that reads it
-    # (a MoE's ``split`` of the experts' up projection, placed where the plan reads it, among the
-    # activation's and the down projection's), and its lane would move that kernel to the main lane.
-    lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes
-                    if meta.has_info(n) and meta.effect_of(n) is meta.Effect.COMPUTE
-                    and analysis.aliases_input(n) is None}
+    lane_by_name = {n.name: meta.lane_of(n).index for n in graph.graph.nodes if votes_for_lane(n)}
     lanes = len(meta.graph_info(graph).lanes)
     with fused_inductor.Compiling(lane_by_name, host=not meta.graph_info(graph).on_cuda) as rewrites:
         program = compile_regions(one_lane, eager_fallback=eager_fallback, inline=inline_route(opts, one_lane))
@@ -432,8 +436,9 @@ _plans = itertools.count()  # owner ids of graphs planned on a copy (:func:`plan
 
 def plan_lanes(graph: fx.Graph, options: Options | Mapping[str, Any] | None = None,
                ) -> tuple[dict[fx.Node, int], list[str]]:
-    """The cost model's lane of each node of an Inductor post-grad graph, planned by the passes
-    on a copy (``graph`` is left as it is), and the lanes' names.
+    """The cost model's lane of each node of an Inductor post-grad graph that has a say in a fused
+    kernel's lane (:func:`votes_for_lane`), planned by the passes on a copy (``graph`` is left as
+    it is), and the lanes' names.
 
     What a pass that gives lanes to a compile it does not own reads: Inductor's own post-grad
     graph, whose nodes are the fused kernels' origins (``backends.fused_lanes``).
@@ -445,5 +450,5 @@ def plan_lanes(graph: fx.Graph, options: Options | Mapping[str, Any] | None = No
     copy.output(copy.graph_copy(graph, value_map))
     planned = compile_graph(fx.GraphModule(root, copy), inputs, resolve(options), name="post_grad",
                             owner=OwnerId(900_000 + next(_plans)), dump_dir=None, regions=False, record=False)
-    lanes = {node: meta.lane_of(new).index for node, new in value_map.items() if meta.has_info(new)}
+    lanes = {node: meta.lane_of(new).index for node, new in value_map.items() if votes_for_lane(new)}
     return lanes, list(meta.graph_info(planned.graph).lanes)
