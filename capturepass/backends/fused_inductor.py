@@ -113,13 +113,31 @@ class Compiling:
         if self._user is not None:
             nodes = self._user(nodes)
         for node in nodes:
-            origins: set[Any] = set()
-            for inner in node.get_nodes():
-                origins |= set(getattr(getattr(inner, "node", None), "origins", ()) or ())
-            lane = self._agreed(getattr(o, "name", None) for o in origins)
+            lane = self._library_call_lane(node)
+            if lane is None:
+                origins: set[Any] = set()
+                for inner in node.get_nodes():
+                    origins |= set(getattr(getattr(inner, "node", None), "origins", ()) or ())
+                lane = self._agreed(getattr(o, "name", None) for o in origins)
             for name in node.get_buffer_names():
                 self._buffers[name] = lane if lane is not None else 0
         return nodes
+
+    def _library_call_lane(self, node: Any) -> int | None:
+        """The lane of the op a library call (an extern kernel: a matrix product, a fallback op)
+        computes, where its IR node names that op (``origin_node``) and the plan gave it one.
+
+        Such a call computes its own op and nothing else: its inputs are buffers other kernels
+        realized, but Inductor lists their producers among its origins too (a shared expert's up
+        projection on a side lane lists the main lane's RMS norm that feeds it), and a vote of
+        all of them would put the call on the main lane."""
+        from torch._inductor import ir
+
+        inner = node.get_nodes()
+        if len(inner) != 1 or not isinstance(getattr(inner[0], "node", None), ir.ExternKernel):
+            return None
+        origin = getattr(inner[0].node, "origin_node", None)
+        return self.lane_by_name.get(getattr(origin, "name", None))
 
     def lane_of(self, writes: list[str], sources: list[str]) -> int | None:
         for w in writes:

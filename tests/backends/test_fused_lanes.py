@@ -444,3 +444,42 @@ def test_a_kernel_reading_a_view_of_another_lanes_value_stays_on_its_own_lane(tm
     code = _moe_lanes_code(tmp_path)
     lanes = _lanes_of_launches(code, "extern_kernels.bmm(")
     assert len(lanes) == 2 and lanes[0] == lanes[1] != 0, code
+
+
+def test_a_library_call_runs_on_the_lane_of_the_op_it_computes():
+    """Inductor lists the producers of a library call's inputs among its origins (Qwen2-MoE's
+    shared expert projections list the main lane's RMS norm): the call takes the lane of the op
+    its IR node computes (``origin_node``), not the vote of its origins, which put the shared
+    expert's products on the main lane. A fused kernel of two lanes' nodes still runs on main, and
+    a call whose op has no lane (a fallback with several outputs) still takes the vote."""
+    import types
+
+    from torch._inductor import ir
+
+    class op:  # an FX node, as far as the lanes read it
+        def __init__(self, name):
+            self.name = name
+
+    def scheduler_node(buffer, inner_node):
+        return types.SimpleNamespace(get_nodes=lambda: [types.SimpleNamespace(node=inner_node)],
+                                     get_buffer_names=lambda: [buffer])
+
+    def library_call(origin, origins):
+        call = ir.ExternKernel.__new__(ir.ExternKernel)
+        object.__setattr__(call, "origin_node", origin)
+        object.__setattr__(call, "origins", origins)
+        return call
+
+    norm = [op("mean"), op("rsqrt"), op("mul")]
+    lanes = {"mean": 0, "rsqrt": 0, "mul": 0, "mm": 2, "bmm": 1, "sin": 1, "topk": 0}
+    compiling = fused_inductor.Compiling(lanes)
+    compiling._user = None
+    pointwise = types.SimpleNamespace(origins={op("mul"), op("sin")})
+    nodes = [
+        scheduler_node("buf0", library_call(op("mm"), {op("mm"), *norm})),
+        scheduler_node("buf1", pointwise),
+        scheduler_node("buf2", library_call(None, {op("bmm"), op("sin")})),
+        scheduler_node("buf3", library_call(op("getitem"), {op("bmm")})),
+    ]
+    compiling.after_fusion(nodes)
+    assert compiling._buffers == {"buf0": 2, "buf1": 0, "buf2": 1, "buf3": 1}
