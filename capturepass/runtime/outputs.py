@@ -188,7 +188,18 @@ def _over(v: torch.Tensor, storage: Any, made: dict[int, Any], make: Any) -> tor
     other = made.get(storage._cdata)
     if other is None:
         other = made[storage._cdata] = make(storage)
-    return v.new_empty(0).set_(other, v.storage_offset(), v.size(), v.stride())
+    return with_bits(v, v.new_empty(0).set_(other, v.storage_offset(), v.size(), v.stride()))
+
+
+def with_bits(v: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t``, made over ``v``'s memory, with ``v``'s conjugate and negative bits: a lazy
+    ``conj()`` or negation is a bit of the tensor, not of its memory, which ``set_`` and a tensor
+    built from a storage leave unset (the replayed output of ``y.conj()`` read as ``y``)."""
+    if v.is_conj():
+        torch._C._set_conj(t, True)
+    if v.is_neg():
+        torch._C._set_neg(t, True)
+    return t
 
 
 def _on_copy(v: torch.Tensor, storage: Any, copies: dict[int, Any]) -> torch.Tensor:
@@ -298,7 +309,7 @@ class OutputAliases:
                 self.group.append(self)
                 self._in_group = True
         self.aliased += 1
-        t = over_alias(v, alias, meta)
+        t = with_bits(v, over_alias(v, alias, meta))
         if refs is not None:
             refs.append(weakref.ref(t))
         return t

@@ -444,3 +444,39 @@ def test_outputs_built_in_one_call_only_once_that_call_passed_its_check(simulate
     else:
         assert outputs._build_ok is False and len(calls) == 1 and len(said) == 1
     assert _only_capture(ex).outputs.aliased == 9
+
+
+class _Lazy(torch.nn.Module):
+    """Outputs that are lazy views of one product: its conjugate (a bit of the tensor, not of its
+    memory) and the imaginary part of that (a negative bit)."""
+
+    def forward(self, x, w):
+        y = x @ w
+        return y, y.conj(), y.conj().imag
+
+
+@torch.no_grad()
+def test_a_conjugate_or_negative_view_keeps_its_bit_when_handed_out(simulated):
+    """``set_`` (and a tensor built from a storage) leaves the conjugate and negative bits unset:
+    the replayed output of ``y.conj()`` read as ``y`` before. Every replay, and every held output
+    rescued, gives eager's values with eager's bits."""
+    torch.manual_seed(0)
+    compiled = _compile(_Lazy())
+    w = torch.randn(4, 4, dtype=torch.complex64)
+    ex = _prime(compiled, torch.randn(4, 4, dtype=torch.complex64), w)
+    xs = [torch.randn(4, 4, dtype=torch.complex64) for _ in range(4)]
+    got = [compiled(x, w) for x in xs]  # all held: each replay rescues the one before
+    for x, out in zip(xs, got):
+        for g, want in zip(out, _Lazy()(x, w)):
+            assert (g.is_conj(), g.is_neg()) == (want.is_conj(), want.is_neg())
+            assert torch.equal(g, want)
+    assert _only_capture(ex).outputs.aliased > 0
+
+
+def test_copies_out_of_a_graphs_memory_keep_the_conjugate_and_negative_bits():
+    y = torch.randn(4, 4, dtype=torch.complex64)
+    views = (y.conj(), y.conj().imag)
+    copied = outputs.copy_out(views, theirs=set())
+    for c, v in zip(copied, views):
+        assert c.data_ptr() != v.data_ptr() and (c.is_conj(), c.is_neg()) == (v.is_conj(), v.is_neg())
+        assert torch.equal(c, v)
