@@ -74,10 +74,21 @@ class HostGraph:
         env = dict(self.reads)
         self.bound.run_piece(self.piece, env)
         piece = self.bound.program.pieces[self.piece]
+        written: set[int] = set()
         with torch.no_grad():
             for node, static in zip(piece.live_out, self.capture.seg_out[self.piece]):
                 value = env[node]
-                if isinstance(static, torch.Tensor) and static.data_ptr() != value.data_ptr():
+                if not isinstance(static, torch.Tensor):
+                    continue
+                into, out = static.untyped_storage(), value.untyped_storage()
+                if into._cdata in written or into.data_ptr() == out.data_ptr():
+                    continue  # written already (a view of another output), or in place
+                written.add(into._cdata)
+                if into.nbytes() == out.nbytes() and static.storage_offset() == value.storage_offset():
+                    # The whole allocation, as a graph writes it: outputs that are views of one
+                    # another (an expand, an overlapping as_strided) cannot take a copy_ each.
+                    into.copy_(out)
+                else:
                     static.copy_(value)
 
 
