@@ -108,6 +108,28 @@ class InPlaceMoved(Exception):
         self.positions = tuple(positions)
 
 
+def overlaps(t: torch.Tensor) -> bool:
+    """Whether ``t``'s layout addresses one element more than once (an ``expand``, stride 0), which
+    ``copy_`` refuses to write; a call may pass such an input (position ids expanded over a batch)."""
+    return t.numel() > 1 and torch._debug_has_internal_overlap(t) != 0
+
+
+def span(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory from its first element to its last, as one flat view: two tensors of one
+    layout hold the same values once their spans are equal, whatever the layout repeats."""
+    n = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.as_strided((n,), (1,), t.storage_offset())
+
+
+def fill(buf: torch.Tensor, src: torch.Tensor, by_span: bool) -> None:
+    """Copies ``src`` into ``buf``, a tensor of the same layout: by :func:`span` where the layout
+    :func:`overlaps`, else with ``copy_``."""
+    if by_span:
+        span(buf).copy_(span(src))
+    else:
+        buf.copy_(src)
+
+
 def _storages(values: Iterable[Any]) -> set[int]:
     """The storages (``_cdata``) of the strided tensors among ``values``."""
     return {v.untyped_storage()._cdata for v in values if isinstance(v, torch.Tensor) and v.layout == torch.strided}
@@ -148,6 +170,7 @@ class Capture:
         self.eager = program.bind(owner, self.eager_lanes)
         self.warm_up = program.bind(owner, owner.lanes(WARM_UP))  # every lane on one stream
         self.inputs: dict[int, torch.Tensor] = {}  # input position -> static buffer
+        self.spans: set[int] = set()  # positions whose layout repeats memory (an expand): copied by span
         self.input_nodes: list[tuple[fx.Node, torch.Tensor]] = []
         self.copy_back: tuple[int, ...] = ()  # written inputs that have a buffer
         self.seg_in: dict[int, list[tuple[fx.Node, torch.Tensor]]] = {}  # piece -> (value, staged buffer)
@@ -206,7 +229,9 @@ class Capture:
             elif isinstance(arg, torch.Tensor) and i not in program.static_inputs:
                 # Filled before the warm-up, which may write the caller's tensor.
                 buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
-                buf.copy_(arg)
+                if overlaps(buf):
+                    self.spans.add(i)
+                fill(buf, arg, i in self.spans)
                 self.inputs[i] = buf
                 self.input_nodes.append((node, buf))
         self.copy_back = tuple(i for i in sorted(self.written) if i in self.inputs)
@@ -310,7 +335,7 @@ class Capture:
         with capture.in_pool(self.owner.pool, shared.capture_stream, after=(shared.last_stream,)):
             for i, buf in self.inputs.items():
                 new = torch.empty_strided(buf.size(), buf.stride(), dtype=buf.dtype, device=buf.device)
-                new.copy_(buf)
+                fill(new, buf, i in self.spans)
                 moved[id(buf)] = new
         self._replace_buffers(moved)
 
@@ -534,10 +559,14 @@ class Capture:
         returns how many it copied (an input that is its buffer needs none). Static and in-place
         inputs are where the capture saw them: their addresses are part of the key."""
         n = 0
+        spans = self.spans
         for i, buf in self.inputs.items():
             arg = args[i]
             if arg.data_ptr() != buf.data_ptr():
-                buf.copy_(arg)
+                if spans and i in spans:
+                    span(buf).copy_(span(arg))
+                else:
+                    buf.copy_(arg)
                 n += 1
         return n
 

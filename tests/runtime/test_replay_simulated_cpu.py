@@ -508,3 +508,32 @@ def test_every_kind_of_output_view_is_handed_out_as_eager_returns_it(simulated):
             assert (g.shape, g.stride(), g.dtype, g.is_conj(), g.is_neg()) == \
                 (e.shape, e.stride(), e.dtype, e.is_conj(), e.is_neg()), k
             assert torch.equal(g, e), k
+
+
+def _position_mix(positions, table, cache):
+    cache.mul_(0.5).add_(table[positions].sum((0, 1)))
+    return table[positions] * 2, cache.sum()
+
+
+@torch.no_grad()
+def test_an_input_expanded_over_a_batch_is_copied_through_its_span(simulated):
+    """Position ids expanded over a batch (stride 0) as a call passes them: ``copy_`` refuses to
+    write a buffer of that layout (the capture failed with "more than one element of the
+    written-to tensor refers to a single memory location"); the buffer is filled through its
+    span, every call, beside an input the graph writes."""
+    torch.manual_seed(0)
+    table = torch.randn(16, 8)
+    compiled = _compile(_position_mix)
+
+    def positions(start):
+        return torch.arange(start, start + 4).unsqueeze(0).expand(3, 4)
+
+    cache, ref = torch.zeros(8), torch.zeros(8)
+    ex = _prime(compiled, positions(0), table, cache)
+    _position_mix(positions(0), table, ref)
+    calls = [positions(start) for start in range(1, 5)]  # all alive: new addresses, copied every call
+    for start, ids in enumerate(calls, 1):
+        got, want = compiled(ids, table, cache), _position_mix(positions(start), table, ref)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(cache, ref), start
+    cap = _only_capture(ex)
+    assert len(cap.spans) == 1 and cap.input_copies >= 1  # (the cache is read in place after a few calls)
