@@ -45,9 +45,12 @@ OPTION_SETS = {
     # Each capture segment one Inductor compile with its lanes inline (the host keeps the lanes).
     "segments": {"regions": "segments"},
     # One lane's compile with the lanes written into its code after fusion; on the host the
-    # lanes' body runs, in program order.
-    "fused": {"regions": "fused"},
+    # lanes' body runs, in program order. Captured as on a GPU (where this is the default), on
+    # host graphs: the second call replays.
+    "fused": {"regions": "fused", "cudagraphs": "monolithic"},
 }
+# Option sets whose captures run on host graphs (``tests.helpers.capture_on_host``).
+ON_HOST_GRAPHS = {"fused"}
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -72,9 +75,15 @@ def _run(
     label: str,
     device: str | None = None,
     refilled: tuple[int, ...] = (),
+    keep: bool = False,
 ) -> None:
     model, make_inputs = zoo.build(name, device=device)
     compiled = compile_fn(model)
+    if keep:
+        # Every call's inputs alive to the end: none comes back at an address an earlier call's
+        # had (an input seen there again is captured again, read in place).
+        made, maker = [], make_inputs
+        make_inputs = lambda seed: made.append(maker(seed)) or made[-1]  # noqa: E731
     zoo.compare_with_eager(model, compiled, make_inputs, seeds, label=label, **tol)
     if refilled:
         # Then a caller that refills its input buffers: read in place once seen at one address.
@@ -96,10 +105,11 @@ def _check(
     label: str,
     device: str | None = None,
     refilled: tuple[int, ...] = (),
+    keep: bool = False,
 ) -> None:
     """Runs the capturepass comparison; on failure, tells torch's failures from capturepass's."""
     try:
-        _run(name, capturepass_compile, seeds, tol, label, device, refilled)
+        _run(name, capturepass_compile, seeds, tol, label, device, refilled, keep)
         return
     except Exception as exc:
         failure = exc
@@ -120,15 +130,23 @@ def _check(
     raise failure
 
 
-@pytest.mark.parametrize("options", list(OPTION_SETS.values()), ids=list(OPTION_SETS))
+@pytest.mark.parametrize("option_set", list(OPTION_SETS))
 @pytest.mark.parametrize("name", list(zoo.ZOO))
-def test_zoo_cpu(name: str, options: dict) -> None:
-    opts = {**options, "verify": True}  # the verifier after every pass, on every model
+def test_zoo_cpu(name: str, option_set: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = {**OPTION_SETS[option_set], "verify": True}  # the verifier after every pass, on every model
+    if option_set in ON_HOST_GRAPHS:
+        from tests.helpers import capture_on_host
+
+        replays = capture_on_host(monkeypatch.setattr)
 
     def compile_fn(model: torch.nn.Module) -> Any:
         return torch.compile(model, backend="capturepass", options=opts)
 
-    _check(name, compile_fn, (1, 2), zoo.TOLERANCE["cpu"], f"{name} {opts}")
+    if option_set not in ON_HOST_GRAPHS:
+        _check(name, compile_fn, (1, 2), zoo.TOLERANCE["cpu"], f"{name} {opts}")
+        return
+    _check(name, compile_fn, (1, 2, 3), zoo.TOLERANCE["cpu"], f"{name} {opts}", keep=True)
+    assert [kind for kind, _ in replays].count("replay") >= 2, replays  # the capture, then replays
 
 
 @pytest.mark.parametrize("name", list(zoo.ZOO))
