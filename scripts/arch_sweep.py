@@ -275,11 +275,13 @@ class Fallbacks(logging.Handler):
 
 
 def host_captures() -> None:
-    """Runs the executor's capture decisions on the host (``--host-captures``): every graph is
-    compiled as on a GPU (``cudagraphs="monolithic"``) and "captures" and "replays" its program
-    eagerly (``tests.helpers.HostCapture``, which asserts that a replay finds every input captured
-    in place at its captured address), so that which inputs are copied or read in place, and when
-    a shape is captured again, are decided on the model's own inputs."""
+    """Runs the executor's capture decisions and capturepass's replay path on the host
+    (``--host-captures``): every graph is compiled as on a GPU (``cudagraphs="monolithic"``) and
+    captured on host graphs (``tests.helpers.HostCapture`` over ``capturepass.testing.host_graphs``:
+    a replay runs the segment on the memory it was captured on; it also asserts that a replay finds
+    every input captured in place at its captured address), so that which inputs are copied or
+    read in place, when a shape is captured again, and the buffers, copies and output aliases of
+    every replay, are exercised on the model's own inputs."""
     from tests.helpers import capture_on_host
 
     capture_on_host()
