@@ -18,7 +18,7 @@ from capturepass.ir.options import Options
 from capturepass.passes.base import PassContext
 from capturepass.backends import dynamo
 from capturepass.backends.compile import compile_graph
-from capturepass.testing.host_graphs import HostGraphCapture
+from capturepass.testing.host_graphs import HostGraphCapture, replay_on_host
 from capturepass.testing.models import MoEBlock
 
 _owners = itertools.count(1000)
@@ -133,21 +133,11 @@ class HostCapture(HostGraphCapture):
 
 
 def capture_on_host(set_attr: Callable[[Any, str, Any], None] = setattr) -> list[tuple[str, int]]:
-    """Makes the executors made from now on "capture" and "replay" on the host, as on a GPU:
-    the executor's capture class becomes :class:`HostCapture`, and a graph that would be captured
-    on a GPU is marked captured. ``set_attr`` makes the two changes (``monkeypatch.setattr`` in a
-    test, to undo them). Returns :attr:`HostCapture.log`, emptied."""
-    from capturepass.runtime import executor as executor_module
-
-    set_attr(executor_module, "Capture", HostCapture)
-    init = executor_module.Executor.__init__
-
-    def captured_init(self, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        if self.program.info.captured and self.uncaptured_reason is None:
-            self.captured = True
-
-    set_attr(executor_module.Executor, "__init__", captured_init)
+    """Makes the executors made from now on "capture" and "replay" on the host, as on a GPU, with
+    :class:`HostCapture` (``capturepass.testing.host_graphs.replay_on_host``); ``set_attr`` makes
+    the changes (``monkeypatch.setattr`` in a test, to undo them). Returns :attr:`HostCapture.log`,
+    emptied."""
+    replay_on_host(capture_class=HostCapture, set_attr=set_attr)
     HostCapture.log = []
     return HostCapture.log
 

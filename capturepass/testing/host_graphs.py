@@ -129,19 +129,21 @@ def _without_effects(reads: list[Any]) -> Iterator[None]:
             storage.copy_(before)
 
 
-def replay_on_host(run_segments: bool = True) -> Callable[[], None]:
-    """Makes the executors built from now on capture with :class:`HostGraphCapture` wherever a
-    GPU would capture; returns the function that undoes it."""
+def replay_on_host(run_segments: bool = True, capture_class: type[HostGraphCapture] | None = None,
+                   set_attr: Callable[[Any, str, Any], None] = setattr) -> Callable[[], None]:
+    """Makes the executors built from now on capture with :class:`HostGraphCapture` (or
+    ``capture_class``, a subclass) wherever a GPU would capture; returns the function that undoes
+    it. ``set_attr`` makes the two changes (``monkeypatch.setattr`` in a test, which undoes them)."""
     saved_capture, init = executor_module.Capture, executor_module.Executor.__init__
-    cls = type("HostGraphCapture", (HostGraphCapture,), {"run_segments": run_segments})
+    cls = capture_class or type("HostGraphCapture", (HostGraphCapture,), {"run_segments": run_segments})
 
     def host_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         if self.program.info.captured and self.uncaptured_reason is None:
             self.captured = True
 
-    executor_module.Capture = cls
-    executor_module.Executor.__init__ = host_init
+    set_attr(executor_module, "Capture", cls)
+    set_attr(executor_module.Executor, "__init__", host_init)
 
     def undo() -> None:
         executor_module.Capture = saved_capture
