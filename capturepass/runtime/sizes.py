@@ -60,10 +60,26 @@ def args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any]
                 size if isinstance(d, torch.SymInt) and d.node.expr == symbol else int(a)
                 for d, a in zip(val.shape, arg.shape)
             ]
-            out.append(torch.zeros(shape, dtype=arg.dtype, device=arg.device))
+            out.append(zeros_laid_out_as(arg, shape))
         else:
             out.append(arg)
     return out
+
+
+def zeros_laid_out_as(arg: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Zeros of ``shape`` laid out as ``arg`` is: repeated (stride 0) where ``arg`` repeats (position
+    ids expanded over the batch), its other dimensions dense in ``arg``'s memory order. A capture
+    is keyed on its inputs' strides: a size captured ahead on a contiguous stand-in would not serve
+    a call whose input is expanded or permuted."""
+    strides = arg.stride()
+    base = [1 if stride == 0 else n for n, stride in zip(shape, strides)]
+    dense = [0] * len(shape)
+    step = 1
+    for d in sorted(range(len(shape)), key=lambda d: (strides[d], -d)):  # innermost first
+        dense[d] = step
+        step *= base[d]
+    out = torch.empty_strided(base, dense, dtype=arg.dtype, device=arg.device).zero_()
+    return out.expand(list(shape)) if base != list(shape) else out
 
 
 def served(program: Program, capture_sizes: Sequence[int]) -> tuple[list[int], list[int], tuple[int, int | None]]:

@@ -106,3 +106,34 @@ def test_an_input_buffer_at_a_captured_size_is_read_in_place_once_it_stays_put(h
     in_place = {_batch_size(key): list(cap.in_place_ptrs.values()) for key, cap in ex._captures.items()}
     assert in_place == {4: [], 8: [buf.data_ptr()]}
 
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(32, 8)
+
+    def forward(self, x, positions):
+        return x + self.table(positions).sum(1)
+
+
+@torch.no_grad()
+def test_sizes_captured_ahead_keep_the_layout_of_the_callers_inputs(host_captures):
+    """Position ids expanded over the batch (stride 0): the inputs of the sizes captured ahead are
+    laid out as the call's (``sizes.zeros_laid_out_as``), so a later call at such a size replays
+    (a contiguous stand-in gave another capture key: the call captured again)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Positions()
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [2, 4]})
+
+    def call(batch):
+        x, positions = torch.randn(batch, 8), torch.arange(5).unsqueeze(0).expand(batch, 5)
+        torch.testing.assert_close(compiled(x, positions), model(x, positions))
+
+    call(4)  # captures 4 then 2, then replays 4
+    call(2)
+    call(4)
+    assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay", "replay"]
+    assert _batch_sizes(_executors()[-1]) == [2, 4]
