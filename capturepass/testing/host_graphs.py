@@ -42,7 +42,9 @@ class HostGraph:
     """Stands in for one segment's CUDA graph on the host.
 
     Args:
-        capture: the capture the segment belongs to (its ``seg_out`` are the graph's outputs).
+        capture: the capture the segment belongs to; its ``seg_out`` (the dictionary, whose
+            entries the capture replaces when it lets its outputs go) holds the graph's outputs.
+            The capture itself is not held, as a CUDA graph does not hold it.
         piece: the segment's piece index.
         bound: the program bound to the capture's lanes.
         env: the values the segment reads, as they are when its capture begins.
@@ -54,7 +56,7 @@ class HostGraph:
     """
 
     def __init__(self, capture: Capture, piece: int, bound: Any, env: dict[fx.Node, Any], run: bool = True) -> None:
-        self.capture = capture
+        self.outputs = capture.seg_out
         self.piece = piece
         self.bound = bound
         reads = {n: env[n] for n in bound.program.pieces[piece].live_in}
@@ -76,7 +78,7 @@ class HostGraph:
         piece = self.bound.program.pieces[self.piece]
         written: set[int] = set()
         with torch.no_grad():
-            for node, static in zip(piece.live_out, self.capture.seg_out[self.piece]):
+            for node, static in zip(piece.live_out, self.outputs[self.piece]):
                 value = env[node]
                 if not isinstance(static, torch.Tensor):
                     continue
