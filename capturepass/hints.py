@@ -50,12 +50,13 @@ class Lane:
     in several places, one after another or nested in itself. The decorator form
     makes a fresh hint per call.
 
-    NOTE: Dynamo can only enter a context manager it saw being made. A hint made
-    inside the compiled function (``with capturepass.lane("aux"):``, or one kept in
-    a local and entered several times) and the decorator form are traced; a hint
-    object made outside and entered with ``with`` inside a compiled function makes
-    Dynamo give up on that frame, which then runs eagerly: entering the hint then
-    logs a warning saying so (once per hint object).
+    NOTE: a hint made inside the compiled function (``with capturepass.lane("aux"):``,
+    or one kept in a local and entered several times) and the decorator form are
+    traced by every Dynamo. A hint object made outside and entered with ``with``
+    inside a compiled function is traced by newer Dynamo (torch 2.14); earlier
+    releases can only enter a context manager they saw being made, give up on that
+    frame and run it eagerly: entering the hint then logs a warning saying so (once
+    per hint object).
 
     Attributes:
         name: the lane's name.

@@ -327,9 +327,29 @@ def test_one_hint_object_decorating_two_functions_that_nest(tmp_path):
     assert lanes["tanh"] == "main"
 
 
+def _dynamo_enters_a_hint_made_outside() -> bool:
+    """Whether this torch's Dynamo traces ``with hint:`` for a hint object made outside the
+    compiled function (torch 2.14 does; earlier releases give up on the frame and run it eagerly).
+    Probed with a backend of its own, so that capturepass plays no part in the answer."""
+    probe = capturepass.lane("probe")
+    frames = []
+
+    def count(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    def fn(x):
+        with probe:
+            return x + 1
+
+    torch.compile(fn, backend=count)(torch.ones(2))
+    return bool(frames)
+
+
 def test_a_hint_object_made_outside_is_reusable_and_says_when_dynamo_skips_it(caplog):
-    """Dynamo cannot enter a context manager made outside the compiled code: it runs the frame
-    eagerly (no compile); the hint says so instead of leaving the lanes silently missing."""
+    """A hint object made outside the compiled code: where Dynamo traces it, its code goes on its
+    lane; where Dynamo cannot enter a context manager it did not see made, it runs the frame
+    eagerly (no compile), and the hint says so instead of leaving the lanes silently missing."""
     hint = capturepass.lane("outside")
 
     def fn(x):
@@ -344,14 +364,24 @@ def test_a_hint_object_made_outside_is_reusable_and_says_when_dynamo_skips_it(ca
     expected = fn(x)  # eagerly, twice in a row and nested: no AttributeError
     torch.testing.assert_close(fn(x), expected)
     assert hint._open == []
+    traced = _dynamo_enters_a_hint_made_outside()
+    caplog.clear()  # the probe's own hint warns where Dynamo runs it eagerly
     with caplog.at_level("WARNING", logger="capturepass"), new_compiles() as graphs:
         torch.testing.assert_close(compile_eager(fn)(x), expected)
-    assert graphs == []
     warnings = [r.getMessage() for r in caplog.records if "runs eagerly inside a compiled function" in r.getMessage()]
-    assert warnings == [
-        "capturepass: the hint capturepass.lane('outside') runs eagerly inside a compiled function: Dynamo "
-        "cannot enter a context manager made outside the compiled code, so it ran that frame without compiling "
-        "it (no lanes). Write `with capturepass.lane('outside'):` inside the function, or use the hint as a "
-        "decorator."
-    ]
+    if traced:
+        assert [g.name for g in graphs] == ["inference"] and warnings == []
+        gm = graphs[0].graph
+        for node in _nodes_with(gm, AUX_OPS):
+            assert meta.info(node).hint == "outside" and lane_name(gm, node) == "outside"
+        for node in _nodes_with(gm, MAIN_OPS):
+            assert lane_name(gm, node) == "main"
+    else:
+        assert graphs == []
+        assert warnings == [
+            "capturepass: the hint capturepass.lane('outside') runs eagerly inside a compiled function: Dynamo "
+            "cannot enter a context manager made outside the compiled code, so it ran that frame without compiling "
+            "it (no lanes). Write `with capturepass.lane('outside'):` inside the function, or use the hint as a "
+            "decorator."
+        ]
     assert hint._open == []

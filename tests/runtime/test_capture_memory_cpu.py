@@ -23,6 +23,9 @@ def fake_cuda(monkeypatch):
     handles = itertools.count()
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles) + 1))
+    # A pool's keeper is an empty captured graph: none can be captured without a GPU, whether
+    # torch is a CPU build (no pool routing: no keeper is made) or a CUDA build.
+    monkeypatch.setattr(capture, "keep_pool", lambda pool, stream: ("keeper", pool))
 
 
 def test_side_streams_are_made_once_per_lane_and_shared(fake_cuda):
