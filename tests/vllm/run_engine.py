@@ -4,13 +4,15 @@ A script, run by tests/vllm/test_vllm_engine.py with the ``.venv-vllm``
 interpreter (vLLM spawns worker processes, so the engine starts under
 ``if __name__ == "__main__"``)::
 
-    python tests/vllm/run_engine.py --route {none,backend,qualified,pass} --work DIR [--model {llama,qwen2_moe}]
+    python tests/vllm/run_engine.py --route {none,backend,qualified,pass,inductor} --work DIR [--model NAME]
 
 ``--route``: ``none`` (mode 0, no compilation), ``backend``
 (``DYNAMO_TRACE_ONCE`` with ``backend="capturepass"``, the plugin's name),
 ``qualified`` (``backend="capturepass.backend"``, with the plugin disabled
 through ``VLLM_PLUGINS``), ``pass`` (``VLLM_COMPILE`` with
-``inductor_passes={"post_grad_custom_post_pass": "capturepass.post_grad_pass"}``).
+``inductor_passes={"post_grad_custom_post_pass": "capturepass.post_grad_pass"}``), ``inductor``
+(``VLLM_COMPILE`` without the pass: vLLM's own compile). ``--model``: the tiny Llama (default), the
+tiny Qwen2-MoE, or one of ``SWEEP_CONFIGS`` (scripts/vllm_sweep.py).
 The caller sets the environment (``VLLM_CACHE_ROOT``, ``CAPTUREPASS_DUMP_DIR``, ...).
 The last line of stdout is ``RESULT {"tokens": [...], "logprobs": [...], ...}``.
 """
@@ -23,6 +25,8 @@ import os
 
 PROMPT = [1, 7, 42, 3, 99, 15, 64, 2]
 MAX_TOKENS = 8
+# Log-probabilities of one token under two compiles of one float32 model differ by rounding alone.
+LOGPROB_TOL = 1e-4
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -59,7 +63,35 @@ MOE_CONFIG = {
     "mlp_only_layers": [],
     "use_sliding_window": False,
 }
-MODELS = {"llama": CONFIG, "qwen2_moe": MOE_CONFIG}
+# Further architectures for scripts/vllm_sweep.py, each through vLLM's own model code: MoE layers
+# with and without shared experts, multi-head latent attention, soft-capped logits, fused QKV.
+_BASE = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type")}
+SWEEP_CONFIGS = {
+    "mixtral": {**_BASE, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {**_BASE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "norm_topk_prob": True},
+    "olmoe": {**_BASE, "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "num_experts": 4,
+              "num_experts_per_tok": 2},
+    "granitemoe": {**_BASE, "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe",
+                   "num_local_experts": 4, "num_experts_per_tok": 2},
+    # vLLM's CPU MLA takes a latent of 512 and a rotary part of 64 (DeepSeek's own widths).
+    "deepseek_v2": {**_BASE, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                    "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
+                    "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 64, "n_group": 1,
+                    "topk_group": 1, "topk_method": "greedy"},
+    "gemma2": {**_BASE, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+               "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64, "sliding_window": 16,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True},
+    "phi3": {**_BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "pad_token_id": 0},
+    "qwen3": {**_BASE, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2,
+             "vocab_size": 128, "n_positions": 256, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"},
+}
+MODELS = {"llama": CONFIG, "qwen2_moe": MOE_CONFIG, **SWEEP_CONFIGS}
 
 ROUTES = {
     "none": {"mode": 0},
@@ -70,7 +102,28 @@ ROUTES = {
         "backend": "inductor",
         "inductor_passes": {"post_grad_custom_post_pass": "capturepass.post_grad_pass"},
     },
+    # vLLM's own compile without capturepass: what the pass route's pieces are, before the pass.
+    "inductor": {"mode": "VLLM_COMPILE", "backend": "inductor"},
 }
+
+
+def engine_env(work: str, cache: str, dump: str | None, root: str, **extra: str) -> dict[str, str]:
+    """The environment of one engine run: the caller's without its ``CAPTUREPASS_*`` and ``VLLM_*``
+    settings, vLLM's CPU settings, caches of its own under ``work/cache``, capturepass's dumps in
+    ``work/dump`` (none: no dumps), ``root`` (the checkout) importable, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPTUREPASS_", "VLLM_"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=os.path.join(work, cache),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(work, cache, "inductor"),
+        PYTHONPATH=root,
+    )
+    if dump is not None:
+        env["CAPTUREPASS_DUMP_DIR"] = os.path.join(work, dump)
+    env.update(extra)
+    return env
 
 
 def write_model(directory: str, name: str = "llama") -> str:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_engine import LOGPROB_TOL, engine_env
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-vllm"
@@ -36,25 +37,11 @@ if Path(sys.prefix).resolve() != VENV.resolve() and os.environ.get("CAPTUREPASS_
 pytestmark = pytest.mark.slow
 
 
-# Log-probabilities of one token under two compiles of one float32 model differ by rounding alone.
-LOGPROB_TOL = 1e-4
-
 
 def run_engine(route: str, work: Path, cache: str, dump: str | None, model: str = "llama",
                **env: str) -> tuple[dict, str]:
     """Runs one engine; returns its result (greedy ``tokens`` and their ``logprobs``) and its whole output."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPTUREPASS_", "VLLM_"))}
-    full_env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(work / cache),
-        TORCHINDUCTOR_CACHE_DIR=str(work / cache / "inductor"),
-        PYTHONPATH=str(ROOT),
-    )
-    if dump is not None:
-        full_env["CAPTUREPASS_DUMP_DIR"] = str(work / dump)
-    full_env.update(env)
+    full_env = engine_env(str(work), cache, dump, str(ROOT), **env)
     proc = subprocess.run(
         [str(PYTHON), str(SCRIPT), "--route", route, "--work", str(work), "--model", model],
         env=full_env, capture_output=True, text=True, timeout=900, cwd=str(ROOT),
@@ -180,3 +167,17 @@ def test_moe_pass_route_writes_lanes_and_gives_mode_0_generation(work, moe_refer
                            CAPTUREPASS_OPTIONS='{"regions": "segments"}')
     assert_same_generation(result, moe_reference)
     assert max(lanes_written(work / "dump-moe-pass")) >= 2
+
+
+def test_sweep_runs_a_latent_attention_moe_with_its_lanes_written(tmp_path):
+    """scripts/vllm_sweep.py on DeepSeek-V2 (multi-head latent attention, routed and shared experts
+    through vLLM's own layers): the pass with its lanes written gives mode 0's tokens, and its
+    log-probabilities are mode 0's or, where vLLM's own compile moves them, vLLM's own compile's."""
+    proc = subprocess.run([str(PYTHON), str(ROOT / "scripts" / "vllm_sweep.py"), "--models", "deepseek_v2",
+                           "--routes", "none,pass-lanes", "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1800, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    line = next(ln for ln in proc.stdout.splitlines() if " deepseek_v2 pass-lanes: " in ln)
+    assert line.startswith(("OK ", "VLLM ")) and "tokens equal to mode 0's" in line, line
+    assert "lanes written: " in line, line
+    assert "1 model(s), 0 failure(s)" in proc.stdout
