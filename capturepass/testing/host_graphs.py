@@ -13,7 +13,11 @@ the graph's memory and rescued when still held, inputs read in place.
 
 Only the graph is a stand-in. Its "capture" runs the segment (to make its outputs) and then
 puts back the memory of everything the segment read, so that, as with a CUDA capture, which
-runs no kernel, its writes in place happen at the warm-up and the replays only. :func:`replay_on_host` makes the executors built from then on
+runs no kernel, its writes in place happen at the warm-up and the replays only. It runs on the
+values the warm-up read: an input the warm-up wrote in place (a cache's length counter) holds
+its value from before the warm-up while the segment runs, as a capture that ran its kernels
+right after the warm-up would otherwise compute from a state one step ahead (an index one past
+a cache's end), where a CUDA capture computes nothing. :func:`replay_on_host` makes the executors built from then on
 capture this way::
 
     from capturepass.testing.host_graphs import replay_on_host
@@ -100,6 +104,24 @@ class HostGraphCapture(Capture):
     launch do nothing (timing the path around it)."""
 
     run_segments = True
+    # The memory of each input the graph writes, as it was before the warm-up (storage id ->
+    # a copy), from the warm-up until the capture.
+    _before_warm_up: dict[int, Any] | None = None
+
+    def _warm(self, args: Any, real: bool) -> Any:
+        before: dict[int, Any] = {}
+        for i in self.written:
+            a = args[i] if i < len(args) else None
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.untyped_storage().nbytes():
+                before[a.untyped_storage()._cdata] = a.untyped_storage().clone()
+        self._before_warm_up = before
+        return super()._warm(args, real)
+
+    def _capture_warmed(self, args: Any) -> None:
+        try:
+            super()._capture_warmed(args)
+        finally:
+            self._before_warm_up = None
 
     @contextlib.contextmanager
     def _capturing(self, device: torch.device | None) -> Iterator[None]:
@@ -110,25 +132,31 @@ class HostGraphCapture(Capture):
 
     def _segment_graph(self, p: int, bound: Any, env: dict[fx.Node, Any], stream: Any) -> tuple[Any, Any]:
         reads = [env[n] for n in bound.program.pieces[p].live_in]
-        return HostGraph(self, p, bound, env, run=self.run_segments), _without_effects(reads)
+        return (HostGraph(self, p, bound, env, run=self.run_segments),
+                _without_effects(reads, self._before_warm_up or {}))
 
 
 @contextlib.contextmanager
-def _without_effects(reads: list[Any]) -> Iterator[None]:
-    """Runs the block, then puts back the memory of every tensor of ``reads``: a CUDA capture runs
-    no kernel, so what the segment writes in place (an input, a buffer, a cache) is written by
-    its replays only; here the block runs it, and its writes are undone."""
+def _without_effects(reads: list[Any], before_warm_up: dict[int, Any]) -> Iterator[None]:
+    """Runs the block on the values the warm-up read (the memory of each tensor of ``reads`` that
+    ``before_warm_up`` holds is put back to it first), then puts back the memory of every tensor
+    of ``reads`` as it was before the block: a CUDA capture runs no kernel, so what the segment
+    writes in place (an input, a buffer, a cache) is written by the warm-up and the replays only;
+    here the block runs it, and its writes are undone."""
     saved: dict[int, tuple[Any, Any]] = {}
     for v in reads:
         if isinstance(v, torch.Tensor) and v.layout == torch.strided:
             storage = v.untyped_storage()
             if storage._cdata not in saved and storage.nbytes():
                 saved[storage._cdata] = (storage, storage.clone())
+    for key, (storage, _) in saved.items():
+        if key in before_warm_up:
+            storage.copy_(before_warm_up[key])
     try:
         yield
     finally:
-        for storage, before in saved.values():
-            storage.copy_(before)
+        for storage, now in saved.values():
+            storage.copy_(now)
 
 
 def replay_on_host(run_segments: bool = True, capture_class: type[HostGraphCapture] | None = None,

@@ -195,6 +195,42 @@ def test_a_cache_that_moves_is_copied_and_still_equals_eager(simulated):
     assert cap.input_copies == 4 * 4  # steps 2..5: x, pos, the cache in; the cache back
 
 
+class _Window(torch.nn.Module):
+    """A cache written at the slot its length counter (a buffer written in place) names, as a
+    sliding-window KV cache keeps its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 2))
+        self.register_buffer("length", torch.tensor([2]))
+
+    def forward(self, x):
+        self.cache.index_copy_(0, self.length, x)
+        self.length.add_(1)
+        return self.cache * 2
+
+
+@torch.no_grad()
+def test_a_capture_computes_from_what_its_warm_up_read(simulated):
+    """The capturing call's warm-up writes the cache's last slot and moves the counter past its
+    end. A CUDA capture computes nothing; a host capture that ran on what the warm-up left would
+    index one past the cache and fail: it runs on the memory as the warm-up found it."""
+    model, ref = _Window(), _Window()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.ones(1, 2))  # slot 2, counter 3
+    ref(torch.ones(1, 2))
+    x = torch.full((1, 2), 2.0)
+    assert torch.equal(compiled(x), ref(x))  # captures: slot 3, counter 4
+    cap = _only_capture(ex)
+    for step in range(3):
+        model.length.zero_()
+        ref.length.zero_()
+        x = torch.full((1, 2), 3.0 + step)
+        assert torch.equal(compiled(x), ref(x))
+        assert torch.equal(model.cache, ref.cache) and torch.equal(model.length, ref.length)
+    assert [g.replays for g in cap.owner.graphs.values()] == [3]
+
+
 class _EndsInABreak(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
