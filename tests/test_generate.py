@@ -1,0 +1,108 @@
+"""Hugging Face ``generate`` through capturepass's captures: greedy tokens equal to eager's.
+
+Generation is where a captured graph meets a caller's state: a static KV cache is written in
+place at every step (``index_copy_`` into buffers the caller keeps), a dynamic cache grows
+(a new shape at every step), and assisted generation runs a target and a draft model of one
+class, which Dynamo serves with one graph (capturepass keeps their captures apart per
+instance). On the CPU the captures run on host graphs (``tests.helpers.capture_on_host``:
+capturepass's real replay path, the graphs' kernels run again on the captured memory); the
+GPU test captures CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from capturepass.testing import zoo
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 8
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def _compile_forward(model: torch.nn.Module, **options) -> None:
+    """``generate`` calls ``model(...)``: its ``forward`` is what gets compiled."""
+    model.forward = torch.compile(model.forward, backend="capturepass", options=options)
+
+
+@pytest.mark.parametrize("name", ("llama", "qwen2_moe", "gemma3"))
+@pytest.mark.parametrize("cache", ("static", "dynamic"))
+def test_generate_through_host_captures(name: str, cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three generations (one prompt twice, then another), each equal to eager's tokens. Gemma 3's
+    static cache holds a sliding-window layer beside a global one: its window's length counter,
+    a tensor written in place at every step, picks the index the next step writes (each step is
+    a graph of its own: Dynamo specializes the window's Python-side length)."""
+    from tests.helpers import capture_on_host
+
+    log = capture_on_host(monkeypatch.setattr)
+    model, make_inputs = zoo.build(name)
+    prompts = [make_inputs(seed)["input_ids"][:, :6] for seed in (0, 0, 1)]
+    implementation = {"cache_implementation": "static"} if cache == "static" else {}
+    want = [_generate(model, ids, **implementation) for ids in prompts]
+    _compile_forward(model, inner="eager", verify=True, cudagraphs="monolithic")
+    counts = []
+    for call, (ids, tokens) in enumerate(zip(prompts, want)):
+        del log[:]
+        got = _generate(model, ids, **implementation)
+        assert torch.equal(got, tokens), f"{name}, {cache} cache, generation {call}: {got.tolist()} != {tokens.tolist()}"
+        counts.append(([k for k, _ in log].count("capture"), [k for k, _ in log].count("replay")))
+    if cache == "static":
+        # The cache's buffers stay where they are from the second generation on: the third
+        # replays every step (a capture failure would leave the graph uncaptured).
+        assert counts[-1] == (0, NEW_TOKENS), counts
+    else:
+        # The cache grows a step at a time: the shapes of the first generation come back.
+        assert all(replays for _, replays in counts[1:]), counts
+
+
+def test_assisted_generation_keeps_target_and_draft_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A target and a draft Llama (one class, other weights) both compiled: Dynamo gives both one
+    graph, and a draft's capture replayed for the target would verify the draft's own tokens.
+    Greedy assisted generation must give the target's own greedy tokens."""
+    from tests.helpers import capture_on_host
+
+    log = capture_on_host(monkeypatch.setattr)
+    target, make_inputs = zoo.build("llama")
+    draft, _ = zoo.build("llama")
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(1)
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = make_inputs(0)["input_ids"][:1, :6]
+    want = _generate(target, ids)
+    assert not torch.equal(_generate(draft, ids), want)  # a draft that would be caught out
+    for model in (target, draft):
+        _compile_forward(model, inner="eager", verify=True, cudagraphs="monolithic")
+    for call in range(2):
+        got = _generate(target, ids, assistant_model=draft)
+        assert torch.equal(got, want), f"assisted generation {call}: {got.tolist()} != {want.tolist()}"
+    kinds = [k for k, _ in log]
+    assert kinds.count("capture") >= 4 and kinds.count("replay") >= 1, kinds
+
+
+@pytest.fixture
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ("llama", "qwen2_moe", "deepseek_v3", "gemma3"))
+def test_generate_with_a_static_cache_gpu(name: str, _no_tf32: None) -> None:
+    """Real CUDA graphs, default options: two generations and one on another prompt, float32."""
+    model, make_inputs = zoo.build(name, device="cuda")
+    prompts = [make_inputs(seed)["input_ids"][:, :6].cuda() for seed in (0, 0, 1)]
+    want = [_generate(model, ids, cache_implementation="static") for ids in prompts]
+    _compile_forward(model)
+    for call, (ids, tokens) in enumerate(zip(prompts, want)):
+        got = _generate(model, ids, cache_implementation="static")
+        assert torch.equal(got, tokens), f"{name}, generation {call}: {got.tolist()} != {tokens.tolist()}"
