@@ -573,3 +573,33 @@ def test_an_input_expanded_over_a_batch_is_copied_through_its_span(simulated):
         assert all(torch.equal(g, w) for g, w in zip(got, want)) and torch.equal(cache, ref), start
     cap = _only_capture(ex)
     assert len(cap.spans) == 1 and cap.input_copies >= 1  # (the cache is read in place after a few calls)
+
+
+def _scaled(x, n):
+    return x * n + 1
+
+
+@torch.no_grad()
+def test_host_scalars_that_never_come_back_stop_being_captured(monkeypatch, caplog):
+    """A call's host int (a step counter) is held by the graph: a capture per value. Once three
+    captures in a row were made for values that never replayed, new values run uncaptured (one
+    warning naming the scalar and its values); a value captured before still replays, and resets
+    the count."""
+    import logging
+
+    from tests.helpers import capture_on_host
+
+    log = capture_on_host(monkeypatch.setattr)
+    compiled = _compile(_scaled)
+    x = torch.randn(8)[:4]  # a slice of a buffer: read in place from the first capture (no promotion)
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        for n in (1, 2, 3, 4, 5, 6, 3, 7, 7):
+            assert torch.equal(compiled(x, n), _scaled(x, n)), n
+    kinds = [k for k, _ in log]
+    # n=1: Dynamo's graph specialized to 1; then the graph of a symbolic n: 2, 3, 4 captured,
+    # 5 and 6 run uncaptured, 3 replays (and resets the count), 7 captured, then replayed.
+    assert (kinds.count("capture"), kinds.count("replay")) == (5, 2), kinds
+    warnings = [r.getMessage() for r in caplog.records if "host scalar" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "its last 3 captures were made for values of its host scalar(s) that no capture of it held " \
+           "(%arg1_1 = 2, 3, 4, 5, the last one now), and none of them replayed" in warnings[0], warnings[0]
