@@ -19,7 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from run_engine import LOGPROB_TOL, engine_env
+
+sys.path.insert(0, str(Path(__file__).parent))  # run_engine.py, the engines' script, beside this file
+from run_engine import LOGPROB_TOL, engine_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-vllm"
