@@ -44,6 +44,17 @@ def _own_schedule_cache(tmp_path_factory):
         os.environ["CAPTUREPASS_CACHE_DIR"] = old
 
 
+@pytest.fixture
+def no_tf32():
+    """float32 on CUDA without TF32 (matmuls and cuDNN's convolutions), as the GPU tests compare
+    with eager at float32's tolerance."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

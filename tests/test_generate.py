@@ -115,18 +115,9 @@ def test_assisted_generation_keeps_target_and_draft_apart(monkeypatch: pytest.Mo
     assert kinds.count("capture") >= 4 and kinds.count("replay") >= 1, kinds
 
 
-@pytest.fixture
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ("llama", "qwen2_moe", "deepseek_v3"))
-def test_generate_with_a_static_cache_gpu(name: str, _no_tf32: None) -> None:
+def test_generate_with_a_static_cache_gpu(name: str, no_tf32: None) -> None:
     """Real CUDA graphs, default options: two generations and one on another prompt, float32,
     each equal to eager's tokens, the decode steps replayed from captures."""
     from capturepass.backends.compile import last_compiled

@@ -262,18 +262,9 @@ def test_zoo_cpu_host_captures_read_refilled_inputs_in_place(name: str, monkeypa
     assert kinds.count("replay") >= 2 and kinds.count("capture") >= 2, kinds
 
 
-@pytest.fixture
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(zoo.ZOO))
-def test_zoo_gpu(name: str, _no_tf32: None, caplog: pytest.LogCaptureFixture) -> None:
+def test_zoo_gpu(name: str, no_tf32: None, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
     def compile_fn(model: torch.nn.Module) -> Any:
