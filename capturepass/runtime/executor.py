@@ -490,9 +490,9 @@ class Executor(Releases):
         except InPlaceMoved as moved:
             # The replay copied a held output out of the graph's memory, and it was an input
             # captured in place: the graph would read where it was. The call goes again on
-            # its new address, where the input is copied from now on.
+            # its new address, where the input is copied until it stays put there.
             log.warning("capturepass: %s: input(s) %s, captured in place, were moved by the replay (an output of "
-                        "the model's handed back); copied into buffers from now on", self._what,
+                        "the model's handed back); copied into buffers while they move", self._what,
                         ", ".join(f"%{self.program.inputs[i].name}" for i in moved.positions))
             return self._captured_call(args)  # ``_UNCAPTURED`` runs eagerly in ``_call``, outside the lock
 
@@ -535,7 +535,8 @@ class Executor(Releases):
             released = self._release_base(base)
             log.info(
                 "capturepass: %s: input(s) %s came at another address than at their capture; they are "
-                "copied into buffers from now on (a capture per address would spend max_captures)%s",
+                "copied into buffers while they move (captured in place again once one stays put; a capture "
+                "per address would spend max_captures)%s",
                 self._what, ", ".join(f"%{n}" for n in names),
                 f"; released {', '.join(released)}, made on the old address" if released else "",
             )

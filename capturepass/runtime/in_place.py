@@ -9,11 +9,14 @@ hand.
 
 The rule, per model instance and shapes (a *base*), kept by :class:`InPlacePlans`: the
 first capture is made in place; when a later call brings one of those inputs at another
-address (a caller that allocates a new tensor per call), that input is copied into a static
-buffer from then on (:meth:`InPlacePlans.moved`), and the executor releases the captures made
-on the old address. So a caller whose tensors stay put pays no copy, one whose tensors move
-pays one extra capture per shape (at most one per input that moves, as they are found), and
-captures never multiply per address.
+address (a caller that allocates a new tensor per call, or a new cache per generation), that
+input is copied into a static buffer (:meth:`InPlacePlans.moved`), the executor releases the
+captures made on the old address, and the input is watched as a whole read-only input is
+(below): if it then stays put, it is captured in place again at its new address. So a caller
+whose tensors stay put pays no copy, one whose tensors move at every call pays one extra
+capture per shape (at most one per input that moves, as they are found) and a copy per call,
+one whose cache moves once in a while pays two captures per move (one copying, one in place)
+instead of a copy of the cache per call, and captures never multiply per address.
 
 A whole tensor the graph only reads (an input made for the call, or a buffer a caller keeps
 and refills: a benchmark's input, a decoder's token buffer) starts copied, since most callers
@@ -201,6 +204,16 @@ class InPlacePlans:
         if moved:
             keep = [(i, ptr) for i, ptr in zip(places, ptrs) if i not in moved]
             self._plans[base] = (tuple(i for i, _ in keep), tuple(p for _, p in keep))
+            # Watched from here as a whole read-only input is: a cache that moved once (a new one
+            # per generation) and then stays put is captured in place again at its new address,
+            # instead of being copied in and back at every call; one that keeps moving is copied
+            # for good after MAX_MOVES.
+            steady = self._steady.setdefault(base, {})
+            for i in moved:
+                if _plain(args[i]):
+                    steady[i] = [args[i].data_ptr(), 0, 1]
+            if not steady:
+                del self._steady[base]
         return moved
 
     def clear(self) -> None:

@@ -96,13 +96,46 @@ def test_a_cache_that_moves_is_copied_from_then_on_with_one_more_capture(host_ca
             torch.testing.assert_close(compiled(x, c, pos, r), model(x, ref, pos, r))
             torch.testing.assert_close(c, ref)
     said = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
-    assert len(said) == 1 and "copied into buffers from now on" in said[0]
+    assert len(said) == 1 and "copied into buffers while they move" in said[0]
     assert ex.num_captures == 1
     (key, cap), = ex._captures.items()
     shapes = [tuple(n.meta["val"].shape) for n in ex.program.inputs]
     assert [shapes[i] for i in cap.in_place] == [(3, 4)]  # the slice of rows stayed put
     first, second = host_captures[0][1], host_captures[1][1]
     assert host_captures == [("capture", first), ("capture", second)] + [("replay", second)] * 4
+
+
+@torch.no_grad()
+def test_a_cache_that_moves_once_and_stays_is_captured_in_place_again(host_captures, caplog):
+    """A new cache per generation: the call that brings it is captured copying it, the next finds
+    it where it was and captures it in place again, and the calls after replay with no copy of it."""
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    x, pos, r = _args(0, rows)
+    compiled(x, torch.zeros(8, 4), pos, r)  # compiles, runs eagerly
+    ex = _executor()
+    copies = []
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for cache in (torch.zeros(8, 4), torch.ones(8, 4)):
+            ref = cache.clone()
+            for step in range(4):
+                x, pos, r = _args(step, rows)
+                torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+                torch.testing.assert_close(cache, ref)
+                copies.append(sum(cap.input_copies for cap in ex._captures.values()))
+    moved = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
+    again = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
+    assert len(moved) == 1 and "copied into buffers while they move" in moved[0]
+    assert len(again) == 1 and "which copied them" in again[0]
+    kinds = [k for k, _ in host_captures]
+    # The first cache: captured in place, three replays; the second: captured copying it, then
+    # in place at its new address, two replays.
+    assert kinds == ["capture", "replay", "replay", "replay", "capture", "capture", "replay", "replay"]
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(3, 4), (8, 4)]
+    # The last two calls replayed with x and pos copied into their buffers, the cache neither in
+    # nor back (copied, it would add two copies a call).
+    assert copies[-1] - copies[-2] == 2 and cap.input_copies == 2 * 2
 
 
 @torch.no_grad()
@@ -330,7 +363,7 @@ def test_an_input_in_place_that_the_replay_moves_goes_again_copied(monkeypatch, 
         torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
     torch.testing.assert_close(cache, ref)
     said = [r.getMessage() for r in caplog.records if "were moved by the replay" in r.getMessage()]
-    assert len(said) == 1 and "copied into buffers from now on" in said[0]
+    assert len(said) == 1 and "copied into buffers while they move" in said[0]
     assert cap.owner.closed
     (cap,) = ex._captures.values()
     assert _in_place_shapes(ex, cap) == [(3, 4)]  # the cache is copied in and back from now on
