@@ -93,6 +93,7 @@ from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.releases import Releases
 from capturepass.runtime.replay import Capture, CaptureFailure, InPlaceMoved, Snapshot
+from capturepass.runtime.scalars import ScalarMisses
 from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
@@ -106,12 +107,6 @@ _Capture = Capture
 # A graph is rebuilt at most this many times for ops that failed under capture; then it
 # runs uncaptured (a graph of many such ops is better off eager).
 MAX_REBUILDS = 8
-# Captures made in a row for new values of a call's host scalars, with the same tensor shapes,
-# none of which replayed, before new values run uncaptured. A CUDA graph holds a scalar's value
-# (a kernel argument), so each value takes a capture of its own: a scalar that counts the calls
-# (a KV cache's length) makes a capture per call that never replays, a warm-up and a capture
-# (and with ``pick="measure"`` every candidate's) paid for nothing.
-SCALAR_MISSES = 3
 
 _warned_ops: set[str] = set()
 
@@ -127,11 +122,6 @@ def mutated_inputs(program: Program) -> frozenset[int]:
 # PyTorch's cudagraph trees use for their static inputs); absent from some builds.
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _data_ptr = torch.Tensor.data_ptr
-
-
-def _without_scalars(shape_key: tuple) -> tuple:
-    """A :func:`_shape_key` with the values of host scalars left out (``None`` in their place)."""
-    return tuple(None if isinstance(k, (int, float, bool)) else k for k in shape_key)
 
 
 def _shape_key(args: Sequence[Any], positions: Sequence[int] | None = None) -> tuple:
@@ -267,10 +257,7 @@ class Executor(Releases):
         self._written = mutated_inputs(program)
         self._warned_bound = False
         self._places = InPlacePlans(program.static_inputs, self._written)
-        # Per tensor shapes (the shape key with host scalars left out, any model instance): the
-        # scalar values of the captures made in a row that no replay has come back to.
-        self._scalar_misses: dict[tuple, list[tuple]] = {}
-        self._warned_scalars = False
+        self._scalars = ScalarMisses()
 
     # -- owners --------------------------------------------------------------------------------
     def _device(self, args: Sequence[Any]) -> torch.device | None:
@@ -425,8 +412,8 @@ class Executor(Releases):
         key = capture_key(base, plan, args)
         cap = self._captures.get(key)
         if cap is not None:
-            if self._scalar_misses:
-                self._scalar_misses.pop(_without_scalars(base[1]), None)  # a value came back
+            if self._scalars.misses:
+                self._scalars.came_back(base[1])
             if self._places.watching(base) is None:
                 return self._replay(cap, args)
             steady = self._places.observe(base, args)
@@ -438,7 +425,8 @@ class Executor(Releases):
             cap = self._captures.get(key)
             if cap is not None:
                 return self._replay(cap, args)
-        if self._scalars_churn(base, args):
+        if self._scalars.stop(base[1], args, self._dynamic_positions, lambda i: self.program.inputs[i].name,
+                              self._what):
             return _UNCAPTURED
         if len(self._captures) >= self.max_captures:
             if not self._warned_bound:
@@ -456,33 +444,6 @@ class Executor(Releases):
         except CaptureFailure as failure:
             self._capture_failed(failure)
             return failure.outputs  # the warm-up was this call
-
-    def _scalars_churn(self, base: tuple, args: Sequence[Any]) -> bool:
-        """Whether a call about to be captured brings host scalar values that should run
-        uncaptured: :data:`SCALAR_MISSES` captures in a row of its tensor shapes were made for new
-        values and none replayed. Otherwise counts this capture as one more such miss."""
-        shapes = _without_scalars(base[1])
-        if shapes == base[1]:
-            return False  # no host scalar: shapes and instances are max_captures' to bound
-        values = tuple((i, args[i]) for i in self._dynamic_positions
-                       if i < len(args) and isinstance(args[i], (int, float, bool)))
-        misses = self._scalar_misses.setdefault(shapes, [])
-        if len(misses) < SCALAR_MISSES:
-            misses.append(values)
-            return False
-        if not self._warned_scalars:
-            self._warned_scalars = True
-            changed = [i for i, _ in misses[0] if len({dict(m).get(i) for m in misses}) > 1]
-            seen = "; ".join(f"%{self.program.inputs[i].name} = "
-                             + ", ".join(repr(dict(m).get(i)) for m in [*misses, values]) for i in changed)
-            log.warning(
-                "capturepass: %s: its last %d captures were made for values of its host scalar(s) that no "
-                "capture of it held (%s, the last one now), and none of them replayed: a CUDA graph holds a "
-                "scalar's value, so each value takes a capture of its own. Such calls run uncaptured from now "
-                "on (values captured already still replay); pass a value that changes from call to call as a "
-                "tensor to capture it once", self._what, len(misses), seen or "with another model instance",
-            )
-        return True
 
     def _replay(self, cap: Capture, args: list[Any]) -> Any:
         try:

@@ -173,8 +173,9 @@ class InPlacePlans:
             seen[0], seen[1] = args[i].data_ptr(), 0
 
     def promote(self, base: tuple, args: Sequence[Any], positions: Collection[int]) -> Plan:
-        """Adds ``positions`` (whole read-only inputs that stayed put) to the plan of ``base``, at
-        their addresses in ``args``; they are no longer watched. Returns the new plan."""
+        """Adds ``positions`` (watched inputs that stayed put: whole read-only ones, and written
+        ones that moved) to the plan of ``base``, at their addresses in ``args``; they are no
+        longer watched. Returns the new plan."""
         steady = self._steady.get(base, {})
         for i in positions:
             steady.pop(i, None)
@@ -229,6 +230,7 @@ class InPlacePlans:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A whole read-only input that may be captured in place once it stays put: a plain tensor
-    (a subclass may keep state of its own) with elements, not requiring grad."""
+    """An input that may be captured in place once it stays put (a whole read-only one, or a
+    written one that moved): a plain tensor (a subclass may keep state of its own) with
+    elements, not requiring grad."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel() > 0 and not t.requires_grad
