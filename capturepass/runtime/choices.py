@@ -66,6 +66,18 @@ def round_us(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
+def workspace_mib(cap: Any) -> float | None:
+    """The cuBLAS workspaces a capture allocated (``workspace_bytes``), in MiB to one decimal, as
+    the records keep them; ``None`` for a capture that does not know (not a CUDA capture)."""
+    n = getattr(cap, "workspace_bytes", None)
+    return None if not isinstance(n, int) else round(n / 2**20, 1)
+
+
+def workspace_text(mib: Any) -> str:
+    """``", cuBLAS workspaces N MiB"`` for a record's ``workspace_mib``, or nothing."""
+    return f", cuBLAS workspaces {mib:g} MiB" if isinstance(mib, (int, float)) and not isinstance(mib, bool) else ""
+
+
 @dataclasses.dataclass
 class PickRecord:
     """One shape's choice: every candidate's estimate and measured median, and the choice.
@@ -80,8 +92,9 @@ class PickRecord:
         rounds: timed rounds per candidate.
         replays: replays run in all (warm-up rounds included).
         candidates: per candidate, ``name``, ``lanes``, ``estimate_us`` (the cost model's
-            makespan) and ``measured_us`` (the median; ``None`` when it was not measured),
-            and ``note`` (why not, if it was not).
+            makespan), ``measured_us`` (the median; ``None`` when it was not measured),
+            ``workspace_mib`` (the cuBLAS workspaces its capture allocated, one per stream that
+            ran a matrix product; ``None`` when not known) and ``note`` (why not measured).
         scale: the one-lane candidate's measured time over its estimate (how far the cost
             model's absolute times are off on this device), or ``None``.
     """
@@ -116,7 +129,7 @@ class PickRecord:
                              f"not measured ({c.get('note') or 'cached choice'})")
             else:
                 parts.append(f"{c['name']} {c['lanes']} lane(s): estimate {c['estimate_us']} us, "
-                             f"measured {c['measured_us']} us")
+                             f"measured {c['measured_us']} us{workspace_text(c.get('workspace_mib'))}")
         line = head + "; " + "; ".join(parts)
         if self.scale is not None:
             line += f"; cost model scale (one lane, measured/estimate) {self.scale:.2f}"

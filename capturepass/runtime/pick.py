@@ -55,7 +55,11 @@ derived again).
 Each choice is logged (one INFO line per candidate and one for the choice), added
 to the graph record's decisions, and written to the graph's dump folder
 (``choices.PICKS_FILE``), which ``capturepass show`` reads: every candidate's estimate (the
-cost model's makespan) against its measured median.
+cost model's makespan) against its measured median, and the cuBLAS workspaces its capture
+allocated. Each stream that runs a matrix product in a capture holds a workspace of its own
+(two streams cannot share one while their kernels may run at once; PyTorch sizes it by
+``CUBLAS_WORKSPACE_CONFIG``, 32 MiB on an H100 or H200): at a decode shape these are most of
+what a schedule with side lanes holds beyond one lane's.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ import torch
 
 from capturepass.ir.options import PICK_LOCK_ENV
 from capturepass.runtime import files
-from capturepass.runtime.choices import PickRecord, ScheduleCache, device_name, round_us, shape_text
+from capturepass.runtime.choices import (PickRecord, ScheduleCache, device_name, round_us, shape_text,
+                                         workspace_mib, workspace_text)
 
 log = logging.getLogger("capturepass")
 
@@ -392,8 +397,11 @@ class Picker:
             return cap, first.outputs
         measured = {c.get("name"): c.get("measured_us") for c in entry["record"].get("candidates", [])
                     if isinstance(c, dict)}
+        held = {c.get("name"): c.get("workspace_mib") for c in entry["record"].get("candidates", [])
+                if isinstance(c, dict)}
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
                   "measured_us": measured.get(c.name) if isinstance(measured.get(c.name), (int, float)) else None,
+                  "workspace_mib": held.get(c.name) if isinstance(held.get(c.name), (int, float)) else None,
                   "note": None} for c in self.candidates]
         record = PickRecord(self.graph, shape, dev, cand.name, True, self.budget_ms, 0, 0, cands,
                             entry["record"].get("scale") if isinstance(entry["record"].get("scale"), float) else None)
@@ -487,8 +495,10 @@ class Picker:
         for j, i in enumerate(kept):
             if i != chosen:
                 caps[j].owner.close()
+        held = {i: workspace_mib(caps[j]) for j, i in enumerate(kept)}
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
-                  "measured_us": round_us(medians[i]), "note": notes.get(i)} for i, c in enumerate(self.candidates)]
+                  "measured_us": round_us(medians[i]), "workspace_mib": held.get(i), "note": notes.get(i)}
+                 for i, c in enumerate(self.candidates)]
         # One lane's own program (a lane map onto one stream runs the lanes' program).
         one = next((i for i, c in enumerate(self.candidates) if _own(c) and medians[i] is not None), None)
         scale = None
@@ -498,9 +508,10 @@ class Picker:
         record = PickRecord(self.graph, shape, dev, self.candidates[chosen].name, False, self.budget_ms, rounds,
                             replays, cands, scale)
         for c in cands:
-            log.info("capturepass: %s graph, shape %s: schedule candidate %s (%d lane(s)): estimate %s us, %s",
+            log.info("capturepass: %s graph, shape %s: schedule candidate %s (%d lane(s)): estimate %s us, %s%s",
                      self.graph, shape, c["name"], c["lanes"], c["estimate_us"],
-                     f"measured {c['measured_us']} us" if c["measured_us"] is not None else f"not measured ({c['note']})")
+                     f"measured {c['measured_us']} us" if c["measured_us"] is not None else f"not measured ({c['note']})",
+                     workspace_text(c.get("workspace_mib")))
         log.info("capturepass: %s graph, shape %s: chose schedule %s (%d lane(s)), measured %s us over %d round(s)",
                  self.graph, shape, record.choice, self.candidates[chosen].lanes, round_us(medians[chosen]), rounds)
         if self.cache is not None:

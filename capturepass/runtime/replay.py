@@ -185,6 +185,8 @@ class Capture:
         # The call's arguments while the measured choice times this capture (``pick.replay_round``
         # copies them in first: another candidate's replays may have written the buffers).
         self.timing_args: Sequence[Any] | None = None
+        # The cuBLAS workspaces its capture allocated, bytes (``None``: not a CUDA capture).
+        self.workspace_bytes: int | None = None
 
     # -- the first call ---------------------------------------------------------------------------
     def run(self, args: Sequence[Any], real: bool) -> Any:
@@ -306,7 +308,11 @@ class Capture:
                 # replays write them), freed into the pool as the capture's temporaries are: left
                 # in cuBLAS's cache they stay allocated, and the next capture's warm-up, outside
                 # the pool, peaks with them beside its own (cudagraph trees clear before and after).
+                # What the clear gives back is what they held: one per stream that ran a matrix
+                # product in the capture, the lanes' memory beyond one lane's (``Picker`` reports it).
+                held = torch.cuda.memory_allocated(device)
                 capture.clear_cublas_workspaces()
+                self.workspace_bytes = max(0, held - torch.cuda.memory_allocated(device))
 
     def _capture_stream(self) -> Any:
         """The stream the segments are captured on, ordered after the caller's."""

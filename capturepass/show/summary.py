@@ -126,7 +126,8 @@ def _number(value: Any) -> bool:
 def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
     """The measured schedule choices of a graph's folder (``schedules.json``), one per shape:
     ``kind`` ``pick``, the record's fields (``shape``, ``device``, ``choice``, ``cached``,
-    ``rounds``, ``replays``, ``candidates`` with ``estimate_us`` and ``measured_us``, ``scale``)
+    ``rounds``, ``replays``, ``candidates`` with ``estimate_us``, ``measured_us`` and
+    ``workspace_mib``, ``scale``)
     and its ``text``.
 
     Raises:
@@ -147,7 +148,7 @@ def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
             where = f"picks[{k}].candidates[{j}]"
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("lanes"), int):
                 raise DumpError(path, where, "expected an object with a name and a lane count")
-            for key in ("estimate_us", "measured_us"):
+            for key in ("estimate_us", "measured_us", "workspace_mib"):
                 if c.get(key) is not None and not _number(c[key]):
                     raise DumpError(path, f"{where}.{key}", f"expected a finite number or null, got {c[key]!r}")
         if e["choice"] not in [c["name"] for c in e["candidates"]]:

@@ -102,15 +102,19 @@ class _Cap:
 
 
 class _Executor:
-    def __init__(self):
+    def __init__(self, workspaces=None):
         self.static_positions = ()
         self.captured = []
         self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
+        # The cuBLAS workspaces each candidate's capture allocates, bytes (by name; absent: unknown).
+        self.workspaces = workspaces or {}
 
     def _warm_program(self, program, args, real, candidate, lane_map=None):
         self.captured.append((program, real))
         self.names.append(candidate)
-        return _Cap(program, name=candidate or "model"), ("warm-up of", program)
+        cap = _Cap(program, name=candidate or "model")
+        cap.workspace_bytes = self.workspaces.get(cap.name)
+        return cap, ("warm-up of", program)
 
     def _capture_program(self, program, args, real, candidate, lane_map=None):
         cap, out = self._warm_program(program, args, real, candidate)
@@ -142,7 +146,8 @@ def _picker(tmp_path, us, budget_ms=2.0, device="FakeGPU sm90", graph="g0", cand
 
 def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, caplog):
     p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
-    ex = _Executor()
+    mib = 2**20
+    ex = _Executor({"model": 96 * mib, "one_lane": 32 * mib, "aux1": 64 * mib + 3 * mib // 10})
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = p.capture(ex, [x], real=True)
@@ -159,23 +164,26 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
         "graph": "inference", "shape": "(float32[4, 8])", "device": "FakeGPU sm90", "choice": "one_lane",
         "cached": False, "budget_ms": 2.0, "rounds": 6, "replays": 24, "scale": 1.7647,
         "candidates": [
-            {"name": "model", "lanes": 3, "estimate_us": 20.0, "measured_us": 100.0, "note": None},
-            {"name": "one_lane", "lanes": 1, "estimate_us": 34.0, "measured_us": 60.0, "note": None},
-            {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": 80.0, "note": None},
+            {"name": "model", "lanes": 3, "estimate_us": 20.0, "measured_us": 100.0, "workspace_mib": 96.0,
+             "note": None},
+            {"name": "one_lane", "lanes": 1, "estimate_us": 34.0, "measured_us": 60.0, "workspace_mib": 32.0,
+             "note": None},
+            {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": 80.0, "workspace_mib": 64.3,
+             "note": None},
         ]}
     assert record.text() == (
         "schedule for (float32[4, 8]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest (6 round(s), 24 "
-        "replays); model 3 lane(s): estimate 20.0 us, measured 100.0 us; one_lane 1 lane(s): estimate 34.0 us, "
-        "measured 60.0 us; aux1 2 lane(s): estimate 22.0 us, measured 80.0 us; cost model scale (one lane, "
-        "measured/estimate) 1.76")
+        "replays); model 3 lane(s): estimate 20.0 us, measured 100.0 us, cuBLAS workspaces 96 MiB; one_lane 1 "
+        "lane(s): estimate 34.0 us, measured 60.0 us, cuBLAS workspaces 32 MiB; aux1 2 lane(s): estimate 22.0 us, "
+        "measured 80.0 us, cuBLAS workspaces 64.3 MiB; cost model scale (one lane, measured/estimate) 1.76")
     lines = [r.getMessage() for r in caplog.records if "schedule" in r.getMessage()]
     assert lines == [
         "capturepass: inference graph, shape (float32[4, 8]): schedule candidate model (3 lane(s)): estimate 20.0 us, "
-        "measured 100.0 us",
+        "measured 100.0 us, cuBLAS workspaces 96 MiB",
         "capturepass: inference graph, shape (float32[4, 8]): schedule candidate one_lane (1 lane(s)): estimate "
-        "34.0 us, measured 60.0 us",
+        "34.0 us, measured 60.0 us, cuBLAS workspaces 32 MiB",
         "capturepass: inference graph, shape (float32[4, 8]): schedule candidate aux1 (2 lane(s)): estimate 22.0 us, "
-        "measured 80.0 us",
+        "measured 80.0 us, cuBLAS workspaces 64.3 MiB",
         "capturepass: inference graph, shape (float32[4, 8]): chose schedule one_lane (1 lane(s)), measured 60.0 us "
         "over 6 round(s)",
     ]
@@ -304,7 +312,7 @@ def test_timed_replays_leave_written_static_inputs_as_they_were(tmp_path):
 def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, caplog):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
     p, _, _, _ = _picker(tmp_path, us)
-    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    p.capture(_Executor({"model": 96 << 20, "one_lane": 32 << 20}), [torch.randn(4, 8)], real=True)
     (path,) = (tmp_path / "cache").iterdir()
     entry = json.loads(path.read_text())
     assert (entry["format"], entry["choice"]) == (choices.CACHE_FORMAT, "aux1")
@@ -320,6 +328,8 @@ def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, ca
     (record,) = picked
     assert (record.cached, record.choice, record.rounds, record.replays) == (True, "aux1", 0, 0)
     assert [c["measured_us"] for c in record.candidates] == [100.0, 120.0, 70.0]
+    # What the earlier process measured of each, its workspaces too (aux1's were not known there).
+    assert [c["workspace_mib"] for c in record.candidates] == [96.0, 32.0, None]
     assert record.text().startswith("schedule for (float32[4, 8]) on FakeGPU sm90: aux1 (2 lane(s)), cached choice "
                                     "(measured 70.0 us in an earlier process); ")
     assert ("capturepass: inference graph, shape (float32[4, 8]): schedule aux1 (2 lane(s)) from the schedule cache; "
@@ -398,7 +408,7 @@ def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
         p.capture(_Executor(), [torch.randn(2)], real=True)
     assert picked[0].choice == "model"
     assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
-                                       "note": "compile failed: RuntimeError"}
+                                       "workspace_mib": None, "note": "compile failed: RuntimeError"}
     assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
 
 
@@ -619,12 +629,13 @@ def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
     p.measure_round = lambda caps, order: [us[caps[i].name] / 1e6 for i in order]
     p.per_sample = 1  # the fake's sample is one replay
     p.device_name = lambda d: "FakeGPU sm90"
-    p.capture(_Executor(), [torch.randn(16, 64)], real=True)
+    p.capture(_Executor({"model": 64 << 20, "one_lane": 32 << 20, "aux1": 64 << 20}), [torch.randn(16, 64)],
+              real=True)
     text = meta.graph_info(compiled.graph).decisions[-1]
     assert text.startswith("schedule for (float32[16, 64]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest")
-    assert "model 3 lane(s): estimate 18.09 us, measured 30.0 us; one_lane 1 lane(s): estimate 34.0 us, measured " \
-           "25.0 us; aux1 2 lane(s): estimate 22.1 us, measured 40.0 us; cost model scale (one lane, " \
-           "measured/estimate) 0.74" in text
+    assert "model 3 lane(s): estimate 18.09 us, measured 30.0 us, cuBLAS workspaces 64 MiB; one_lane 1 lane(s): " \
+           "estimate 34.0 us, measured 25.0 us, cuBLAS workspaces 32 MiB; aux1 2 lane(s): estimate 22.1 us, " \
+           "measured 40.0 us, cuBLAS workspaces 64 MiB; cost model scale (one lane, measured/estimate) 0.74" in text
     doc = json.loads((folder / choices.PICKS_FILE).read_text())
     assert [e["choice"] for e in doc["picks"]] == ["one_lane"]
     # show: the plain line and the JSON decision with each candidate's estimate against its measurement.
@@ -637,8 +648,9 @@ def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
     assert {k: d[k] for k in ("shape", "device", "choice", "cached", "rounds", "replays", "scale")} == {
         "shape": "(float32[16, 64])", "device": "FakeGPU sm90", "choice": "one_lane", "cached": False,
         "rounds": 25, "replays": 81, "scale": 0.7353}
-    assert [(c["name"], c["lanes"], c["estimate_us"], c["measured_us"]) for c in d["candidates"]] == [
-        ("model", 3, 18.09, 30.0), ("one_lane", 1, 34.0, 25.0), ("aux1", 2, 22.1, 40.0)]
+    assert [(c["name"], c["lanes"], c["estimate_us"], c["measured_us"], c["workspace_mib"])
+            for c in d["candidates"]] == [
+        ("model", 3, 18.09, 30.0, 64.0), ("one_lane", 1, 34.0, 25.0, 32.0), ("aux1", 2, 22.1, 40.0, 64.0)]
     assert d["text"] == f"pick: {text}"
 
 
@@ -647,6 +659,12 @@ def test_malformed_schedules_file_names_the_field(tmp_path):
                                                                    "device": "x", "choice": "a", "cached": False,
                                                                    "rounds": "many"}]}))
     with pytest.raises(DumpError, match=r"picks\[0\]\.rounds: expected int, got 'many'"):
+        show_summary.pick_decisions(str(tmp_path))
+    cand = {"name": "a", "lanes": 1, "estimate_us": 1.0, "measured_us": 2.0, "workspace_mib": "32 MiB"}
+    (tmp_path / choices.PICKS_FILE).write_text(json.dumps({"picks": [{"graph": "inference", "shape": "()",
+                                                                   "device": "x", "choice": "a", "cached": False,
+                                                                   "rounds": 1, "replays": 2, "candidates": [cand]}]}))
+    with pytest.raises(DumpError, match=r"picks\[0\]\.candidates\[0\]\.workspace_mib: expected a finite number"):
         show_summary.pick_decisions(str(tmp_path))
     (tmp_path / choices.PICKS_FILE).write_text("[1]")
     with pytest.raises(DumpError, match="cannot be read"):

@@ -89,6 +89,10 @@ def test_moe_block_picks_a_measured_candidate_and_equals_eager(tmp_path, caplog)
     (record,) = ex._picker.records
     assert not record.cached and record.rounds >= 1
     _check_record(record, ex)
+    # Every capture ran matrix products on its capture stream (a cuBLAS workspace of its own);
+    # the cost model's lanes run more of them on side streams, each with a workspace of its own.
+    held = {c["name"]: c["workspace_mib"] for c in record.candidates}
+    assert held["one_lane"] > 0 and held["model"] >= held["one_lane"], held
     messages = [r.getMessage() for r in caplog.records]
     assert sum(": schedule candidate " in m for m in messages) == len(record.candidates)
     assert sum("schedule candidates to measure at capture" in m for m in messages) == 1
