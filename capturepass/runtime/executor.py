@@ -580,6 +580,7 @@ class Executor(Releases):
             captures = types.SimpleNamespace(
                 _capture_program=capturing(False), _warm_program=capturing(True),
                 static_positions=self._static_positions,  # left out of the shapes the choice shows
+                written=tuple(sorted(self._written)),  # each timed replay starts from their values before the call
             )
             # Its timed replays run graphs of the model's shared pool: not beside another replay of
             # it, and not over outputs of the model's other captures that the caller still holds.

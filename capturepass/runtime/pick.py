@@ -33,7 +33,11 @@ Only the captured segments are timed: breaks run eagerly around them, identical 
 every candidate, and may have effects that must not repeat. Replays write the
 static inputs the graph updates in place (a KV cache, a counter buffer) at their
 own addresses; those are saved before the timed replays and restored after, so
-measuring leaves no visible effect. Candidates other than the cost model's warm up
+measuring leaves no visible effect. A replay of such a graph reads what it writes (a
+cache's length counter picks where the next step writes): replayed again and again from
+what the previous replay left, it would walk a static cache's counter past its end. So each
+timed replay of a graph that writes its inputs starts from the values the call read, put
+back before it (``replay_round``). Candidates other than the cost model's warm up
 on copies of the inputs the graph writes; the cost model's warm-up is the call itself
 (or, for ``capture_sizes``, on copies too), as without measuring.
 
@@ -95,7 +99,33 @@ REPEATS = 4
 # on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
 TIE = 0.02
 
+# Before the timed replays of a graph that writes its inputs, the GPU spins this many cycles (about
+# 0.5 ms on an H200) while the host launches the sample's restores and replays: each replay is
+# then timed from when the GPU reaches it, not from when the host got to launching it.
+LEAD_IN_CYCLES = 1_000_000
+
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
+
+
+class CudaClock:
+    """Times replays with CUDA events on the current stream (:func:`replay_round`'s clock)."""
+
+    def lead(self) -> None:
+        """Keeps the stream busy while the host launches what follows."""
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if sleep is not None:
+            sleep(LEAD_IN_CYCLES)
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def wait(self, mark: Any) -> None:
+        mark.synchronize()
 
 
 
@@ -181,7 +211,7 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
 
 
 def replay_round(caps: Sequence[Any], order: Sequence[int], repeats: int = REPEATS,
-                 lead_in: int = LEAD_IN) -> list[float]:
+                 lead_in: int = LEAD_IN, clock: Any = None) -> list[float]:
     """Replays the captured segments of each capture in ``order`` on the current stream and
     returns each one's time per replay in seconds (one synchronize per round).
 
@@ -192,24 +222,54 @@ def replay_round(caps: Sequence[Any], order: Sequence[int], repeats: int = REPEA
     starts from. The lead-in keeps the stream busy while the timed replays are launched, so
     each sample is the steady pace of replays one after another, as a served model runs them.
     A capture whose ``timing_args`` are set first copies them into its input buffers, untimed.
+
+    A capture whose ``timing_restore`` is set (a graph that writes its inputs) never replays
+    from what an earlier replay left: a replay reads what it wrote before (a cache's length
+    counter picks where the next step writes), and replays one after another would walk it
+    past its end (on a GPU an index out of bounds is a device-side assert, which ends the
+    process). Before each of its ``repeats`` replays the written inputs get the values the call
+    read (``(position, value)`` pairs), untimed; each replay is timed alone, the stream kept
+    busy by a spin (:data:`LEAD_IN_CYCLES`) while the host launches them.
+
+    Args:
+        clock: what times the replays (``lead``, ``mark``, ``seconds``, ``wait``): CUDA events
+            on the current stream by default (:class:`CudaClock`).
     """
-    stream = torch.cuda.current_stream()
-    marks = []
+    clock = CudaClock() if clock is None else clock
+    marks: list[tuple[list[tuple[Any, Any]], int]] = []
     for i in order:
-        if getattr(caps[i], "timing_args", None) is not None:
+        cap = caps[i]
+        if getattr(cap, "timing_args", None) is not None:
             # Its input buffers are blocks of the model's pool: another candidate's replays
             # may have written them as temporaries (``Capture._let_go``).
-            caps[i].copy_in(caps[i].timing_args)
+            cap.copy_in(cap.timing_args)
+        restore = getattr(cap, "timing_restore", None)
+        if restore:
+            clock.lead()
+            pairs = []
+            for _ in range(repeats):
+                restore_written(cap, restore)
+                start = clock.mark()
+                replay_segments(cap)
+                pairs.append((start, clock.mark()))
+            marks.append((pairs, repeats))
+            continue
         for _ in range(lead_in):
-            replay_segments(caps[i])
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
+            replay_segments(cap)
+        start = clock.mark()
         for _ in range(repeats):
-            replay_segments(caps[i])
-        end.record(stream)
-        marks.append((start, end))
-    marks[-1][1].synchronize()
-    return [start.elapsed_time(end) / 1e3 / repeats for start, end in marks]
+            replay_segments(cap)
+        marks.append(([(start, clock.mark())], repeats))
+    clock.wait(marks[-1][0][-1][1])
+    return [sum(clock.seconds(a, b) for a, b in pairs) / n for pairs, n in marks]
+
+
+def restore_written(cap: Any, restore: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """Puts back the values the call read into the inputs ``cap``'s graphs write: its input
+    buffer where it has one, else the caller's tensor it captured in place (``timing_args``)."""
+    for i, value in restore:
+        dst = cap.inputs.get(i)
+        (cap.timing_args[i] if dst is None else dst).copy_(value)
 
 
 def replay_segments(cap: Any) -> None:
@@ -418,6 +478,10 @@ class Picker:
         caps: list[Any] = []
         kept: list[int] = []
         notes: dict[int, str] = {}
+        # What the inputs the graph writes hold before the call (the cost model's warm-up may be
+        # the call): every timed replay starts from it (``replay_round``).
+        before = [(i, args[i].clone()) for i in getattr(executor, "written", ())
+                  if i < len(args) and isinstance(args[i], torch.Tensor)]
         # Every candidate warms up before any is captured: while no graph lives in the model's
         # pool, the warm-ups allocate there (``CaptureMemory.warms_up_in_pool``), where the
         # captures then reuse their blocks. The cost model's first: its warm-up is the call, and
@@ -464,6 +528,7 @@ class Picker:
             saved = [(t, t.clone()) for t in protect]
             for c in caps:
                 c.timing_args = args
+                c.timing_restore = before or None
             try:
                 with measuring_turn():
                     samples, replays = time_rounds(
@@ -477,9 +542,10 @@ class Picker:
             raise
         finally:
             for c in caps:
-                c.timing_args = None
+                c.timing_args = c.timing_restore = None
             for t, copy in saved:
                 t.copy_(copy)
+            del before
         if failed is not None:
             log.warning("capturepass: %s graph, shape %s: timing the schedule candidates failed (%s: %s); keeping "
                         "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)

@@ -185,6 +185,8 @@ class Capture:
         # The call's arguments while the measured choice times this capture (``pick.replay_round``
         # copies them in first: another candidate's replays may have written the buffers).
         self.timing_args: Sequence[Any] | None = None
+        # The values the call read of the inputs the graph writes, put back before each timed replay.
+        self.timing_restore: Sequence[tuple[int, torch.Tensor]] | None = None
         # The cuBLAS workspaces its capture allocated, bytes (``None``: not a CUDA capture).
         self.workspace_bytes: int | None = None
 

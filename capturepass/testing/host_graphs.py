@@ -26,11 +26,16 @@ capture this way::
     compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "monolithic"})
     ...
     undo()
+
+:func:`measure_on_host` adds the measured lane choice a GPU makes at each capture shape: the
+schedule candidates captured on host graphs and timed by the wall clock (:class:`HostClock`)
+through the picker's real replay rounds (``capturepass.runtime.pick.replay_round``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -178,5 +183,48 @@ def replay_on_host(run_segments: bool = True, capture_class: type[HostGraphCaptu
     def undo() -> None:
         executor_module.Capture = saved_capture
         executor_module.Executor.__init__ = init
+
+    return undo
+
+
+class HostClock:
+    """Times host graph replays by the wall clock: ``pick.replay_round``'s clock on the host."""
+
+    def lead(self) -> None:
+        """Nothing runs ahead of the host here."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def wait(self, mark: float) -> None:
+        """Host replays are done when they return."""
+
+
+def measure_on_host(set_attr: Callable[[Any, str, Any], None] = setattr) -> Callable[[], None]:
+    """Makes the compiles from now on measure their schedule candidates at each capture shape, as
+    on a GPU (``pick="measure"``), over host graphs (use with :func:`replay_on_host`): each
+    candidate captured, replayed by ``pick.replay_round`` with a :class:`HostClock`, the choice
+    kept in no cache. Returns the function that undoes it; ``set_attr`` as for
+    :func:`replay_on_host`."""
+    from capturepass.backends import dynamo
+    from capturepass.runtime import pick
+
+    make = dynamo._picker
+
+    def host_picker(*args: Any, **kwargs: Any) -> Any:
+        picker = make(*args, **dict(kwargs, on_cuda=True))
+        if picker is not None:
+            picker.measure_round = lambda caps, order: pick.replay_round(caps, order, clock=HostClock())
+            picker.device_name = lambda device: "host"
+            picker.cache = None
+        return picker
+
+    set_attr(dynamo, "_picker", host_picker)
+
+    def undo() -> None:
+        dynamo._picker = make
 
     return undo
