@@ -117,13 +117,13 @@ class HostCapture(HostGraphCapture):
 
     log: list[tuple[str, int]] = []
 
-    def run(self, args, real):
+    def run(self, args, real, before=None):
         HostCapture.log.append(("capture", id(self)))
-        return super().run(args, real)
+        return super().run(args, real, before)
 
-    def warm(self, args, real):
+    def warm(self, args, real, before=None):
         HostCapture.log.append(("capture", id(self)))
-        return super().warm(args, real)
+        return super().warm(args, real, before)
 
     def replay(self, args, check=False):
         # The executor keys the capture on these addresses: a replay must never see another.

@@ -79,7 +79,7 @@ import logging
 import operator
 import threading
 import types
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -574,8 +574,8 @@ class Executor(Releases):
                 return name if candidate is None else naming.candidate_owner(name, candidate)
 
             def capturing(warm_only: bool) -> Callable[..., tuple[Capture, Any]]:
-                return lambda program, a, r, candidate, lane_map=None: self._capture_program(
-                    program, a, r, owner_name(candidate), device, places, shared, warm_only, lane_map)
+                return lambda program, a, r, candidate, lane_map=None, before=None: self._capture_program(
+                    program, a, r, owner_name(candidate), device, places, shared, warm_only, lane_map, before)
 
             captures = types.SimpleNamespace(
                 _capture_program=capturing(False), _warm_program=capturing(True),
@@ -600,15 +600,18 @@ class Executor(Releases):
     def _capture_program(self, program: Program, args: Sequence[Any], real: bool, name: str,
                          device: torch.device | None, places: frozenset[int] = frozenset(),
                          shared: CaptureMemory | None = None, warm_only: bool = False,
-                         lane_map: Sequence[int] | None = None) -> tuple[Capture, Any]:
+                         lane_map: Sequence[int] | None = None,
+                         before: Mapping[int, torch.Tensor] | None = None) -> tuple[Capture, Any]:
         """Captures ``program`` for ``args`` into a new owner named ``name``, not kept (the picker keeps
         one); the inputs at ``places`` are captured in place, into the model's ``shared`` pool.
         With ``warm_only`` it only warms up: ``capture_warmed(args)`` captures it later.
-        ``lane_map``: the owner's stream of each lane (``GraphOwner``; ``None``: one each)."""
+        ``lane_map``: the owner's stream of each lane (``GraphOwner``; ``None``: one each).
+        ``before``: what the written inputs held before the call, where it already ran
+        (``Capture.run``)."""
         owner = GraphOwner(name, program.lanes, device, captured=True, shared=shared, lane_map=lane_map)
         cap = Capture(program, owner, self.static_outputs, mutated_inputs(program), places)
         try:
-            out = cap.warm(args, real) if warm_only else cap.run(args, real)
+            out = cap.warm(args, real, before) if warm_only else cap.run(args, real, before)
         except BaseException:
             owner.close()
             raise

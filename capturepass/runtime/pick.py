@@ -272,6 +272,13 @@ def restore_written(cap: Any, restore: Sequence[tuple[int, torch.Tensor]]) -> No
         (cap.timing_args[i] if dst is None else dst).copy_(value)
 
 
+def _written_values(executor: Any, args: Sequence[Any]) -> dict[int, torch.Tensor]:
+    """Copies of what the inputs the graph writes hold now (``executor.written``: their positions),
+    by position."""
+    return {i: args[i].clone() for i in getattr(executor, "written", ())
+            if i < len(args) and isinstance(args[i], torch.Tensor)}
+
+
 def replay_segments(cap: Any) -> None:
     """Replays the captured segments of one capture (not its breaks, nor its input copies)."""
     graphs = cap.owner.graphs
@@ -439,6 +446,9 @@ class Picker:
             log.warning("capturepass: %s graph: the cached schedule %s failed to compile (%s: %s); measuring again",
                         self.graph, cand.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             return self._measure(executor, args, real, protect, shape, dev, key)
+        # Should its capture fail, its warm-up was the call: the others then warm up and replay
+        # from what the written inputs held before it.
+        before = _written_values(executor, args) if real else {}
         try:
             cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name,
                                                  lane_map=getattr(cand, "lane_map", None))
@@ -450,7 +460,7 @@ class Picker:
             # Its warm-up was the call (when real): the others warm up on copies, and the call's
             # results are that warm-up's.
             try:
-                cap, _ = self._measure(executor, args, False, protect, shape, dev, key)
+                cap, _ = self._measure(executor, args, False, protect, shape, dev, key, before or None)
             except CaptureFailure as failure:
                 failure.outputs = first.outputs
                 raise
@@ -472,21 +482,24 @@ class Picker:
         return cap, out
 
     def _measure(self, executor: Any, args: Sequence[Any], real: bool, protect: Sequence[torch.Tensor],
-                 shape: str, dev: str, key: str) -> tuple[Any, Any]:
+                 shape: str, dev: str, key: str,
+                 before: dict[int, torch.Tensor] | None = None) -> tuple[Any, Any]:
         from capturepass.runtime.replay import CaptureFailure
 
         caps: list[Any] = []
         kept: list[int] = []
         notes: dict[int, str] = {}
         # What the inputs the graph writes hold before the call (the cost model's warm-up may be
-        # the call): every timed replay starts from it (``replay_round``).
-        before = [(i, args[i].clone()) for i in getattr(executor, "written", ())
-                  if i < len(args) and isinstance(args[i], torch.Tensor)]
+        # the call): the other warm-ups copy it, and every timed replay starts from it
+        # (``replay_round``); given where the call already ran.
+        if before is None:
+            before = _written_values(executor, args)
+        prior = {"before": before} if before else {}
         # Every candidate warms up before any is captured: while no graph lives in the model's
         # pool, the warm-ups allocate there (``CaptureMemory.warms_up_in_pool``), where the
         # captures then reuse their blocks. The cost model's first: its warm-up is the call, and
         # its failure to capture is the executor's.
-        cap, out = executor._warm_program(self.candidates[0].program, args, real, None)
+        cap, out = executor._warm_program(self.candidates[0].program, args, real, None, **({} if real else prior))
         caps.append(cap)
         kept.append(0)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -502,7 +515,7 @@ class Picker:
                                 str(e).splitlines()[0] if str(e) else "")
                     continue
                 c = executor._warm_program(program, args, False, cand.name,
-                                           lane_map=getattr(cand, "lane_map", None))[0]
+                                           lane_map=getattr(cand, "lane_map", None), **prior)[0]
                 caps.append(c)
                 kept.append(i)
             caps[0].capture_warmed(args)  # a CaptureFailure here is the executor's (its outputs: the call's)
@@ -528,7 +541,7 @@ class Picker:
             saved = [(t, t.clone()) for t in protect]
             for c in caps:
                 c.timing_args = args
-                c.timing_restore = before or None
+                c.timing_restore = list(before.items()) or None
             try:
                 with measuring_turn():
                     samples, replays = time_rounds(
@@ -545,13 +558,12 @@ class Picker:
                 c.timing_args = c.timing_restore = None
             for t, copy in saved:
                 t.copy_(copy)
-            del before
         if failed is not None:
             log.warning("capturepass: %s graph, shape %s: timing the schedule candidates failed (%s: %s); keeping "
                         "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)
             for c in caps[1:]:
                 c.owner.close()
-            return self._recaptured(executor, args, caps[0], 0), out
+            return self._recaptured_for_call(executor, args, caps[0], 0, prior, out), out
         medians: list[float | None] = [None] * len(self.candidates)
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6
@@ -597,37 +609,51 @@ class Picker:
                          "this device (uncaptured or breakable graphs) use it", self.graph, shape, model.describe())
             self._lane_sample(dev, key, shape, one, medians)
         self._done(record)
-        return self._recaptured(executor, args, caps[kept.index(chosen)], chosen), out
+        return self._recaptured_for_call(executor, args, caps[kept.index(chosen)], chosen, prior, out), out
 
     def _own_one_lane(self, index: int) -> bool:
         """Whether candidate ``index`` is one lane's own program (not a lane map of another's)."""
         return _own(self.candidates[index])
 
-    def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int) -> Any:
+    def _recaptured_for_call(self, executor: Any, args: Sequence[Any], cap: Any, index: int,
+                             prior: dict[str, Any], out: Any) -> Any:
+        """:meth:`_recaptured`; a failure to capture the cost model's program again carries the
+        call's results (``out``: its warm-up was the call), which the executor returns."""
+        from capturepass.runtime.replay import CaptureFailure
+
+        try:
+            return self._recaptured(executor, args, cap, index, prior)
+        except CaptureFailure as failure:
+            failure.outputs = out
+            raise
+
+    def _recaptured(self, executor: Any, args: Sequence[Any], cap: Any, index: int,
+                    prior: dict[str, Any]) -> Any:
         """``cap``, the chosen candidate's capture, or a new capture of it where measuring dropped
         its outputs (``Capture.drop_outputs``)."""
         if not cap.outputs_dropped:
             return cap
         cap.owner.close()
-        return self._capture_again(executor, args, index)
+        return self._capture_again(executor, args, index, prior)
 
-    def _capture_again(self, executor: Any, args: Sequence[Any], index: int) -> Any:
+    def _capture_again(self, executor: Any, args: Sequence[Any], index: int, prior: dict[str, Any]) -> Any:
         """A new capture of candidate ``index``, warmed up on copies of the inputs the graph writes
-        (the call was the cost model's warm-up). A candidate other than the cost model's that fails
-        to capture leaves the cost model's schedule (logged); the cost model's failure is the
-        executor's, as without measuring."""
+        as they were before the call (``prior``: ``{"before": values}``; the call was the cost
+        model's warm-up). A candidate other than the cost model's that fails to capture leaves the
+        cost model's schedule (logged); the cost model's failure is the executor's, as without
+        measuring."""
         from capturepass.runtime.replay import CaptureFailure
 
         cand = self.candidates[index]
         try:
             cap = executor._capture_program(cand.program, args, False, None if index == 0 else cand.name,
-                                            lane_map=getattr(cand, "lane_map", None))[0]
+                                            lane_map=getattr(cand, "lane_map", None), **prior)[0]
         except CaptureFailure as e:
             if index == 0:
                 raise
             log.warning("capturepass: %s graph: the chosen schedule %s failed to capture again (%s); running the "
                         "cost model's schedule", self.graph, cand.name, e)
-            return self._capture_again(executor, args, 0)
+            return self._capture_again(executor, args, 0, prior)
         return cap
 
     def _lane_sample(self, dev: str, key: str, shape: str, one: int, medians: Sequence[float | None]) -> None:

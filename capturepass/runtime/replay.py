@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -191,7 +191,7 @@ class Capture:
         self.workspace_bytes: int | None = None
 
     # -- the first call ---------------------------------------------------------------------------
-    def run(self, args: Sequence[Any], real: bool) -> Any:
+    def run(self, args: Sequence[Any], real: bool, before: Mapping[int, torch.Tensor] | None = None) -> Any:
         """Warms up, then captures every segment; returns the warm-up's results (``None`` when
         not ``real``).
 
@@ -199,22 +199,26 @@ class Capture:
             args: the call's arguments.
             real: the warm-up is the call itself (its effects are the call's); otherwise
                 it runs on copies of the inputs the graph writes.
+            before: what the inputs the graph writes held before the call, by position, where
+                the call already ran (a warm-up on copies then copies these: the call's
+                effects are not its inputs; a static cache's counter one step ahead would
+                point it past the cache's end).
 
         Raises:
             CaptureFailure: a segment failed to capture (not an error of capturepass's own).
         """
         with self.owner.lock:  # the model's other captures share the pool: not while one of them runs
-            out = self._warm(args, real)
+            out = self._warm(args, real, before)
             self._capture_warmed(args)
             return out
 
-    def warm(self, args: Sequence[Any], real: bool) -> Any:
+    def warm(self, args: Sequence[Any], real: bool, before: Mapping[int, torch.Tensor] | None = None) -> Any:
         """The warm-up alone (see :meth:`run`: its results, ``None`` when not ``real``);
         :meth:`capture_warmed` captures it later. The
         measured choice warms every candidate up before it captures any: while no graph of the
         model lives in its pool, the warm-ups run there (``CaptureMemory.warms_up_in_pool``)."""
         with self.owner.lock:
-            return self._warm(args, real)
+            return self._warm(args, real, before)
 
     def capture_warmed(self, args: Sequence[Any]) -> None:
         """Captures every segment after :meth:`warm` (with the same ``args``).
@@ -225,7 +229,7 @@ class Capture:
         with self.owner.lock:
             self._capture_warmed(args)
 
-    def _warm(self, args: Sequence[Any], real: bool) -> Any:
+    def _warm(self, args: Sequence[Any], real: bool, before: Mapping[int, torch.Tensor] | None = None) -> Any:
         program, owner = self.program, self.owner
         for i, (node, arg) in enumerate(zip(program.inputs, args)):
             if isinstance(arg, torch.Tensor) and i in self.in_place:
@@ -243,7 +247,7 @@ class Capture:
         if not real:
             for i in self.written:
                 if i < len(args) and isinstance(args[i], torch.Tensor):
-                    warm_args[i] = args[i].clone()
+                    warm_args[i] = (args[i] if before is None else before.get(i, args[i])).clone()
         env = self.warm_up.initial_env(warm_args)
         shared = owner.shared
         if shared is not None:

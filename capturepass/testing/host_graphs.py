@@ -113,14 +113,20 @@ class HostGraphCapture(Capture):
     # a copy), from the warm-up until the capture.
     _before_warm_up: dict[int, Any] | None = None
 
-    def _warm(self, args: Any, real: bool) -> Any:
-        before: dict[int, Any] = {}
+    def _warm(self, args: Any, real: bool, before: Any = None) -> Any:
+        kept: dict[int, Any] = {}
         for i in self.written:
             a = args[i] if i < len(args) else None
             if isinstance(a, torch.Tensor) and a.layout == torch.strided and a.untyped_storage().nbytes():
-                before[a.untyped_storage()._cdata] = a.untyped_storage().clone()
-        self._before_warm_up = before
-        return super()._warm(args, real)
+                storage = a.untyped_storage().clone()
+                if before is not None and i in before:
+                    # The call already ran (the measured choice's other candidates): the capture
+                    # runs on what it read, as the warm-up on copies did.
+                    view = torch.empty(0, dtype=a.dtype, device=a.device)
+                    view.set_(storage, a.storage_offset(), a.size(), a.stride()).copy_(before[i])
+                kept[a.untyped_storage()._cdata] = storage
+        self._before_warm_up = kept
+        return super()._warm(args, real, before)
 
     def _capture_warmed(self, args: Any) -> None:
         try:
@@ -219,7 +225,7 @@ def measure_on_host(set_attr: Callable[[Any, str, Any], None] = setattr) -> Call
         if picker is not None:
             picker.measure_round = lambda caps, order: pick.replay_round(caps, order, clock=HostClock())
             picker.device_name = lambda device: "host"
-            picker.cache = None
+            picker.cache = picker.calibration = None  # nothing kept for another process
         return picker
 
     set_attr(dynamo, "_picker", host_picker)

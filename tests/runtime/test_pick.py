@@ -288,6 +288,67 @@ def test_a_chosen_candidate_that_dropped_its_outputs_is_captured_again(tmp_path)
     assert out == ("warm-up of", cands[0].program)
 
 
+def test_the_call_keeps_its_results_when_its_choice_fails_to_capture_again(tmp_path):
+    """The cost model's program chosen, its outputs dropped while the others were measured: its
+    capture again fails (the executor makes the op a break), and the failure carries the call's
+    results (its warm-up was the call), which the executor returns."""
+    from capturepass.runtime.replay import CaptureFailure
+
+    class FailAgain(_DroppingExecutor):
+        def _capture_program(self, program, args, real, candidate, lane_map=None):
+            raise CaptureFailure(0, RuntimeError("cannot capture"), None, {}, None)
+
+    p, _, picked, cands = _picker(tmp_path, {"model": 30.0, "one_lane": 60.0, "aux1": 80.0})
+    with pytest.raises(CaptureFailure) as failure:
+        p.capture(FailAgain(), [torch.randn(4, 8)], real=True)
+    assert picked[0].choice == "model"
+    assert failure.value.outputs == ("warm-up of", cands[0].program)
+
+
+class _Counter(torch.nn.Module):
+    """Writes ``t`` rows of a cache of ``slots`` where its counter points, then moves it on (a
+    static KV cache's layer, as transformers writes one); two branches beside each other."""
+
+    def __init__(self, slots: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(slots, d))
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, torch.arange(x.shape[0]) + self.n, self.a(x) + self.b(x).relu())
+        self.n.add_(x.shape[0])
+        return self.cache.sum(0) * 2
+
+
+def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, caplog):
+    """Measured as on a GPU, over host graphs: a shape first called at the cache's last slot. The
+    call (the cost model's warm-up) moves the counter to the end; the other candidates' warm-ups,
+    their captures and every timed replay start from what the call read, not one step past the
+    end (on a GPU an out-of-bounds write is a device-side assert). Results and state as eager's."""
+    import copy
+
+    from capturepass.testing.host_graphs import measure_on_host
+    from tests.helpers import capture_on_host
+
+    capture_on_host(monkeypatch.setattr)
+    measure_on_host(monkeypatch.setattr)
+    torch.manual_seed(0)
+    model = _Counter()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "verify": True})
+    with caplog.at_level(logging.INFO, logger="capturepass"), torch.no_grad():
+        for rows in (3, 1):  # slots 0..2, then a new shape at slot 3, the last
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), eager(x))
+            assert model.n.item() == eager.n.item() and torch.equal(model.cache, eager.cache)
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "failed" in m], [m for m in messages if "failed" in m]
+    measured = [m for m in messages if ": schedule candidate " in m and " measured " in m]
+    assert len(measured) == 6, measured  # three candidates at each shape
+
+
 def test_a_lone_candidate_keeps_its_outputs(tmp_path):
     p, timer, picked, cands = _picker(tmp_path, {"model": 100.0}, cands=[_Cand("model", 1, 20.0)])
     ex = _DroppingExecutor()
