@@ -264,3 +264,19 @@ def candidates_of(fn, inputs, **options):
         return new.graph, new.plan
 
     return compiled, pristine, opts, plan_with
+
+
+class SlotCache(torch.nn.Module):
+    """Writes ``t`` rows of a cache of ``slots`` where its counter points, then moves the counter
+    on (a static KV cache's layer, as transformers writes one); two branches beside each other."""
+
+    def __init__(self, slots: int = 4, d: int = 16) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+        self.register_buffer("cache", torch.zeros(slots, d))
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.index_copy_(0, torch.arange(x.shape[0]) + self.n, self.a(x) + self.b(x).relu())
+        self.n.add_(x.shape[0])
+        return self.cache.sum(0) * 2

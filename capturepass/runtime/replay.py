@@ -70,6 +70,11 @@ from capturepass.runtime.workspaces import locked_for_capture
 log = logging.getLogger("capturepass")
 
 
+# The largest input written in place whose value before the call a capture keeps for a probe of
+# its failure (``Capture._warm``): counters and positions, not caches.
+PROBE_COPY_BYTES = 1 << 20
+
+
 class CaptureFailure(Exception):
     """A segment failed to capture; the capture was ended and discarded.
 
@@ -187,6 +192,7 @@ class Capture:
         self.timing_args: Sequence[Any] | None = None
         # The values the call read of the inputs the graph writes, put back before each timed replay.
         self.timing_restore: Sequence[tuple[int, torch.Tensor]] | None = None
+        self._read: dict[int, torch.Tensor] = {}  # written inputs before the call (``_warm``), until captured
         # The cuBLAS workspaces its capture allocated, bytes (``None``: not a CUDA capture).
         self.workspace_bytes: int | None = None
 
@@ -243,6 +249,20 @@ class Capture:
                 self.inputs[i] = buf
                 self.input_nodes.append((node, buf))
         self.copy_back = tuple(i for i in sorted(self.written) if i in self.inputs)
+        # What the inputs the graph writes in place held before the call, for a probe of a failed
+        # capture, which runs the failing piece's ops eagerly: an index read from a counter the
+        # call moved (a static cache's length) would point one step past what the call wrote,
+        # past the cache's end at its last slot (on a GPU a device-side assert). Small inputs
+        # only (counters, positions): a large one is data (the cache itself), whose contents
+        # move no index, and a copy per capture of it would cost its size again.
+        if before is not None:
+            self._read = dict(before)
+        elif real:
+            self._read = {i: args[i].clone() for i in self.written
+                          if i not in self.inputs and i < len(args) and isinstance(args[i], torch.Tensor)
+                          and args[i].numel() * args[i].element_size() <= PROBE_COPY_BYTES}
+        else:
+            self._read = {}
         warm_args = list(args)
         if not real:
             for i in self.written:
@@ -286,8 +306,11 @@ class Capture:
             outputs.rescue_group(owner.shared.held_outputs)
             if capture.POOL_WARM_UP_UNSUPPORTED is None:
                 self._buffers_into_pool()
-        with self._capturing(device):
-            self._capture(args, env, out)
+        try:
+            with self._capturing(device):
+                self._capture(args, env, out)
+        finally:
+            self._read = {}
         if let_go:
             self._let_go(args)
             self.let_go = True
@@ -459,7 +482,7 @@ class Capture:
             if i in self.inputs:
                 env[node] = self.inputs[i]  # still the call's input values: nothing ran in the capture
             elif i in self.written and i < len(args) and isinstance(args[i], torch.Tensor):
-                env[node] = args[i].clone()
+                env[node] = self._read.get(i, args[i]).clone()
         return env
 
     def drop_outputs(self) -> bool:

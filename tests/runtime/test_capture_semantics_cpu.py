@@ -411,3 +411,55 @@ def test_a_rebuild_during_the_first_call_compiles_with_inductor(fails_under_capt
     regions = [r for r in _record().program.regions if not r.eager]
     assert regions and all(r.compiler == "inductor" for r in regions)
     torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_a_failed_captures_probe_reads_what_the_call_read(monkeypatch):
+    """A capture that fails is probed: the failing piece's ops run eagerly, one by one, on copies
+    of the inputs the graph writes. The call (the warm-up) has moved a cache's counter by then:
+    the probe must read the value the call read, or an index into the cache points past what the
+    call wrote (past the cache's end at its last slot: on a GPU a device-side assert)."""
+    import copy
+
+    from capturepass.runtime import capture
+    from capturepass.testing.host_graphs import replay_on_host
+    from tests.helpers import HostCapture, SlotCache
+
+    class Failing(HostCapture):
+        def _segment_graph(self, p, bound, env, stream):
+            graph, _ = super()._segment_graph(p, bound, env, stream)
+            return graph, _raising()
+
+    replay_on_host(capture_class=Failing, set_attr=monkeypatch.setattr)
+    counters = []
+
+    def probe(program, index, env, device):
+        counters.extend(v.item() for v in env.values()
+                        if isinstance(v, torch.Tensor) and v.dtype == torch.long and v.dim() == 0)
+        return None
+
+    monkeypatch.setattr(capture, "first_failing_node", probe)
+    torch.manual_seed(0)
+    model = SlotCache()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"inner": "eager", "cudagraphs": "monolithic"})
+    with torch.no_grad():
+        for rows in (3, 1):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), eager(x))
+    assert model.n.item() == 4 and torch.equal(model.cache, eager.cache)
+    # Each shape's capture failed and was probed, with the counter as its call read it (after the
+    # call: 3, then 4, the second one's index past the cache's end).
+    assert counters == [0, 3], counters
+
+
+class _Raising:
+    def __enter__(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _raising():
+    return _Raising()

@@ -28,7 +28,7 @@ from capturepass.runtime import choices, files, pick
 from capturepass.runtime.pick import Picker, ScheduleCache
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
-from tests.helpers import aten_graph, candidates_of as _compile, moe_block_fn as _moe
+from tests.helpers import SlotCache, aten_graph, candidates_of as _compile, moe_block_fn as _moe
 
 # -- the choice and the budget ----------------------------------------------------------------------
 
@@ -305,22 +305,6 @@ def test_the_call_keeps_its_results_when_its_choice_fails_to_capture_again(tmp_p
     assert failure.value.outputs == ("warm-up of", cands[0].program)
 
 
-class _Counter(torch.nn.Module):
-    """Writes ``t`` rows of a cache of ``slots`` where its counter points, then moves it on (a
-    static KV cache's layer, as transformers writes one); two branches beside each other."""
-
-    def __init__(self, slots: int = 4, d: int = 16) -> None:
-        super().__init__()
-        self.register_buffer("n", torch.zeros((), dtype=torch.long))
-        self.register_buffer("cache", torch.zeros(slots, d))
-        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.cache.index_copy_(0, torch.arange(x.shape[0]) + self.n, self.a(x) + self.b(x).relu())
-        self.n.add_(x.shape[0])
-        return self.cache.sum(0) * 2
-
-
 def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, caplog):
     """Measured as on a GPU, over host graphs: a shape first called at the cache's last slot. The
     call (the cost model's warm-up) moves the counter to the end; the other candidates' warm-ups,
@@ -334,7 +318,7 @@ def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, capl
     capture_on_host(monkeypatch.setattr)
     measure_on_host(monkeypatch.setattr)
     torch.manual_seed(0)
-    model = _Counter()
+    model = SlotCache()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="capturepass", dynamic=False,
                              options={"inner": "eager", "cudagraphs": "monolithic", "verify": True})
