@@ -122,14 +122,17 @@ def test_assisted_generation_keeps_target_and_draft_apart(monkeypatch: pytest.Mo
     assert kinds.count("capture") >= 4 and kinds.count("replay") >= 1, kinds
 
 
+@pytest.mark.parametrize("name", ("llama", "mistral"))
 def test_the_measured_choice_replays_a_static_cache_from_what_the_call_read(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """On a GPU each capture shape's schedule candidates are captured and replayed to be timed.
     A static cache's graphs read what they write (its length counter, a tensor bumped in place,
     picks where a step writes): replayed one after another they walked it past the cache's end,
     an index out of bounds (on the GPU a device-side assert, which ends the process). Here the
-    candidates are measured as on a GPU, over host graphs: every shape is measured, no timing
-    fails, the tokens are eager's."""
+    candidates are measured as on a GPU, over host graphs: every shape is measured, no timing or
+    capture fails, the tokens are eager's. Mistral's sliding window (8 slots) also takes its
+    length as a host int, and its counter reaches the other candidates through an input buffer,
+    which holds what the call read."""
     import logging
 
     from capturepass.testing.host_graphs import measure_on_host
@@ -137,7 +140,7 @@ def test_the_measured_choice_replays_a_static_cache_from_what_the_call_read(
 
     capture_on_host(monkeypatch.setattr)
     measure_on_host(monkeypatch.setattr)
-    model, make_inputs = zoo.build("llama")
+    model, make_inputs = zoo.build(name)
     prompts = [make_inputs(seed)["input_ids"][:, :6] for seed in (0, 1)]
     want = [_generate(model, ids, cache_implementation="static") for ids in prompts]
     _compile_forward(model, cudagraphs="monolithic", regions="fused", verify=True)
@@ -146,12 +149,17 @@ def test_the_measured_choice_replays_a_static_cache_from_what_the_call_read(
             got = _generate(model, ids, cache_implementation="static")
             assert torch.equal(got, tokens), f"generation {call}: {got.tolist()} != {tokens.tolist()}"
     messages = [r.getMessage() for r in caplog.records]
-    assert not [m for m in messages if "timing the schedule candidates failed" in m]
+    assert not [m for m in messages if "failed" in m], [m for m in messages if "failed" in m]
     chosen = [m for m in messages if ": chose schedule " in m]
     # The prefill shape and the decode shape, measured at each generation's new cache.
-    assert {m.split(", shape ")[1].split(")")[0] + ")" for m in chosen} >= {
-        "(int64[2, 6], int64[2, 6], float32[2, 1, 6, 13], int64[])",
-        "(int64[2, 1], int64[2, 1], float32[2, 1, 1, 13], int64[], float32[2, 2, 13, 16], float32[2, 2, 13, 16])"}, chosen
+    shapes = {m.split(", shape ")[1].split("): ")[0] + ")" for m in chosen}
+    if name == "llama":
+        assert shapes >= {
+            "(int64[2, 6], int64[2, 6], float32[2, 1, 6, 13], int64[])",
+            "(int64[2, 1], int64[2, 1], float32[2, 1, 1, 13], int64[], float32[2, 2, 13, 16], float32[2, 2, 13, 16])"
+        }, chosen
+    else:  # a decode shape per window length the host int took
+        assert len(shapes) >= 4, chosen
 
 
 @pytest.mark.gpu

@@ -241,11 +241,12 @@ class Capture:
             if isinstance(arg, torch.Tensor) and i in self.in_place:
                 self.in_place_ptrs[i] = arg.data_ptr()  # the graphs use the caller's tensor: held by nobody here
             elif isinstance(arg, torch.Tensor) and i not in program.static_inputs:
-                # Filled before the warm-up, which may write the caller's tensor.
+                # Filled before the warm-up, which may write the caller's tensor; where the call
+                # already ran, with what it read.
                 buf = torch.empty_strided(arg.size(), arg.stride(), dtype=arg.dtype, device=arg.device)
                 if overlaps(buf):
                     self.spans.add(i)
-                fill(buf, arg, i in self.spans)
+                fill(buf, arg if before is None or i not in before else before[i], i in self.spans)
                 self.inputs[i] = buf
                 self.input_nodes.append((node, buf))
         self.copy_back = tuple(i for i in sorted(self.written) if i in self.inputs)
