@@ -38,8 +38,9 @@ cache's length counter picks where the next step writes): replayed again and aga
 what the previous replay left, it would walk a static cache's counter past its end. So each
 timed replay of a graph that writes its inputs starts from the values the call read, put
 back before it (``replay_round``). Candidates other than the cost model's warm up
-on copies of the inputs the graph writes; the cost model's warm-up is the call itself
-(or, for ``capture_sizes``, on copies too), as without measuring.
+on copies of the inputs the graph writes as the call read them (a chosen candidate captured
+again too); the cost model's warm-up is the call itself (or, for ``capture_sizes``, on
+copies too), as without measuring.
 
 The choice is kept in a JSON file per key (device name, a hash of the graph before
 lane assignment with the options that change its schedule, the shapes), under
@@ -126,7 +127,6 @@ class CudaClock:
 
     def wait(self, mark: Any) -> None:
         mark.synchronize()
-
 
 
 class CandidateLike(Protocol):
