@@ -36,8 +36,9 @@ own addresses; those are saved before the timed replays and restored after, so
 measuring leaves no visible effect. A replay of such a graph reads what it writes (a
 cache's length counter picks where the next step writes): replayed again and again from
 what the previous replay left, it would walk a static cache's counter past its end. So each
-timed replay of a graph that writes its inputs starts from the values the call read, put
-back before it (``replay_round``). Candidates other than the cost model's warm up
+timed replay of a graph that writes its inputs starts from the values the call read of
+the small ones (counters, positions: ``replay.BEFORE_CALL_BYTES``), put back before it
+(``replay_round``). Candidates other than the cost model's warm up
 on copies of the inputs the graph writes as the call read them (a chosen candidate captured
 again too); the cost model's warm-up is the call itself (or, for ``capture_sizes``, on
 copies too), as without measuring.
@@ -273,10 +274,14 @@ def restore_written(cap: Any, restore: Sequence[tuple[int, torch.Tensor]]) -> No
 
 
 def _written_values(executor: Any, args: Sequence[Any]) -> dict[int, torch.Tensor]:
-    """Copies of what the inputs the graph writes hold now (``executor.written``: their positions),
-    by position."""
+    """Copies of what the small inputs the graph writes hold now (``executor.written``: their
+    positions), by position: counters and positions, which pick where a replay writes
+    (``replay.BEFORE_CALL_BYTES``); a cache itself is data, which replays at the same positions
+    only write again, and the measured choice puts it back once, after timing."""
+    from capturepass.runtime.replay import small_tensor
+
     return {i: args[i].clone() for i in getattr(executor, "written", ())
-            if i < len(args) and isinstance(args[i], torch.Tensor)}
+            if i < len(args) and small_tensor(args[i])}
 
 
 def replay_segments(cap: Any) -> None:

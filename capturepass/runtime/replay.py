@@ -70,9 +70,11 @@ from capturepass.runtime.workspaces import locked_for_capture
 log = logging.getLogger("capturepass")
 
 
-# The largest input written in place whose value before the call a capture keeps for a probe of
-# its failure (``Capture._warm``): counters and positions, not caches.
-PROBE_COPY_BYTES = 1 << 20
+# The largest written input whose value before the call is kept where the state after it would
+# mislead (a probe of a failed capture, the measured choice's warm-ups on copies and timed
+# replays): counters and positions, which pick where a graph writes, not caches, whose contents
+# move no index and whose copy would cost their size again.
+BEFORE_CALL_BYTES = 1 << 20
 
 
 class CaptureFailure(Exception):
@@ -133,6 +135,11 @@ def fill(buf: torch.Tensor, src: torch.Tensor, by_span: bool) -> None:
         span(buf).copy_(span(src))
     else:
         buf.copy_(src)
+
+
+def small_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor of at most :data:`BEFORE_CALL_BYTES`."""
+    return isinstance(value, torch.Tensor) and value.numel() * value.element_size() <= BEFORE_CALL_BYTES
 
 
 def _storages(values: Iterable[Any]) -> set[int]:
@@ -205,10 +212,10 @@ class Capture:
             args: the call's arguments.
             real: the warm-up is the call itself (its effects are the call's); otherwise
                 it runs on copies of the inputs the graph writes.
-            before: what the inputs the graph writes held before the call, by position, where
-                the call already ran (a warm-up on copies then copies these: the call's
-                effects are not its inputs; a static cache's counter one step ahead would
-                point it past the cache's end).
+            before: what inputs the graph writes held before the call, by position, where the
+                call already ran (a warm-up on copies then copies these: the call's effects are
+                not its inputs; a static cache's counter one step ahead would point it past the
+                cache's end); the measured choice keeps the small ones (:data:`BEFORE_CALL_BYTES`).
 
         Raises:
             CaptureFailure: a segment failed to capture (not an error of capturepass's own).
@@ -254,14 +261,12 @@ class Capture:
         # capture, which runs the failing piece's ops eagerly: an index read from a counter the
         # call moved (a static cache's length) would point one step past what the call wrote,
         # past the cache's end at its last slot (on a GPU a device-side assert). Small inputs
-        # only (counters, positions): a large one is data (the cache itself), whose contents
-        # move no index, and a copy per capture of it would cost its size again.
+        # only (:data:`BEFORE_CALL_BYTES`).
         if before is not None:
             self._read = dict(before)
         elif real:
             self._read = {i: args[i].clone() for i in self.written
-                          if i not in self.inputs and i < len(args) and isinstance(args[i], torch.Tensor)
-                          and args[i].numel() * args[i].element_size() <= PROBE_COPY_BYTES}
+                          if i not in self.inputs and i < len(args) and small_tensor(args[i])}
         else:
             self._read = {}
         warm_args = list(args)
