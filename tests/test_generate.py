@@ -61,13 +61,20 @@ def test_generate_through_host_captures(name: str, cache: str, monkeypatch: pyte
         # second on, the decode graph's first call finds the cache moved and captures copying
         # it, the next finds it where it was and captures it in place again (no copy of the
         # cache per step), the rest replay; the prefill graph, called once a generation, copies
-        # it (a capture at the second generation, a replay at the third).
-        assert counts == [(2, NEW_TOKENS - 2), (3, NEW_TOKENS - 3), (2, NEW_TOKENS - 2)], counts
+        # it (a capture at the second generation). At the third its capture replays where the
+        # new cache's static tensors (its length counters, whose addresses key a capture) took
+        # the blocks the second generation's freed, and captures once more where they did not:
+        # the allocator's reuse of freed memory decides.
+        assert counts[:2] == [(2, NEW_TOKENS - 2), (3, NEW_TOKENS - 3)], counts
+        assert counts[2] in ((2, NEW_TOKENS - 2), (3, NEW_TOKENS - 3)), counts
     elif cache == "static":
         # The sliding window's graphs take its length as a host int, which a graph holds: a
         # capture per value. Once three captures in a row of a graph were made for values no
-        # replay came back to, new values run uncaptured; the values captured still replay.
-        assert counts == [(6, 0), (2, 0), (1, 2)], counts
+        # replay came back to, new values run uncaptured; the values captured still replay (at
+        # the third generation, once more captured where the new cache's counters did not take
+        # the freed blocks of the last one's, as above).
+        assert counts[:2] == [(6, 0), (2, 0)], counts
+        assert counts[2] in ((1, 2), (2, 1)), counts
     else:
         # The cache grows a step at a time: the shapes of the first generation come back.
         assert all(replays for _, replays in counts[1:]), counts
