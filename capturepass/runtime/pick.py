@@ -83,6 +83,7 @@ from capturepass.ir.options import PICK_LOCK_ENV
 from capturepass.runtime import files
 from capturepass.runtime.choices import (PickRecord, ScheduleCache, device_name, round_us, shape_text,
                                          workspace_mib, workspace_text)
+from capturepass.runtime.replay import before_call
 
 log = logging.getLogger("capturepass")
 
@@ -273,17 +274,6 @@ def restore_written(cap: Any, restore: Sequence[tuple[int, torch.Tensor]]) -> No
         (cap.timing_args[i] if dst is None else dst).copy_(value)
 
 
-def _written_values(executor: Any, args: Sequence[Any]) -> dict[int, torch.Tensor]:
-    """Copies of what the small inputs the graph writes hold now (``executor.written``: their
-    positions), by position: counters and positions, which pick where a replay writes
-    (``replay.BEFORE_CALL_BYTES``); a cache itself is data, which replays at the same positions
-    only write again, and the measured choice puts it back once, after timing."""
-    from capturepass.runtime.replay import small_tensor
-
-    return {i: args[i].clone() for i in getattr(executor, "written", ())
-            if i < len(args) and small_tensor(args[i])}
-
-
 def replay_segments(cap: Any) -> None:
     """Replays the captured segments of one capture (not its breaks, nor its input copies)."""
     graphs = cap.owner.graphs
@@ -453,7 +443,7 @@ class Picker:
             return self._measure(executor, args, real, protect, shape, dev, key)
         # Should its capture fail, its warm-up was the call: the others then warm up and replay
         # from what the written inputs held before it.
-        before = _written_values(executor, args) if real else {}
+        before = before_call(getattr(executor, "written", ()), args) if real else {}
         try:
             cap, out = executor._capture_program(program, args, real, None if index == 0 else cand.name,
                                                  lane_map=getattr(cand, "lane_map", None))
@@ -498,7 +488,7 @@ class Picker:
         # the call): the other warm-ups copy it, and every timed replay starts from it
         # (``replay_round``); given where the call already ran.
         if before is None:
-            before = _written_values(executor, args)
+            before = before_call(getattr(executor, "written", ()), args)
         prior = {"before": before} if before else {}
         # Every candidate warms up before any is captured: while no graph lives in the model's
         # pool, the warm-ups allocate there (``CaptureMemory.warms_up_in_pool``), where the

@@ -137,9 +137,11 @@ def fill(buf: torch.Tensor, src: torch.Tensor, by_span: bool) -> None:
         buf.copy_(src)
 
 
-def small_tensor(value: Any) -> bool:
-    """Whether ``value`` is a tensor of at most :data:`BEFORE_CALL_BYTES`."""
-    return isinstance(value, torch.Tensor) and value.numel() * value.element_size() <= BEFORE_CALL_BYTES
+def before_call(positions: Iterable[int], args: Sequence[Any]) -> dict[int, torch.Tensor]:
+    """Copies of the arguments at ``positions`` that are tensors of at most
+    :data:`BEFORE_CALL_BYTES` (counters, positions), by position: what they hold before a call."""
+    return {i: args[i].clone() for i in positions if i < len(args) and isinstance(args[i], torch.Tensor)
+            and args[i].numel() * args[i].element_size() <= BEFORE_CALL_BYTES}
 
 
 def _storages(values: Iterable[Any]) -> set[int]:
@@ -265,8 +267,7 @@ class Capture:
         if before is not None:
             self._read = dict(before)
         elif real:
-            self._read = {i: args[i].clone() for i in self.written
-                          if i not in self.inputs and i < len(args) and small_tensor(args[i])}
+            self._read = before_call((i for i in self.written if i not in self.inputs), args)
         else:
             self._read = {}
         warm_args = list(args)

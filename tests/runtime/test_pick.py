@@ -28,7 +28,7 @@ from capturepass.runtime import choices, files, pick
 from capturepass.runtime.pick import Picker, ScheduleCache
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
-from tests.helpers import SlotCache, aten_graph, candidates_of as _compile, moe_block_fn as _moe
+from tests.helpers import aten_graph, candidates_of as _compile, moe_block_fn as _moe
 
 # -- the choice and the budget ----------------------------------------------------------------------
 
@@ -303,34 +303,6 @@ def test_the_call_keeps_its_results_when_its_choice_fails_to_capture_again(tmp_p
         p.capture(FailAgain(), [torch.randn(4, 8)], real=True)
     assert picked[0].choice == "model"
     assert failure.value.outputs == ("warm-up of", cands[0].program)
-
-
-def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, caplog):
-    """Measured as on a GPU, over host graphs: a shape first called at the cache's last slot. The
-    call (the cost model's warm-up) moves the counter to the end; the other candidates' warm-ups,
-    their captures and every timed replay start from what the call read, not one step past the
-    end (on a GPU an out-of-bounds write is a device-side assert). Results and state as eager's."""
-    import copy
-
-    from capturepass.testing.host_graphs import measure_on_host
-    from tests.helpers import capture_on_host
-
-    capture_on_host(monkeypatch.setattr)
-    measure_on_host(monkeypatch.setattr)
-    torch.manual_seed(0)
-    model = SlotCache()
-    eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="capturepass", dynamic=False,
-                             options={"inner": "eager", "cudagraphs": "monolithic", "verify": True})
-    with caplog.at_level(logging.INFO, logger="capturepass"), torch.no_grad():
-        for rows in (3, 1):  # slots 0..2, then a new shape at slot 3, the last
-            x = torch.randn(rows, 16)
-            torch.testing.assert_close(compiled(x), eager(x))
-            assert model.n.item() == eager.n.item() and torch.equal(model.cache, eager.cache)
-    messages = [r.getMessage() for r in caplog.records]
-    assert not [m for m in messages if "failed" in m], [m for m in messages if "failed" in m]
-    measured = [m for m in messages if ": schedule candidate " in m and " measured " in m]
-    assert len(measured) == 6, measured  # three candidates at each shape
 
 
 def test_a_lone_candidate_keeps_its_outputs(tmp_path):
