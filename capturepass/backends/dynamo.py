@@ -41,6 +41,9 @@ from typing import Any
 
 import torch
 import torch._inductor.decomposition  # noqa: F401  (the table _decompositions reads)
+# Inductor's decompositions call into its lowerings while AOT autograd traces (max_pool2d asks
+# ``torch._inductor.lowering`` whether to fall back), a module only Inductor's compile imports.
+import torch._inductor.lowering  # noqa: F401
 import torch.fx as fx
 
 from capturepass.backends import candidates

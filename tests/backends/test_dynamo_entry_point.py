@@ -37,6 +37,24 @@ def test_backend_works_without_importing_capturepass():
     ], proc.stdout
 
 
+def test_a_fresh_process_traces_decompositions_that_ask_inductors_lowerings():
+    # max_pool2d's decomposition consults ``torch._inductor.lowering``; in a process where nothing
+    # compiled through Inductor yet, that module is imported by the backend or not at all.
+    code = textwrap.dedent(
+        """
+        import torch
+        m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.MaxPool2d(3, 2, 1)).eval()
+        x = torch.randn(2, 3, 16, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(m, backend="capturepass")(x), m(x))
+        print("equal")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["equal"], proc.stdout
+
+
 def test_entry_point_names_the_backend():
     from importlib.metadata import entry_points
 
