@@ -294,8 +294,12 @@ class Capture:
         # copies, which nobody reads, are neither kept nor returned: in the model's pool while no
         # graph lives there, they are freed now for the captures to take (the measured choice
         # warms every candidate up before it captures any).
+        # The graph's inputs are not among them: the capture and the probe read the caller's
+        # tensors (``_capture``, ``_probe_env``), and a warm-up on copies would otherwise keep a
+        # copy of every input the graph writes (a whole KV cache) per candidate until captured.
         keep = {n for piece in program.pieces for n in piece.live_in}
         keep.update(n for piece in program.pieces if piece.kind == "break" for n in piece.live_out)
+        keep.difference_update(program.inputs)
         if not real:
             out = None
         self._warmed = ({n: v for n, v in env.items() if n in keep}, out)
@@ -490,6 +494,8 @@ class Capture:
                 env[node] = self.inputs[i]  # still the call's input values: nothing ran in the capture
             elif i in self.written and i < len(args) and isinstance(args[i], torch.Tensor):
                 env[node] = self._read.get(i, args[i]).clone()
+            elif i < len(args):
+                env[node] = args[i]
         return env
 
     def drop_outputs(self) -> bool:

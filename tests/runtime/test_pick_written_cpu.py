@@ -41,3 +41,63 @@ def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, capl
     assert not [m for m in messages if "failed" in m], [m for m in messages if "failed" in m]
     measured = [m for m in messages if ": schedule candidate " in m and " measured " in m]
     assert len(measured) == 6, measured  # three candidates at each shape
+
+
+def _storages_of(nbytes: int) -> int:
+    """Distinct storages of ``nbytes`` bytes that Python tensors alive now are views of."""
+    import gc
+
+    found = set()
+    for o in gc.get_objects():
+        try:
+            # Plain tensors only: fake and functional ones (Dynamo's, Inductor's) have no memory.
+            if type(o) not in (torch.Tensor, torch.nn.Parameter) or o.layout != torch.strided or o.is_meta:
+                continue
+        except ReferenceError:  # a weak proxy whose referent is gone
+            continue
+        if o.untyped_storage().nbytes() == nbytes:
+            found.add(o.untyped_storage().data_ptr())
+    return len(found)
+
+
+def test_measuring_holds_one_copy_of_a_written_cache_at_a_time(monkeypatch):
+    """The candidates other than the cost model's warm up on copies of the inputs the graph
+    writes (the call already wrote the caller's). A warm-up kept its copy of each until its
+    capture, and every candidate warms up before any is captured: a copy of a whole KV cache per
+    candidate, held at once. Each capture now sees the caller's cache alone (a cache is larger than
+    ``replay.BEFORE_CALL_BYTES``; what is not is kept as the call read it); the timed replays
+    hold one copy more (the cache as the call left it, put back after them), which is gone
+    again when the chosen candidate is captured once more."""
+    from capturepass.runtime import pick, replay
+    from capturepass.testing.host_graphs import measure_on_host
+    from tests.helpers import capture_on_host
+
+    capture_on_host(monkeypatch.setattr)
+    measure_on_host(monkeypatch.setattr)
+    torch.manual_seed(0)
+    # A cache past the size whose values before the call are kept (counters, positions): data.
+    d = 64
+    model = SlotCache(slots=2 * replay.BEFORE_CALL_BYTES // (4 * d), d=d)
+    nbytes = model.cache.untyped_storage().nbytes()
+    seen: dict[str, list[int]] = {"capture": [], "timing": []}
+    capture_warmed, time_rounds = replay.Capture._capture_warmed, pick.time_rounds
+
+    def counting_capture(self, args):
+        seen["capture"].append(_storages_of(nbytes))
+        return capture_warmed(self, args)
+
+    def counting_rounds(*a, **k):
+        seen["timing"].append(_storages_of(nbytes))
+        return time_rounds(*a, **k)
+
+    monkeypatch.setattr(replay.Capture, "_capture_warmed", counting_capture)
+    monkeypatch.setattr(pick, "time_rounds", counting_rounds)
+    # The cost model's lanes chosen, as where a GPU measures them fastest: captured first, their
+    # capture is let go of for the others' and made once more after the timing.
+    monkeypatch.setattr(pick, "choose", lambda medians, *a, **k: 0)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "verify": True})
+    with torch.no_grad():
+        compiled(torch.randn(3, d))
+    # Three candidates, then the chosen one captured again.
+    assert seen == {"capture": [1, 1, 1, 1], "timing": [2]}, seen
