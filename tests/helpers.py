@@ -277,6 +277,20 @@ class SlotCache(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.cache.index_copy_(0, torch.arange(x.shape[0]) + self.n, self.a(x) + self.b(x).relu())
+        self.cache.index_copy_(0, torch.arange(x.shape[0], device=x.device) + self.n, self.a(x) + self.b(x).relu())
         self.n.add_(x.shape[0])
         return self.cache.sum(0) * 2
+
+
+class RunningSum(torch.nn.Module):
+    """Adds to a buffer of ``rows`` at every call (a running sum, read back in part); two branches
+    beside each other. Replays of its graph that were not undone would add again."""
+
+    def __init__(self, rows: int, d: int = 64) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(rows, d))
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.acc.add_(self.a(x).sum(0))
+        return self.acc[:4].sum(0) + self.b(x).relu()

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
-from tests.helpers import SlotCache
+from tests.helpers import RunningSum, SlotCache
 
 
 def test_candidates_warm_up_and_replay_from_what_the_call_read(monkeypatch, caplog):
@@ -101,3 +102,34 @@ def test_measuring_holds_one_copy_of_a_written_cache_at_a_time(monkeypatch):
         compiled(torch.randn(3, d))
     # Three candidates, then the chosen one captured again.
     assert seen == {"capture": [1, 1, 1, 1], "timing": [2]}, seen
+
+
+@pytest.mark.parametrize("spare", (None, 0), ids=("copies-beside", "copies-on-the-host"))
+def test_the_timed_replays_are_undone_from_copies_beside_or_on_the_host(spare, monkeypatch, caplog):
+    """Timed replays write the caller's buffer at its own address (larger than
+    ``replay.BEFORE_CALL_BYTES``, it is not put back before each): measuring puts back what the
+    call left, from copies on the buffer's device or, where that device cannot spare their size
+    (``pick.spare_bytes``: a GPU's free memory; none here), on the host."""
+    import copy
+
+    from capturepass.runtime import pick, replay
+    from capturepass.testing.host_graphs import measure_on_host
+    from tests.helpers import capture_on_host
+
+    capture_on_host(monkeypatch.setattr)
+    measure_on_host(monkeypatch.setattr)
+    monkeypatch.setattr(pick, "spare_bytes", lambda device: spare)
+    torch.manual_seed(0)
+    model = RunningSum(rows=2 * replay.BEFORE_CALL_BYTES // (4 * 64))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "verify": True})
+    with caplog.at_level(logging.INFO, logger="capturepass"), torch.no_grad():
+        for rows in (3, 3, 2):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(compiled(x), eager(x))
+            torch.testing.assert_close(model.acc, eager.acc)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if ": chose schedule " in m]) == 2, messages
+    on_host = [m for m in messages if "put back after the timed replays, are kept on the host" in m]
+    assert len(on_host) == (0 if spare is None else 2), on_host

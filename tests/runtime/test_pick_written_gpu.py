@@ -1,0 +1,77 @@
+"""The measured choice on a real GPU, on graphs that write a large buffer of the caller's in place.
+
+Every test here is marked ``gpu`` and skipped without CUDA; each compiles with its own schedule
+cache folder, so that a cached choice never stands in for a measurement.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from capturepass.runtime import pick
+from tests.helpers import RunningSum, SlotCache
+
+pytestmark = pytest.mark.gpu
+
+MIB = 2**20
+FP32 = dict(atol=1e-4, rtol=1e-4)
+
+
+def test_spare_bytes_reads_what_the_gpu_can_still_allocate():
+    total = torch.cuda.get_device_properties(0).total_memory
+    spare = pick.spare_bytes(torch.device("cuda", 0))
+    assert 0 < spare <= total
+    block = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+    assert pick.spare_bytes(torch.device("cuda", 0)) <= spare - 64 * MIB + 2 * MIB  # what it holds is not spare
+    del block
+    assert pick.spare_bytes(torch.device("cpu")) is None
+
+
+@torch.no_grad()
+def test_measuring_a_graph_that_writes_a_cache_holds_at_most_one_copy_of_it(tmp_path, no_tf32):
+    """A 256 MiB cache written in place: the candidates' warm-ups run on copies of it, one at a
+    time, and the timed replays are undone from one more; never two beside the caller's."""
+    torch.manual_seed(0)
+    d = 1024
+    model = SlotCache(slots=256 * MIB // (4 * d), d=d).cuda()
+    eager = copy.deepcopy(model)
+    cache = model.cache.nbytes
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"pick_cache_dir": str(tmp_path)})
+    x = torch.randn(3, d, device="cuda")
+    want = eager(x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = compiled(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(got, want, **FP32)
+    assert torch.equal(model.n, eager.n)
+    torch.testing.assert_close(model.cache, eager.cache, **FP32)
+    assert peak < 2 * cache, f"peak {peak / MIB:.0f} MiB above the model: more than one copy of the {cache / MIB:.0f} MiB cache"
+
+
+@torch.no_grad()
+def test_a_written_buffer_the_gpu_cannot_copy_beside_itself_is_put_back_from_the_host(tmp_path, monkeypatch, caplog,
+                                                                                     no_tf32):
+    """Where the GPU has too little to spare for a copy (``spare_bytes`` says none here), the
+    written buffer is copied to the host before the timed replays and back after them: a running
+    sum the replays add to again ends as eager's."""
+    monkeypatch.setattr(pick, "spare_bytes", lambda device: 0)
+    torch.manual_seed(0)
+    model = RunningSum(rows=8192, d=64).cuda()  # 2 MiB
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"pick_cache_dir": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for rows in (3, 3, 2):
+            x = torch.randn(rows, 64, device="cuda")
+            torch.testing.assert_close(compiled(x), eager(x), **FP32)
+            torch.testing.assert_close(model.acc, eager.acc, **FP32)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "put back after the timed replays, are kept on the host" in m]) == 2, messages
