@@ -444,6 +444,21 @@ def _granitemoe(
     return _causal_lm(config, device, dtype, attn, moe=True)
 
 
+@_register("mamba", "decoder")
+def _mamba(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, attn: str = "eager"
+) -> tuple[nn.Module, InputMaker]:
+    """Mamba: no attention; a gated causal depthwise Conv1d over the sequence and a selective
+    scan (input-dependent state-space parameters, a Python loop over the 16 positions in
+    transformers' own path), RMSNorm. Its cache is the convolution and SSM states, written in
+    place."""
+    tf = _transformers()
+    config = tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, state_size=8, num_hidden_layers=1, expand=2, conv_kernel=4,
+    )
+    return _causal_lm(config, device, dtype, attn)
+
+
 # -- encoders, encoder-decoder, vision ------------------------------------------------------------
 
 
@@ -515,6 +530,26 @@ def _vit(
     config = tf.ViTConfig(
         image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=HIDDEN, num_hidden_layers=1,
         num_attention_heads=HEADS, intermediate_size=INTERMEDIATE, num_labels=10,
+    )
+    model = _instantiate("AutoModelForImageClassification", config, device, dtype, attn)
+
+    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
+        pixels = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=_generator(seed))
+        return {"pixel_values": pixels.to(device=device, dtype=dtype)}
+
+    return model, make_inputs
+
+
+@_register("resnet", "vision")
+def _resnet(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, attn: str = "eager"
+) -> tuple[nn.Module, InputMaker]:
+    """ResNet (image classification): a convolutional network, no attention: a 7x7 strided stem,
+    BatchNorm (eval: running statistics), max pooling, two stages of basic blocks with strided
+    shortcut convolutions, global average pooling, a linear head."""
+    tf = _transformers()
+    config = tf.ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=10,
     )
     model = _instantiate("AutoModelForImageClassification", config, device, dtype, attn)
 

@@ -30,7 +30,7 @@ def test_model_and_inputs(name: str):
     assert not model.training
     assert model.config._attn_implementation == "eager"
     # Decoders and T5 fill a KV cache (transformers' default, the path engines take); encoders have none.
-    assert getattr(model.config, "use_cache", False) == (name not in ("bert", "roberta", "vit"))
+    assert getattr(model.config, "use_cache", False) == (name not in ("bert", "roberta", "vit", "resnet"))
     if name in MOE:
         assert model.config._experts_implementation == "grouped_mm"
     a, b, c = make_inputs(1), make_inputs(1), make_inputs(2)
