@@ -33,7 +33,7 @@ Only the captured segments are timed: breaks run eagerly around them, identical 
 every candidate, and may have effects that must not repeat. Replays write the
 static inputs the graph updates in place (a KV cache, a counter buffer) at their
 own addresses; those are saved before the timed replays and restored after (on the host where
-their GPU cannot spare twice their size: :func:`set_aside`), so
+their GPU cannot spare twice their size: :func:`set_aside`, ``runtime.aside``), so
 measuring leaves no visible effect. A replay of such a graph reads what it writes (a
 cache's length counter picks where the next step writes): replayed again and again from
 what the previous replay left, it would walk a static cache's counter past its end. So each
@@ -81,7 +81,7 @@ from typing import Any, Protocol
 import torch
 
 from capturepass.ir.options import PICK_LOCK_ENV
-from capturepass.runtime import files
+from capturepass.runtime import aside, files
 from capturepass.runtime.choices import (PickRecord, ScheduleCache, device_name, round_us, shape_text,
                                          workspace_mib, workspace_text)
 from capturepass.runtime.replay import before_call
@@ -107,11 +107,6 @@ TIE = 0.02
 # 0.5 ms on an H200) while the host launches the sample's restores and replays: each replay is
 # then timed from when the GPU reaches it, not from when the host got to launching it.
 LEAD_IN_CYCLES = 1_000_000
-
-# The written inputs' copies that undo the timed replays (a KV cache the graph writes in place)
-# stay on their GPU while they take at most this share of what it has to spare; more goes to the
-# host, so that measuring cannot run out of memory where a cache was sized to the memory left.
-ASIDE_SHARE = 0.5
 
 MeasureRound = Callable[[Sequence[Any], Sequence[int]], list[float]]
 
@@ -155,32 +150,14 @@ class CandidateLike(Protocol):
 # -- timing and choice -------------------------------------------------------------------------------
 
 
-def spare_bytes(device: torch.device) -> int | None:
-    """What a CUDA device can still allocate: its free memory and the caching allocator's blocks
-    that hold nothing; ``None`` elsewhere (the host: no limit taken)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-
-
 def set_aside(tensors: Sequence[torch.Tensor], graph: str = "") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(tensor, copy)`` for each of ``tensors``: what they hold now, to put back after the timed
-    replays. On a device where the copies would take more than :data:`ASIDE_SHARE` of what it
-    has to spare (:func:`spare_bytes`), they are made on the host (logged)."""
-    need: dict[torch.device, int] = {}
-    for t in tensors:
-        need[t.device] = need.get(t.device, 0) + t.nbytes
-    host = set()
-    for device, nbytes in need.items():
-        left = spare_bytes(device)
-        if left is not None and nbytes > ASIDE_SHARE * left:
-            host.add(device)
-            log.info("capturepass: %s graph: the %.1f MiB of inputs it writes, put back after the timed replays, "
-                     "are kept on the host (%s has %.1f MiB to spare)", graph, nbytes / 2**20, device, left / 2**20)
-    return [(t, t.to("cpu", copy=True) if t.device in host else t.clone()) for t in tensors]
-
-
+    replays; on the host where their device cannot spare them (``runtime.aside``, logged)."""
+    host = aside.on_host(tensors)
+    if host:
+        log.info("capturepass: %s graph: the inputs it writes, put back after the timed replays, are kept on "
+                 "the host: %s", graph, aside.describe(host))
+    return [(t, aside.copy_aside(t, t.device in host)) for t in tensors]
 
 
 def _own(cand: Any) -> bool:

@@ -47,7 +47,8 @@ A segment that reads a value its capture baked in but that changes at replay
 or an ``.item()``) runs uncaptured from then on, and the log says so.
 
 Captures that are not a call (``capture_sizes``) warm up on copies of the
-inputs the graph writes, so that they leave no visible effect either.
+inputs the graph writes, so that they leave no visible effect either (on the host where
+the device cannot spare a copy: ``runtime.aside``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import torch
 import torch.fx as fx
 
 from capturepass.errors import CapturePassError, ResourceError
-from capturepass.runtime import capture, context, outputs, pools
+from capturepass.runtime import aside, capture, context, outputs, pools
 from capturepass.runtime.owner import WARM_UP, GraphOwner, HeldStorage
 from capturepass.runtime.program import Program
 from capturepass.runtime.workspaces import locked_for_capture
@@ -271,18 +272,34 @@ class Capture:
         else:
             self._read = {}
         warm_args = list(args)
+        undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not real:
-            for i in self.written:
-                if i < len(args) and isinstance(args[i], torch.Tensor):
-                    warm_args[i] = (args[i] if before is None else before.get(i, args[i])).clone()
+            written = [i for i in self.written if i < len(args) and isinstance(args[i], torch.Tensor)]
+            # Copies the device cannot spare (a cache sized to the memory left): the warm-up runs
+            # on the caller's tensor, put back from a copy on the host after it.
+            host = aside.on_host([args[i] for i in written if before is None or i not in before])
+            if host:
+                log.info("capturepass: %s: its warm-up runs on the caller's inputs the graph writes, put back "
+                         "from the host after it: %s", owner.name, aside.describe(host))
+            for i in written:
+                if before is not None and i in before:
+                    warm_args[i] = before[i].clone()
+                elif args[i].device in host:
+                    undo.append((args[i], aside.copy_aside(args[i], True)))
+                else:
+                    warm_args[i] = args[i].clone()
         env = self.warm_up.initial_env(warm_args)
         shared = owner.shared
         if shared is not None:
             owner.begin_capture()  # the warm-up allocates in the pool the capture then uses
         routed = shared is not None and shared.warms_up_in_pool()
-        with shared.warm_up() if routed else contextlib.nullcontext(), context.running(owner):
-            for p in range(len(program.pieces)):
-                self.warm_up.run_piece(p, env)
+        try:
+            with shared.warm_up() if routed else contextlib.nullcontext(), context.running(owner):
+                for p in range(len(program.pieces)):
+                    self.warm_up.run_piece(p, env)
+        finally:
+            for t, copy in undo:
+                t.copy_(copy)
         out = self.warm_up.result(env)
         if real and routed:
             # The pool is the captures' memory: a result the caller keeps would pin its block

@@ -109,16 +109,17 @@ def test_the_timed_replays_are_undone_from_copies_beside_or_on_the_host(spare, m
     """Timed replays write the caller's buffer at its own address (larger than
     ``replay.BEFORE_CALL_BYTES``, it is not put back before each): measuring puts back what the
     call left, from copies on the buffer's device or, where that device cannot spare their size
-    (``pick.spare_bytes``: a GPU's free memory; none here), on the host."""
+    (``aside.spare_bytes``: a GPU's free memory; none here), on the host. The other candidates'
+    warm-ups then run on the caller's buffer itself, put back from the host after each."""
     import copy
 
-    from capturepass.runtime import pick, replay
+    from capturepass.runtime import aside, replay
     from capturepass.testing.host_graphs import measure_on_host
     from tests.helpers import capture_on_host
 
     capture_on_host(monkeypatch.setattr)
     measure_on_host(monkeypatch.setattr)
-    monkeypatch.setattr(pick, "spare_bytes", lambda device: spare)
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: spare)
     torch.manual_seed(0)
     model = RunningSum(rows=2 * replay.BEFORE_CALL_BYTES // (4 * 64))
     eager = copy.deepcopy(model)
@@ -133,3 +134,5 @@ def test_the_timed_replays_are_undone_from_copies_beside_or_on_the_host(spare, m
     assert len([m for m in messages if ": chose schedule " in m]) == 2, messages
     on_host = [m for m in messages if "put back after the timed replays, are kept on the host" in m]
     assert len(on_host) == (0 if spare is None else 2), on_host
+    warm_ups = [m for m in messages if "its warm-up runs on the caller's inputs the graph writes" in m]
+    assert len(warm_ups) == (0 if spare is None else 4), warm_ups  # two other candidates per shape

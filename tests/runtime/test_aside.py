@@ -1,0 +1,32 @@
+"""Where the copies that undo capturepass's own writes go: beside their tensor, or on the host."""
+
+from __future__ import annotations
+
+import torch
+
+from capturepass.runtime import aside
+
+MIB = 2**20
+
+
+def test_the_host_takes_no_limit():
+    assert aside.spare_bytes(torch.device("cpu")) is None
+    assert aside.on_host([torch.zeros(MIB)]) == {}
+
+
+def test_copies_past_the_share_of_what_a_device_can_spare_go_to_the_host(monkeypatch):
+    a, b = torch.zeros(MIB // 4), torch.zeros(MIB // 4)  # 1 MiB each
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: 4 * MIB)
+    assert aside.on_host([a, b]) == {}  # 2 MiB of 4: within ASIDE_SHARE
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: 4 * MIB - 1)
+    host = aside.on_host([a, b])
+    assert host == {torch.device("cpu"): (2 * MIB, 4 * MIB - 1)}
+    assert aside.describe(host) == "2.0 MiB (cpu has 4.0 MiB to spare)"
+
+
+def test_a_copy_on_the_host_is_a_copy():
+    t = torch.arange(6.0)
+    for host in (False, True):
+        c = aside.copy_aside(t, host)
+        assert torch.equal(c, t) and c.device.type == "cpu"
+        assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
