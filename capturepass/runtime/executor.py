@@ -492,15 +492,19 @@ class Executor(Releases):
         """
         moved = self._places.moved(base, args)
         if moved:
-            names = [self.program.inputs[i].name for i in moved]
+            plan = self._places.get(base)
+            stay = [i for i in moved if plan and i in plan[0]]
+            names = [f"%{self.program.inputs[i].name}" for i in moved if i not in stay]
             released = self._release_base(base)
-            log.info(
-                "capturepass: %s: input(s) %s came at another address than at their capture; they are "
-                "copied into buffers while they move (captured in place again once one stays put; a capture "
-                "per address would spend max_captures)%s",
-                self._what, ", ".join(f"%{n}" for n in names),
-                f"; released {', '.join(released)}, made on the old address" if released else "",
-            )
+            said = f"; released {', '.join(released)}, made on the old address" if released else ""
+            if names:
+                log.info("capturepass: %s: input(s) %s came at another address than at their capture; they are "
+                         "copied into buffers while they move (captured in place again once one stays put; a "
+                         "capture per address would spend max_captures)%s", self._what, ", ".join(names), said)
+            if stay:
+                log.info("capturepass: %s: written input(s) %s came at another address than at their capture; "
+                         "captured in place there, as the device cannot spare a buffer of their size%s", self._what,
+                         ", ".join(f"%{self.program.inputs[i].name}" for i in stay), said)
         return capture_key(base, self._places.get(base), args)
 
     def capture(self, args: Sequence[Any], key: tuple | None = None) -> Capture | None:

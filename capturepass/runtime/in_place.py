@@ -25,7 +25,9 @@ make one per call. The plan watches where it comes (:meth:`InPlacePlans.observe`
 again on it in place (:meth:`InPlacePlans.promote`), and from then on it costs no copy. One call
 suffices: the next call is still early in any warm-up, and a wrong guess costs one capture. If it moves after
 that, it is copied for good (``moved``): at most two more captures per shape, and none for a
-caller whose tensors never stay put.
+caller whose tensors never stay put. A written input too large for its device to spare a buffer
+of its size (``runtime.aside``: a KV cache sized to the memory left) is never copied: it stays
+in place at each new address, a capture per address.
 
 Memory a replay hands out (an output over a non-owning alias of a graph's pool, ``runtime.
 outputs``) is never captured in place (:func:`owns_memory`): the replay that reads it may
@@ -38,6 +40,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
+
+from capturepass.runtime import aside
 
 # (positions captured in place, their addresses at the base's first capture)
 Plan = tuple[tuple[int, ...], tuple[int, ...]]
@@ -197,13 +201,18 @@ class InPlacePlans:
 
     def moved(self, base: tuple, args: Sequence[Any]) -> list[int]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
-        at the first capture; they are copied from now on (dropped from the plan). An input
-        back at its first address is not moved (its capture was released when the tensor died,
-        and it is captured in place again)."""
+        at the first capture; they are copied from now on (dropped from the plan), except a
+        written one that its device cannot spare a buffer for (``runtime.aside``), which stays in
+        the plan at its new address. An input back at its first address is not moved (its
+        capture was released when the tensor died, and it is captured in place again)."""
         places, ptrs = self._plans[base]
         moved = [i for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr]
         if moved:
-            keep = [(i, ptr) for i, ptr in zip(places, ptrs) if i not in moved]
+            # A written input whose device cannot spare a buffer of its size (a cache sized to the
+            # memory left) stays in place, at its new address: a capture per address it takes.
+            stay = {i for i in moved if i in self._written and aside.on_host([args[i]])}
+            keep = [(i, args[i].data_ptr() if i in stay else ptr) for i, ptr in zip(places, ptrs)
+                    if i not in moved or i in stay]
             self._plans[base] = (tuple(i for i, _ in keep), tuple(p for _, p in keep))
             # Watched from here as a whole read-only input is: a cache that moved once (a new one
             # per generation) and then stays put is captured in place again at its new address,
@@ -211,7 +220,7 @@ class InPlacePlans:
             # for good after MAX_MOVES.
             steady = self._steady.setdefault(base, {})
             for i in moved:
-                if _plain(args[i]):
+                if i not in stay and _plain(args[i]):
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]

@@ -139,6 +139,35 @@ def test_a_cache_that_moves_once_and_stays_is_captured_in_place_again(host_captu
 
 
 @torch.no_grad()
+def test_a_cache_its_device_cannot_copy_is_captured_in_place_at_its_new_address(host_captures, caplog, monkeypatch):
+    """A new cache per generation that the device has no room to copy (``aside.spare_bytes``: a
+    GPU's free memory; none here): the call that brings it captures in place at its new address,
+    with no buffer of its size, and the calls after replay."""
+    from capturepass.runtime import aside
+
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: 0)
+    model, compiled = _compiled()
+    rows = torch.randn(16, 4)
+    x, pos, r = _args(0, rows)
+    compiled(x, torch.zeros(8, 4), pos, r)  # compiles, runs eagerly
+    ex = _executor()
+    del host_captures[:]
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for cache in (torch.zeros(8, 4), torch.ones(8, 4)):
+            ref = cache.clone()
+            for step in range(4):
+                x, pos, r = _args(step, rows)
+                torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+                torch.testing.assert_close(cache, ref)
+    said = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
+    assert len(said) == 1 and "captured in place there, as the device cannot spare" in said[0], said
+    assert [k for k, _ in host_captures] == ["capture", "replay", "replay", "replay"] * 2
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(3, 4), (8, 4)]
+    assert cap.input_copies == 3 * 2  # x and pos at each replay, never the cache
+
+
+@torch.no_grad()
 def test_the_capture_made_on_a_cache_goes_when_its_storage_dies(host_captures, caplog):
     model, compiled = _compiled()
     rows = torch.randn(16, 4)
