@@ -81,3 +81,44 @@ def test_a_written_buffer_the_gpu_cannot_copy_beside_itself_is_put_back_from_the
             torch.testing.assert_close(model.acc, eager.acc, **FP32)
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if "put back after the timed replays, are kept on the host" in m]) == 2, messages
+
+
+class _WritesItsCache(torch.nn.Module):
+    """Writes the first rows of a cache the caller passes (an argument, not a buffer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache[: x.shape[0]] = self.a(x) + self.b(x).relu()
+        return cache[:8].sum(0)
+
+
+@torch.no_grad()
+def test_a_new_cache_the_gpu_cannot_copy_is_captured_where_it_lies(tmp_path, monkeypatch, caplog, no_tf32):
+    """A second 256 MiB cache (a new generation's) where the GPU has no room for a copy of it
+    (``aside.spare_bytes`` says none): captured in place at its address, never copied into a
+    buffer of its size."""
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: 0)
+    torch.manual_seed(0)
+    d = 1024
+    model = _WritesItsCache(d).cuda()
+    compiled = torch.compile(model, backend="capturepass", dynamic=False, options={"pick_cache_dir": str(tmp_path)})
+    rows = 256 * MIB // (4 * d)
+    # Both alive at once: the second cannot take the first's block (which would not be a move).
+    caches = [torch.zeros(rows, d, device="cuda") for _ in range(2)]
+    refs = [torch.zeros(rows, d, device="cuda") for _ in range(2)]
+    for generation, (cache, ref) in enumerate(zip(caches, refs)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with caplog.at_level(logging.INFO, logger="capturepass"):
+            for step in range(3):
+                x = torch.randn(4, d, device="cuda")
+                torch.testing.assert_close(compiled(x, cache), model(x, ref), **FP32)
+                torch.testing.assert_close(cache, ref, **FP32)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        assert peak < cache.nbytes, f"generation {generation}: peak {peak / MIB:.0f} MiB, a copy of the cache"
+    assert "captured in place there, as the device cannot spare a buffer" in caplog.text
