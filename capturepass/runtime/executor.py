@@ -92,7 +92,8 @@ from capturepass.runtime.in_place import STEADY_CALLS, InPlacePlans, capture_key
 from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.releases import Releases
-from capturepass.runtime.replay import Capture, CaptureFailure, InPlaceMoved, Snapshot
+from capturepass.runtime.replay import Capture, CaptureFailure, InPlaceMoved
+from capturepass.runtime.snapshot import Snapshot
 from capturepass.runtime.scalars import ScalarMisses
 from capturepass.runtime.workspaces import locked_for_capture
 
