@@ -664,7 +664,10 @@ class Executor(Releases):
         where = f"segment {piece.segment} of the {self._what}" + (f" (owner {failure.owner})" if failure.owner else "")
         culprits = self._learned_in(piece)
         if not culprits:
-            found = capture.first_failing_node(program, failure.piece, failure.env, failure.device)
+            try:
+                found = capture.first_failing_node(program, failure.piece, failure.env, failure.device)
+            finally:
+                failure.put_back()
             if found is None:
                 self._stop_capturing(
                     f"capturing {where} failed ({type(error).__name__}: {error}), and no single op of it fails "

@@ -86,13 +86,16 @@ class CaptureFailure(Exception):
         error: what its capture raised.
         outputs: the warm-up's results (the call's own results when the warm-up was the call).
         env: values of every node the failing piece reads, for a probe (inputs the graph
-            writes replaced by copies).
+            writes replaced by copies, or the caller's own where its device cannot spare a copy).
         device: the CUDA device.
         owner: the name of the owner whose capture failed (``g3.m0.c1``).
+        undo: ``(tensor, copy)``: the caller's tensors in ``env`` and copies of them on the host,
+            to put back after the probe (:meth:`put_back`).
     """
 
     def __init__(self, piece: int, error: BaseException, outputs: Any, env: dict[fx.Node, Any],
-                 device: torch.device, owner: str = "") -> None:
+                 device: torch.device, owner: str = "",
+                 undo: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         super().__init__(f"capturing piece {piece} of {owner or 'an owner'} failed: {type(error).__name__}: {error}")
         self.owner = owner
         self.piece = piece
@@ -100,6 +103,13 @@ class CaptureFailure(Exception):
         self.outputs = outputs
         self.env = env
         self.device = device
+        self.undo = list(undo)
+
+    def put_back(self) -> None:
+        """Puts back the caller's tensors the probe ran on (``undo``)."""
+        for t, copy in self.undo:
+            t.copy_(copy)
+        self.undo.clear()
 
 
 class InPlaceMoved(Exception):
@@ -497,23 +507,35 @@ class Capture:
                     raise
                 except Exception as exc:  # noqa: BLE001 - the capture failed: the executor decides
                     owner.graphs.pop(piece.segment, None)
-                    raise CaptureFailure(p, exc, out, self._probe_env(warm, args), device, owner.name) from exc
+                    env, undo = self._probe_env(warm, args)
+                    raise CaptureFailure(p, exc, out, env, device, owner.name, undo) from exc
                 finally:
                     owner.capturing = None
                 self.seg_in[p] = staged
                 self.seg_scalars[p] = scalars
                 self.seg_out[p] = [env[n] for n in piece.live_out]
 
-    def _probe_env(self, warm: dict[fx.Node, Any], args: Sequence[Any]) -> dict[fx.Node, Any]:
+    def _probe_env(self, warm: dict[fx.Node, Any],
+                   args: Sequence[Any]) -> tuple[dict[fx.Node, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The values a failed capture's probe runs on, and the caller's tensors among them to put
+        back after it: the probe runs the piece's ops once, on copies of the inputs the graph
+        writes, or on the caller's own where the device cannot spare a copy (``runtime.aside``)."""
         env = dict(warm)
+        written = [i for i in self.written
+                   if i not in self.inputs and i < len(args) and isinstance(args[i], torch.Tensor)]
+        host = aside.on_host([args[i] for i in written if i not in self._read])
+        undo = []
         for i, node in enumerate(self.program.inputs):
             if i in self.inputs:
                 env[node] = self.inputs[i]  # still the call's input values: nothing ran in the capture
-            elif i in self.written and i < len(args) and isinstance(args[i], torch.Tensor):
+            elif i in written and i not in self._read and args[i].device in host:
+                env[node] = args[i]
+                undo.append((args[i], aside.copy_aside(args[i], True)))
+            elif i in written:
                 env[node] = self._read.get(i, args[i]).clone()
             elif i < len(args):
                 env[node] = args[i]
-        return env
+        return env, undo
 
     def drop_outputs(self) -> bool:
         """Lets go of the captured segment's outputs, for a capture that is only timed (a schedule

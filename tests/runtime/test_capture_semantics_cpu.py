@@ -453,6 +453,48 @@ def test_a_failed_captures_probe_reads_what_the_call_read(monkeypatch):
     assert counters == [0, 3], counters
 
 
+@pytest.mark.parametrize("spare", (None, 0), ids=("copies-beside", "copies-on-the-host"))
+def test_a_failed_captures_probe_leaves_the_callers_written_inputs_as_the_call_left_them(spare, monkeypatch):
+    """The probe runs the failing piece's ops once more. On a copy of a large input the graph
+    writes (a running sum), or, where its device cannot spare one (``aside.spare_bytes``: a GPU's
+    free memory; none here), on the caller's tensor, put back from the host after the probe:
+    either way the caller's buffer holds what the call wrote, once."""
+    import copy
+
+    from capturepass.runtime import aside, capture, replay
+    from capturepass.testing.host_graphs import replay_on_host
+    from tests.helpers import HostCapture, RunningSum
+
+    class Failing(HostCapture):
+        def _segment_graph(self, p, bound, env, stream):
+            graph, _ = super()._segment_graph(p, bound, env, stream)
+            return graph, _raising()
+
+    replay_on_host(capture_class=Failing, set_attr=monkeypatch.setattr)
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: spare)
+    rows = 2 * replay.BEFORE_CALL_BYTES // (4 * 64)
+    probed = []
+
+    def probe(program, index, env, device):  # writes what the piece's eager run would write again
+        for v in env.values():
+            if isinstance(v, torch.Tensor) and v.shape == (rows, 64):
+                probed.append(v)
+                v.add_(1.0)
+        return None
+
+    monkeypatch.setattr(capture, "first_failing_node", probe)
+    torch.manual_seed(0)
+    model = RunningSum(rows)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="capturepass", dynamic=False,
+                             options={"inner": "eager", "cudagraphs": "monolithic"})
+    with torch.no_grad():
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(compiled(x), eager(x))
+    torch.testing.assert_close(model.acc, eager.acc)
+    assert len(probed) == 1 and (probed[0] is model.acc) == (spare == 0)
+
+
 class _Raising:
     def __enter__(self):
         raise RuntimeError("operation not permitted when stream is capturing")
