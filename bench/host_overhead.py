@@ -30,12 +30,18 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-MODELS = ("llama", "qwen2_moe", "gpt2", "mixtral")
+
+
+def decoders() -> list[str]:
+    """The zoo's decoders (token ids in, ``use_cache`` taken), in catalogue order."""
+    from capturepass.testing import zoo
+
+    return [name for name, family in zoo.FAMILIES.items() if family == "decoder"]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2_moe", choices=MODELS)
+    p.add_argument("--model", default="qwen2_moe", choices=decoders())
     p.add_argument("--decode", type=int, default=8, help="decode batch: B sequences of one token")
     p.add_argument("--prefill", default=None, help="B,S: a prefill shape instead of the decode one")
     p.add_argument("--iters", type=int, default=100)

@@ -82,6 +82,7 @@ def test_host_overhead_bench_times_every_layer():
     times = bench.layers("gpt2", 2, 1, iters=2, rounds=1)
     assert list(times) == ["region", "program", "executor", "capturepass", "inductor"]
     assert all(t > 0 for t in times.values())
+    assert {"llama", "qwen2_moe", "mamba"} <= set(bench.decoders()) and "bert" not in bench.decoders()
 
 
 def test_host_profile_names_where_the_calls_spend_their_time():
