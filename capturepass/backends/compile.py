@@ -38,7 +38,7 @@ from capturepass.backends.inline_check import CodeCapture, findings
 from capturepass.errors import EmitError, is_dynamo_control_flow, is_dynamo_signal
 from capturepass.ir import analysis, meta
 from capturepass.ir.capabilities import REGISTRY, CapabilityRegistry
-from capturepass.ir.meta import Break, GraphInfo, OwnerId
+from capturepass.ir.meta import Break, CaptureMode, GraphInfo, OwnerId
 from capturepass.ir.options import Options
 from capturepass.ir.plan import Plan, RegionPlan, StepKind
 from capturepass.passes import instruments as inst
@@ -316,6 +316,9 @@ def seed(
     cuda = on_cuda(example_inputs)
     opts = resolve(options).for_graph(name, cuda)
     if meta.META_KEY not in gm.meta:
+        if not cuda and opts.cudagraphs != CaptureMode.NONE:
+            log.info("capturepass: %s graph: cudagraphs=%r asks for CUDA graphs, but its tensors are not on a "
+                     "CUDA device: it runs uncaptured", name, opts.cudagraphs.value)
         meta.set_graph_info(
             gm,
             GraphInfo(

@@ -102,6 +102,22 @@ def test_valid_options_are_accepted():
     )
 
 
+@pytest.mark.parametrize("cudagraphs", ["monolithic", "breakable", None])
+def test_cuda_graphs_asked_of_a_host_graph_say_it_runs_uncaptured(cudagraphs, caplog):
+    import logging
+
+    model = torch.nn.Linear(8, 8)
+    options = {"inner": "eager"} if cudagraphs is None else {"inner": "eager", "cudagraphs": cudagraphs}
+    with caplog.at_level(logging.INFO, logger="capturepass"), torch.no_grad():
+        torch.compile(model, backend="capturepass", options=options)(torch.randn(2, 8))
+    said = [r.getMessage() for r in caplog.records if "asks for CUDA graphs" in r.getMessage()]
+    if cudagraphs is None:  # the default on the host: no capture asked for
+        assert not said
+    else:
+        assert said == [f"capturepass: inference graph: cudagraphs={cudagraphs!r} asks for CUDA graphs, but its "
+                        "tensors are not on a CUDA device: it runs uncaptured"], said
+
+
 def _dump_files(root) -> tuple[str, list[str]]:
     (graph_dir,) = os.listdir(root)
     return graph_dir, sorted(os.listdir(os.path.join(root, graph_dir)))
