@@ -105,6 +105,18 @@ def test_a_cache_that_moves_is_copied_from_then_on_with_one_more_capture(host_ca
     assert host_captures == [("capture", first), ("capture", second)] + [("replay", second)] * 4
 
 
+def _generations(model, compiled, rows, caches, after_step=lambda: None) -> None:
+    """A new cache per generation (``caches``, which the caller keeps: the captures made on one go
+    when it dies), four steps each, every call and the cache equal to eager's."""
+    for cache in caches:
+        ref = cache.clone()
+        for step in range(4):
+            x, pos, r = _args(step, rows)
+            torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
+            torch.testing.assert_close(cache, ref)
+            after_step()
+
+
 @torch.no_grad()
 def test_a_cache_that_moves_once_and_stays_is_captured_in_place_again(host_captures, caplog):
     """A new cache per generation: the call that brings it is captured copying it, the next finds
@@ -116,13 +128,9 @@ def test_a_cache_that_moves_once_and_stays_is_captured_in_place_again(host_captu
     ex = _executor()
     copies = []
     with caplog.at_level(logging.INFO, logger="capturepass"):
-        for cache in (torch.zeros(8, 4), torch.ones(8, 4)):
-            ref = cache.clone()
-            for step in range(4):
-                x, pos, r = _args(step, rows)
-                torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
-                torch.testing.assert_close(cache, ref)
-                copies.append(sum(cap.input_copies for cap in ex._captures.values()))
+        caches = (torch.zeros(8, 4), torch.ones(8, 4))
+        _generations(model, compiled, rows, caches,
+                     lambda: copies.append(sum(cap.input_copies for cap in ex._captures.values())))
     moved = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
     again = [r.getMessage() for r in caplog.records if "stayed at one address" in r.getMessage()]
     assert len(moved) == 1 and "copied into buffers while they move" in moved[0]
@@ -153,12 +161,8 @@ def test_a_cache_its_device_cannot_copy_is_captured_in_place_at_its_new_address(
     ex = _executor()
     del host_captures[:]
     with caplog.at_level(logging.INFO, logger="capturepass"):
-        for cache in (torch.zeros(8, 4), torch.ones(8, 4)):
-            ref = cache.clone()
-            for step in range(4):
-                x, pos, r = _args(step, rows)
-                torch.testing.assert_close(compiled(x, cache, pos, r), model(x, ref, pos, r))
-                torch.testing.assert_close(cache, ref)
+        caches = (torch.zeros(8, 4), torch.ones(8, 4))
+        _generations(model, compiled, rows, caches)
     said = [r.getMessage() for r in caplog.records if "another address" in r.getMessage()]
     assert len(said) == 1 and "captured in place there, as the device cannot spare" in said[0], said
     assert [k for k, _ in host_captures] == ["capture", "replay", "replay", "replay"] * 2
