@@ -1,9 +1,10 @@
 """The zoo's decoders at realistic sizes on a GPU: capturepass against what a user would pick instead.
 
-Models (transformers, random weights, bf16, ``attn_implementation="sdpa"``): the zoo's catalogue
-entries (``capturepass.testing.zoo``) rebuilt with hidden sizes of 1024 to 2048 and two to four
-layers; the MoE models at the layer shapes of released checkpoints (Qwen2-MoE at
-Qwen1.5-MoE-A2.7B's: 60 experts top-4 beside a 5632-wide shared expert). Shapes: a decode-like
+Models (transformers, random weights, bf16, ``attn_implementation="sdpa"``, or ``"eager"`` for
+Mamba, which has no attention): the zoo's catalogue entries (``capturepass.testing.zoo``) rebuilt
+with hidden sizes of 1024 to 2048 and two to four layers; the MoE models at the layer shapes of
+released checkpoints (Qwen2-MoE at Qwen1.5-MoE-A2.7B's: 60 experts top-4 beside a 5632-wide
+shared expert). Shapes: a decode-like
 batch (``--decode B``: B sequences of one token) and a prefill (``--prefill B,S``).
 
 Variants, each in its own process (so that no compile cache or pool of one variant helps
@@ -104,6 +105,8 @@ SIZES: dict[str, dict] = {
                         # values would otherwise be carried over.
                         head_dim=32, qk_head_dim=96),
     "gpt2": dict(n_embd=1024, n_inner=4096, n_layer=4, n_head=16, vocab_size=32000),
+    # A state-space decoder: no attention, no KV cache; its cache is the convolution and SSM states.
+    "mamba": dict(hidden_size=1024, state_size=16, num_hidden_layers=4, expand=2, conv_kernel=4, vocab_size=32000),
 }
 SHARED_EXPERT = ("qwen2_moe", "deepseek_v3")
 
@@ -130,8 +133,9 @@ def build(name: str, device: str, sizes: str = "real"):
     config = type(small.config)(**fields)
     kwargs = {"experts_implementation": "grouped_mm"} if hasattr(config, "num_experts_per_tok") else {}
     torch.manual_seed(0)
+    attn = "sdpa" if small._supports_sdpa else "eager"  # a model without attention takes "eager" only
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn, **kwargs)
     return model.to(dtype=torch.bfloat16).eval(), config.vocab_size
 
 

@@ -28,7 +28,7 @@ def test_zoo_bench_help_and_unknown_model():
     assert bad.returncode == 2 and "unknown model or variant: nope" in bad.stderr
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt2", "mamba"])
 def test_zoo_bench_models_build_at_their_sizes(name):
     pytest.importorskip("transformers")
     bench = _load("zoo")
