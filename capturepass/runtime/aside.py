@@ -16,16 +16,24 @@ from collections.abc import Sequence
 
 import torch
 
+from capturepass.runtime import files
+
 ASIDE_SHARE = 0.5
 """The share of a device's spare memory (:func:`spare_bytes`) that copies may take on it."""
 
 
 def spare_bytes(device: torch.device) -> int | None:
     """What a CUDA device can still allocate: its free memory and the caching allocator's blocks
-    that hold nothing; ``None`` elsewhere (the host: no limit taken)."""
+    that hold nothing; ``None`` elsewhere (the host: no limit taken), and where the driver does not
+    say (logged once: copies are then made beside their tensors, as before this check)."""
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
+    try:
+        free, _ = torch.cuda.mem_get_info(device)
+    except RuntimeError as e:
+        files.warn_once(f"mem_get_info:{device}", "capturepass: cannot read the free memory of %s (%s); copies of "
+                        "the inputs a graph writes are made on it", device, e)
+        return None
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 

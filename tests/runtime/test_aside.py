@@ -30,3 +30,15 @@ def test_a_copy_on_the_host_is_a_copy():
         c = aside.copy_aside(t, host)
         assert torch.equal(c, t) and c.device.type == "cpu"
         assert c.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_a_driver_that_does_not_say_sets_no_limit(monkeypatch, caplog):
+    import logging
+
+    def refuses(device):
+        raise RuntimeError("CUDA driver error: not supported")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", refuses)
+    with caplog.at_level(logging.WARNING, logger="capturepass"):
+        assert aside.spare_bytes(torch.device("cuda", 7)) is None
+    assert "cannot read the free memory of cuda:7 (CUDA driver error: not supported)" in caplog.text
