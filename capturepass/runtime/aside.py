@@ -12,11 +12,14 @@ it), slower but within memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from capturepass.runtime import files
+
+log = logging.getLogger("capturepass")
 
 ASIDE_SHARE = 0.5
 """The share of a device's spare memory (:func:`spare_bytes`) that copies may take on it."""
@@ -60,3 +63,36 @@ def describe(host: dict[torch.device, tuple[int, int]]) -> str:
     """``"12.0 MiB (cuda:0 has 20.0 MiB to spare)"`` for each device of :func:`on_host`'s answer."""
     return ", ".join(f"{nbytes / 2**20:.1f} MiB ({device} has {left / 2**20:.1f} MiB to spare)"
                      for device, (nbytes, left) in host.items())
+
+
+def kept(tensors: Sequence[torch.Tensor], what: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tensor, copy)`` for each of ``tensors``: what they hold now, to put back after ``what``
+    runs; on the host where their device cannot spare the copies (logged)."""
+    host = on_host(tensors)
+    if host:
+        log.info("capturepass: %s: the inputs the graph writes are kept on the host until put back: %s",
+                 what, describe(host))
+    return [(t, copy_aside(t, t.device in host)) for t in tensors]
+
+
+def scratch(tensors: Mapping[int, torch.Tensor], before: Mapping[int, torch.Tensor],
+            what: str) -> tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What a run that must leave the caller's ``tensors`` (by position) as they are runs on:
+    a copy of ``before[i]`` where given (what the call read), else a copy of the tensor beside
+    it, or, where its device cannot spare the copies, the tensor itself, with a copy on the host
+    in ``undo`` to put back after the run (logged, naming ``what``). Returns ``(run, undo)``."""
+    host = on_host([t for i, t in tensors.items() if i not in before])
+    if host:
+        log.info("capturepass: %s runs on the caller's inputs the graph writes, put back from the host "
+                 "after it: %s", what, describe(host))
+    run: dict[int, torch.Tensor] = {}
+    undo: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, t in tensors.items():
+        if i in before:
+            run[i] = before[i].clone()
+        elif t.device in host:
+            run[i] = t
+            undo.append((t, copy_aside(t, True)))
+        else:
+            run[i] = t.clone()
+    return run, undo

@@ -33,7 +33,7 @@ Only the captured segments are timed: breaks run eagerly around them, identical 
 every candidate, and may have effects that must not repeat. Replays write the
 static inputs the graph updates in place (a KV cache, a counter buffer) at their
 own addresses; those are saved before the timed replays and restored after (on the host where
-their GPU cannot spare twice their size: :func:`set_aside`, ``runtime.aside``), so
+their GPU cannot spare twice their size: ``runtime.aside``), so
 measuring leaves no visible effect. A replay of such a graph reads what it writes (a
 cache's length counter picks where the next step writes): replayed again and again from
 what the previous replay left, it would walk a static cache's counter past its end. So each
@@ -148,16 +148,6 @@ class CandidateLike(Protocol):
 
 
 # -- timing and choice -------------------------------------------------------------------------------
-
-
-def set_aside(tensors: Sequence[torch.Tensor], graph: str = "") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(tensor, copy)`` for each of ``tensors``: what they hold now, to put back after the timed
-    replays; on the host where their device cannot spare them (``runtime.aside``, logged)."""
-    host = aside.on_host(tensors)
-    if host:
-        log.info("capturepass: %s graph: the inputs it writes, put back after the timed replays, are kept on "
-                 "the host: %s", graph, aside.describe(host))
-    return [(t, aside.copy_aside(t, t.device in host)) for t in tensors]
 
 
 def _own(cand: Any) -> bool:
@@ -544,7 +534,7 @@ class Picker:
                 captured.append((c, i))
             caps[:] = [c for c, _ in captured]
             kept[:] = [i for _, i in captured]
-            saved = set_aside(protect, self.graph)
+            saved = aside.kept(protect, f"{self.graph} graph's timed replays")
             for c in caps:
                 c.timing_args = args
                 c.timing_restore = list(before.items()) or None

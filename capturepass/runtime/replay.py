@@ -284,20 +284,9 @@ class Capture:
         warm_args = list(args)
         undo: list[tuple[torch.Tensor, torch.Tensor]] = []
         if not real:
-            written = [i for i in self.written if i < len(args) and isinstance(args[i], torch.Tensor)]
-            # Copies the device cannot spare (a cache sized to the memory left): the warm-up runs
-            # on the caller's tensor, put back from a copy on the host after it.
-            host = aside.on_host([args[i] for i in written if before is None or i not in before])
-            if host:
-                log.info("capturepass: %s: its warm-up runs on the caller's inputs the graph writes, put back "
-                         "from the host after it: %s", owner.name, aside.describe(host))
-            for i in written:
-                if before is not None and i in before:
-                    warm_args[i] = before[i].clone()
-                elif args[i].device in host:
-                    undo.append((args[i], aside.copy_aside(args[i], True)))
-                else:
-                    warm_args[i] = args[i].clone()
+            run, undo = aside.scratch(self._written_args(args), before or {}, f"{owner.name}: its warm-up")
+            for i, t in run.items():
+                warm_args[i] = t
         env = self.warm_up.initial_env(warm_args)
         shared = owner.shared
         if shared is not None:
@@ -521,21 +510,18 @@ class Capture:
         back after it: the probe runs the piece's ops once, on copies of the inputs the graph
         writes, or on the caller's own where the device cannot spare a copy (``runtime.aside``)."""
         env = dict(warm)
-        written = [i for i in self.written
-                   if i not in self.inputs and i < len(args) and isinstance(args[i], torch.Tensor)]
-        host = aside.on_host([args[i] for i in written if i not in self._read])
-        undo = []
+        written = {i: t for i, t in self._written_args(args).items() if i not in self.inputs}
+        run, undo = aside.scratch(written, self._read, f"{self.owner.name}: the probe of its failed capture")
         for i, node in enumerate(self.program.inputs):
             if i in self.inputs:
                 env[node] = self.inputs[i]  # still the call's input values: nothing ran in the capture
-            elif i in written and i not in self._read and args[i].device in host:
-                env[node] = args[i]
-                undo.append((args[i], aside.copy_aside(args[i], True)))
-            elif i in written:
-                env[node] = self._read.get(i, args[i]).clone()
             elif i < len(args):
-                env[node] = args[i]
+                env[node] = run.get(i, args[i])
         return env, undo
+
+    def _written_args(self, args: Sequence[Any]) -> dict[int, torch.Tensor]:
+        """The tensors among ``args`` the graph writes, by position."""
+        return {i: args[i] for i in sorted(self.written) if i < len(args) and isinstance(args[i], torch.Tensor)}
 
     def drop_outputs(self) -> bool:
         """Lets go of the captured segment's outputs, for a capture that is only timed (a schedule

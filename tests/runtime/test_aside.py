@@ -42,3 +42,16 @@ def test_a_driver_that_does_not_say_sets_no_limit(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         assert aside.spare_bytes(torch.device("cuda", 7)) is None
     assert "cannot read the free memory of cuda:7 (CUDA driver error: not supported)" in caplog.text
+
+
+def test_scratch_runs_on_what_the_call_read_on_copies_or_on_the_callers_own(monkeypatch):
+    counter, cache = torch.tensor(3), torch.arange(8.0)
+    before = {0: torch.tensor(2)}
+    run, undo = aside.scratch({0: counter, 1: cache}, before, "a run")
+    assert run[0].item() == 2 and run[0] is not before[0]
+    assert torch.equal(run[1], cache) and run[1].data_ptr() != cache.data_ptr() and undo == []
+    monkeypatch.setattr(aside, "spare_bytes", lambda device: 0)
+    run, undo = aside.scratch({0: counter, 1: cache}, before, "a run")
+    assert run[0].item() == 2 and run[1] is cache  # the small one from before; the cache itself
+    ((t, copy),) = undo
+    assert t is cache and torch.equal(copy, cache) and copy.data_ptr() != cache.data_ptr()

@@ -132,7 +132,7 @@ def test_the_timed_replays_are_undone_from_copies_beside_or_on_the_host(spare, m
             torch.testing.assert_close(model.acc, eager.acc)
     messages = [r.getMessage() for r in caplog.records]
     assert len([m for m in messages if ": chose schedule " in m]) == 2, messages
-    on_host = [m for m in messages if "put back after the timed replays, are kept on the host" in m]
+    on_host = [m for m in messages if "timed replays: the inputs the graph writes are kept on the host" in m]
     assert len(on_host) == (0 if spare is None else 2), on_host
     warm_ups = [m for m in messages if "its warm-up runs on the caller's inputs the graph writes" in m]
     assert len(warm_ups) == (0 if spare is None else 4), warm_ups  # two other candidates per shape
