@@ -41,9 +41,6 @@ from typing import Any
 
 import torch
 import torch._inductor.decomposition  # noqa: F401  (the table _decompositions reads)
-# Inductor's decompositions call into its lowerings while AOT autograd traces (max_pool2d asks
-# ``torch._inductor.lowering`` whether to fall back), a module only Inductor's compile imports.
-import torch._inductor.lowering  # noqa: F401
 import torch.fx as fx
 
 from capturepass.backends import candidates
@@ -477,6 +474,11 @@ def _decompositions(inner: str) -> dict | None:
     """
     if inner != "inductor":
         return None
+    # Some of the table's decompositions consult Inductor's lowerings while AOT autograd traces
+    # (max_pool2d asks ``torch._inductor.lowering`` whether to fall back): a module only
+    # Inductor's own compile imports, which has not run in a process that compiled nothing else.
+    import torch._inductor.lowering  # noqa: F401
+
     select = getattr(getattr(torch._inductor, "decomposition", None), "select_decomp_table", None)
     if select is None:  # pragma: no cover - a torch without Inductor's table: AOT's defaults
         return None
