@@ -5,7 +5,9 @@ Mamba, which has no attention): the zoo's catalogue entries (``capturepass.testi
 with hidden sizes of 1024 to 2048 and two to four layers; the MoE models at the layer shapes of
 released checkpoints (Qwen2-MoE at Qwen1.5-MoE-A2.7B's: 60 experts top-4 beside a 5632-wide
 shared expert). Shapes: a decode-like
-batch (``--decode B``: B sequences of one token) and a prefill (``--prefill B,S``).
+batch (``--decode B``: B sequences of one token) and a prefill (``--prefill B,S``). Also, by name,
+models whose branches are wide (``bench/branch_models.py``: torchvision's GoogLeNet and Inception
+v3, diffusers' Flux and SD3 transformers), each at two shapes of its own.
 
 Variants, each in its own process (so that no compile cache or pool of one variant helps
 another; compiles run in parallel, timings one process at a time under a file lock, which
@@ -71,6 +73,8 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import branch_models  # noqa: E402
+from branch_models import Workload  # noqa: E402
 from timing import fresh_caches, save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
@@ -181,10 +185,32 @@ def _arrive(lock_path: str, reached: str, release: str) -> None:
         time.sleep(0.2)
 
 
-def run_variant(fn, ids):
+def run_variant(fn, inputs: dict):
     """One call of the variant under test. Its name marks, in a memory history, the blocks the
     variant allocated (:func:`own_peak`) apart from the bench's own (references, copies)."""
-    return fn(input_ids=ids, use_cache=False)
+    return fn(**inputs)
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """The model of ``args`` with its shapes: a decoder of :data:`SIZES` at ``--decode`` and
+    ``--prefill`` (token ids, no KV cache), or one of ``branch_models.MODELS`` at its own."""
+    import torch
+
+    if args.model in branch_models.MODELS:
+        return branch_models.build(args.model, args.device, args.sizes)
+    model, vocab = build(args.model, args.device, args.sizes)
+    prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
+
+    def tokens(b: int, s: int) -> Callable[[int], dict]:
+        def make(seed: int) -> dict:
+            g = torch.Generator(device=args.device)
+            g.manual_seed(seed)
+            return dict(input_ids=torch.randint(0, vocab, (b, s), device=args.device, generator=g), use_cache=False)
+        return make
+
+    shapes = {f"decode[{args.decode},1]": tokens(args.decode, 1),
+              f"prefill[{prefill_b},{prefill_s}]": tokens(prefill_b, prefill_s)}
+    return Workload(model, shapes, lambda out: out.logits)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -200,38 +226,31 @@ def worker(args: argparse.Namespace) -> None:
     dev = args.device
     cuda = dev == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, vocab = build(args.model, dev, args.sizes)
+    model, shapes, output = workload(args)
     weights = torch.cuda.memory_allocated() if cuda else 0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         if args.memory_sites:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     fn = compiled(model, args.variant)
-    decode_b = args.decode
-    prefill_b, prefill_s = (int(v) for v in args.prefill.split(","))
-    shapes = {f"decode[{decode_b},1]": (decode_b, 1), f"prefill[{prefill_b},{prefill_s}]": (prefill_b, prefill_s)}
-    g = torch.Generator(device=dev)
     results, timed_calls, records = {}, {}, {}
     replays = [] if cuda and args.variant.startswith("capturepass") else None
     with torch.no_grad():
-        for label, (b, s) in shapes.items():
-            ids = []
-            for seed in range(4):
-                g.manual_seed(seed)
-                ids.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
-            ref = model(input_ids=ids[3], use_cache=False).logits.float()
+        for label, make in shapes.items():
+            inputs = [make(seed) for seed in range(4)]
+            ref = output(model(**inputs[3])).float()
             before = last_compiled()  # a list that holds them: their ids stay theirs
             start = time.perf_counter()
-            run_variant(fn, ids[0])
+            run_variant(fn, inputs[0])
             if cuda:
                 torch.cuda.synchronize()
             compile_s = time.perf_counter() - start
-            for x in ids[1:3]:
+            for x in inputs[1:3]:
                 run_variant(fn, x)
             if cuda:
                 torch.cuda.synchronize()
             ready_s = time.perf_counter() - start
-            got = run_variant(fn, ids[3]).logits.float()
+            got = output(run_variant(fn, inputs[3])).float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, ready_s=ready_s, rel_err=err)
             seen = {id(r) for r in before}
@@ -240,10 +259,8 @@ def worker(args: argparse.Namespace) -> None:
             # MoE model's time depends on where its router sends the tokens, and with random
             # weights its scores are near ties that a kernel's rounding flips (one token set
             # against another moved DeepSeek-V3's decode by up to 1.7% on the H200).
-            rotation = ids[1:3]
-            for seed in range(4, 4 + max(0, args.inputs - 2)):
-                g.manual_seed(seed)
-                rotation.append(torch.randint(0, vocab, (b, s), device=dev, generator=g))
+            rotation = inputs[1:3]
+            rotation += [make(seed) for seed in range(4, 4 + max(0, args.inputs - 2))]
             timed_calls[label] = (lambda turn=itertools.cycle(rotation[:max(1, args.inputs)]): run_variant(fn, next(turn)))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
@@ -522,7 +539,8 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     from capturepass.testing import zoo as catalogue
 
-    known = SIZES if args.sizes == "real" else [m for m, f in catalogue.FAMILIES.items() if f == "decoder"]
+    known = list(SIZES) if args.sizes == "real" else [m for m, f in catalogue.FAMILIES.items() if f == "decoder"]
+    known += branch_models.MODELS
     unknown = [m for m in models if m not in known] + [v for v in variants if v not in VARIANTS and v not in ROUTES]
     if unknown:
         p.error(f"unknown model or variant: {', '.join(unknown)} (models: {', '.join(known)}; "
