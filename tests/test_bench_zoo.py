@@ -45,6 +45,32 @@ def test_zoo_bench_models_build_at_their_sizes(name):
     assert logits.shape == (2, 3, vocab)
 
 
+def test_zoo_bench_decoder_workload_shapes():
+    pytest.importorskip("transformers")
+    import argparse
+
+    bench = _load("zoo")
+    args = argparse.Namespace(model="llama", device="cpu", sizes="zoo", decode=4, prefill="2,8")
+    model, shapes, output = bench.workload(args)
+    assert list(shapes) == ["decode[4,1]", "prefill[2,8]"]
+    first, again, other = shapes["prefill[2,8]"](0), shapes["prefill[2,8]"](0), shapes["prefill[2,8]"](1)
+    assert first["input_ids"].shape == (2, 8) and first["use_cache"] is False
+    assert torch.equal(first["input_ids"], again["input_ids"]) and not torch.equal(first["input_ids"], other["input_ids"])
+    with torch.no_grad():
+        assert output(model(**shapes["decode[4,1]"](0))).shape[:2] == (4, 1)
+
+
+def test_zoo_bench_branch_models_are_known_by_name():
+    bench = _load("zoo")
+    assert set(bench.branch_models.MODELS) == {"googlenet", "inception_v3", "flux", "sd3"}
+    with pytest.raises(ValueError, match="unknown model 'nope'"):
+        bench.branch_models.build("nope", "cpu")
+    script = os.path.join(ROOT, "bench", "zoo.py")
+    bad = subprocess.run([sys.executable, script, "--models", "flux,googlenet,nope"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "unknown model or variant: nope (" in bad.stderr
+
+
 def test_zoo_bench_report_ratios():
     bench = _load("zoo")
     rows = []
