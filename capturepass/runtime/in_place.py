@@ -133,13 +133,15 @@ class InPlacePlans:
             plan = self._plans[base] = (places, tuple(args[i].data_ptr() for i in places))
             # Watched whoever's they are now: after ``capture_sizes``' resized copies, the calls bring
             # the caller's own.
-            mine = frozenset(self._callers(args, given))
             steady = {}
             for i in self._callers(args, None):
                 if i in places or i in self._written or not _plain(args[i]):
                     continue
-                # From no address where the tensor is a copy of ours: the caller's first is not a move.
-                steady[i] = [args[i].data_ptr(), 0, 0] if i in mine else [_NOWHERE, 0, -1]
+                # From no address where this is a capture ahead (``given``: ``capture_sizes``), on a
+                # copy of ours or on the caller's tensor: the call that made it replays next on the
+                # same tensors, which says nothing of where the caller keeps them; and the caller's
+                # first is not a move.
+                steady[i] = [args[i].data_ptr(), 0, 0] if given is None else [_NOWHERE, 0, -1]
             if steady:
                 self._steady[base] = steady
         return plan

@@ -45,7 +45,15 @@ def batch_range(program: Program) -> tuple[int, int | None] | None:
 
 
 def args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any] | None:
-    """``args`` with the batch symbol (dim 0 of the first dynamic non-static input) set to ``size``."""
+    """``args`` with the batch symbol (dim 0 of the first dynamic non-static input) set to ``size``.
+
+    A tensor sized by the batch is replaced by zeros of the new size; any other is the caller's
+    own, as a call at that size would bring it. A cache passed as an argument (``[max_batch,
+    ...]``, written in place) is then captured in place at each size, where zeros of its size
+    would have cost a buffer of the cache's size per captured size and two copies of it per
+    call. The captures ahead are not calls (``Executor.capture``): their warm-ups leave the
+    caller's written tensors as they were.
+    """
     d0 = batch_dim(program)
     if d0 is None:
         return None
@@ -56,11 +64,11 @@ def args_for_size(program: Program, args: Sequence[Any], size: int) -> list[Any]
         if isinstance(val, torch.SymInt) and val.node.expr == symbol:
             out.append(size)
         elif isinstance(val, torch.Tensor) and isinstance(arg, torch.Tensor) and i not in program.static_inputs:
-            shape = [
-                size if isinstance(d, torch.SymInt) and d.node.expr == symbol else int(a)
-                for d, a in zip(val.shape, arg.shape)
-            ]
-            out.append(zeros_laid_out_as(arg, shape))
+            batched = [isinstance(d, torch.SymInt) and d.node.expr == symbol for d in val.shape]
+            if any(batched):
+                out.append(zeros_laid_out_as(arg, [size if b else int(a) for b, a in zip(batched, arg.shape)]))
+            else:
+                out.append(arg)
         else:
             out.append(arg)
     return out

@@ -137,3 +137,40 @@ def test_sizes_captured_ahead_keep_the_layout_of_the_callers_inputs(host_capture
     call(4)
     assert [k for k, _ in host_captures] == ["capture", "capture", "replay", "replay", "replay"]
     assert _batch_sizes(_executors()[-1]) == [2, 4]
+
+
+class _CacheArgument(torch.nn.Module):
+    """A decode step that writes a cache passed as an argument (``[max_batch, slots, width]``, not
+    sized by the batch) at one slot of the call's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache, slot):
+        cache[: x.shape[0]].index_copy_(1, slot, self.proj(x).unsqueeze(1))
+        return cache[: x.shape[0]].sum(1)
+
+
+@torch.no_grad()
+def test_a_cache_passed_as_an_argument_is_captured_in_place_at_every_size_ahead(host_captures):
+    """Sizes captured ahead take the caller's tensors that the batch does not size as they are:
+    the cache is captured in place at each size (zeros of its size gave each captured size a
+    buffer of the cache's size, and each call two copies of the whole cache, in and back), and
+    the captures ahead leave it as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CacheArgument()
+    compiled = torch.compile(model, backend="capturepass", dynamic=True,
+                             options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [4, 8]})
+    cache, expected = torch.zeros(16, 32, 8), torch.zeros(16, 32, 8)
+    for step, batch in enumerate([4, 8, 4, 8, 8]):
+        x, slot = torch.randn(batch, 8), torch.tensor([step])
+        torch.testing.assert_close(compiled(x, cache, slot), model(x, expected, slot))
+        torch.testing.assert_close(cache, expected)
+    assert [k for k, _ in host_captures] == ["capture", "capture"] + ["replay"] * 5
+    ex = _executors()[-1]
+    assert _batch_sizes(ex) == [4, 8]
+    for cap in ex._captures.values():
+        assert list(cap.in_place_ptrs.values()) == [cache.data_ptr()]
+        assert all(buf.shape != cache.shape for buf in cap.inputs.values())

@@ -477,7 +477,8 @@ def test_a_plan_is_decided_at_the_first_capture_and_a_moved_input_leaves_it():
 def test_a_resized_copys_address_does_not_make_the_callers_next_tensor_steady():
     """``capture_sizes`` captures on copies of its own, freed after the capture; the allocator
     may hand the copy's block to the caller's next tensor (a new one per call), which must not
-    look like a buffer that stayed put: it takes two calls of the caller's at one address."""
+    look like a buffer that stayed put: it takes two calls of the caller's at one address, also
+    where the capture was made on the caller's own tensor."""
     plans = InPlacePlans(static_inputs=(), written=())
     base = (("instance",), ("shapes",))
     given, copy, later = torch.zeros(4), torch.zeros(8), torch.zeros(8)
@@ -492,8 +493,11 @@ def test_a_resized_copys_address_does_not_make_the_callers_next_tensor_steady():
     assert plans.watching(base) is not None
     assert plans.observe(base, [calls[-1]]) == ()
     assert plans.watching(base) is None
+    # The caller's own tensor (one not sized by the batch, passed as it is): the call that made
+    # the capture replays next on it, which says nothing of where the caller keeps it.
     plans = InPlacePlans(static_inputs=(), written=())
-    plans.plan(base, [given], given=[given])  # the caller's own tensor: its address counts
+    plans.plan(base, [given], given=[given])
+    assert plans.observe(base, [given]) == ()
     assert plans.observe(base, [given]) == (0,)
 
 
