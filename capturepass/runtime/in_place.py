@@ -51,10 +51,11 @@ Plan = tuple[tuple[int, ...], tuple[int, ...]]
 STEADY_CALLS = 1
 # Addresses a whole read-only input may take before the plan stops watching it (copied for good).
 MAX_MOVES = 4
-# The watch of an input first captured on a tensor of capturepass's own (``capture_sizes``'
-# resized copies): no tensor is there, so the caller's first call is not steady. The copy's own
-# address must not count: the allocator hands its freed block to the caller's next tensor, which
-# would then look like a buffer that stayed put.
+# The watch of an input first captured ahead of any call at its shape (``capture_sizes``), on a
+# resized copy of capturepass's own or on the caller's tensor: the caller's first call there is
+# not steady. A copy's address must not count (the allocator hands its freed block to the
+# caller's next tensor, which would then look like a buffer that stayed put), nor the caller's
+# (the call that captured ahead replays next on its own tensors).
 _NOWHERE = -1
 
 
