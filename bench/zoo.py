@@ -37,7 +37,9 @@ worker's log, and the variant's own peak: the most that the blocks its calls all
 once, without the bench's references and copies, the figure the memory bars compare). The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
-schedule chosen for it (what the whole call adds to the replay is the host's share), and each
+schedule chosen for it, beside the whole call timed on the same inputs (what the whole call adds
+to the replay is the host's share; the table's time takes turns over token sets, whose routing
+moves an MoE model's time), and each
 variant's time per call on the host alone (wall clock, no synchronisation: where it exceeds the
 CUDA-event time, the host paces the call: the median of five loops; each process so paced is
 listed with its slowest loop, the involuntary context switches while it timed and the cores it
@@ -233,7 +235,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.memory_sites:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     fn = compiled(model, args.variant)
-    results, timed_calls, records = {}, {}, {}
+    results, timed_calls, same_inputs, records = {}, {}, {}, {}
     replays = [] if cuda and args.variant.startswith("capturepass") else None
     with torch.no_grad():
         for label, make in shapes.items():
@@ -262,6 +264,7 @@ def worker(args: argparse.Namespace) -> None:
             rotation = inputs[1:3]
             rotation += [make(seed) for seed in range(4, 4 + max(0, args.inputs - 2))]
             timed_calls[label] = (lambda turn=itertools.cycle(rotation[:max(1, args.inputs)]): run_variant(fn, next(turn)))
+            same_inputs[label] = (lambda x=rotation[0]: run_variant(fn, x))
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
         if cuda and args.memory_sites:
@@ -293,7 +296,13 @@ def worker(args: argparse.Namespace) -> None:
                     print(f"profile of {args.model} {args.variant} {label}, {args.iters} calls:\n"
                           f"{host_profile(call, args.iters)}", file=sys.stderr, flush=True)
                 if replays is not None:
-                    replays += replay_times(args.iters, records[label], call)
+                    # The replay alone repeats one input set; so does this whole call: an MoE
+                    # model's time depends on its routing, and the rotation's other token sets
+                    # would count as the host's share (+2% on Qwen2-MoE at decode on an H100).
+                    one = same_inputs[label]
+                    same = timed(one, iters=args.iters, device=dev)
+                    replays += [dict(rep, shape=label, call_ms=same)
+                                for rep in replay_times(args.iters, records[label], one)]
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
         print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, device=dev, peak_mib=peak,
@@ -679,7 +688,10 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
             if not lines[-1].startswith("replay alone"):
                 lines.append("")
             choice = next((c for c in rep["choices"]), "schedule: the cost model's (not measured)")
-            lines.append(f"replay alone: {r['model']} {r['variant']} {rep['owner']}: {rep['replay_ms']:.4f} ms; {choice}")
+            same = (f" (whole call on the same inputs {rep['call_ms']:.4f} ms, "
+                    f"{rep['call_ms'] / rep['replay_ms']:.3f}x)" if rep.get("call_ms") else "")
+            lines.append(f"replay alone: {r['model']} {r['variant']} {rep['owner']}: {rep['replay_ms']:.4f} ms{same}; "
+                         f"{choice}")
     # On the CPU the host time is the call's time: nothing to tell apart.
     paced = [r for r in rows if r.get("device", "cuda") == "cuda" and r.get("host_ms") and r.get("ms")
              and r["host_ms"] >= HOST_PACED * r["ms"]]

@@ -102,6 +102,16 @@ def test_zoo_bench_report_lists_each_capture_replayed_alone_once():
     ]
 
 
+def test_zoo_bench_report_sets_the_replay_alone_beside_a_whole_call_on_its_inputs():
+    bench = _load("zoo")
+    replays = [{"owner": "g0.m0.c0", "replay_ms": 0.25, "choices": [], "shape": "decode[8,1]", "call_ms": 0.26}]
+    rows = [dict(model="qwen2_moe", variant="capturepass", shape="decode[8,1]", ms=0.27, compile_s=2.0, peak_mib=1.0,
+                 rel_err=0.0, replays=replays)]
+    line = next(x for x in bench.report(rows, ["qwen2_moe"], ["capturepass"]).splitlines() if x.startswith("replay"))
+    assert line == ("replay alone: qwen2_moe capturepass g0.m0.c0: 0.2500 ms (whole call on the same inputs 0.2600 ms, "
+                    "1.040x); schedule: the cost model's (not measured)")
+
+
 def test_host_overhead_bench_times_every_layer():
     pytest.importorskip("transformers")
     bench = _load("host_overhead")
