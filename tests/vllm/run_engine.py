@@ -154,6 +154,10 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model = write_model(os.path.join(args.work, f"tiny-{args.model}"), args.model)
+    # Latent attention (kv_lora_rank): on a CPU with AMX tiles vLLM picks its AMX MLA backend, which
+    # takes bf16, fp16 or quantized weights only ("expect weight to be bfloat16, ..."), also for a
+    # float32 model; its reference CPU backend takes float32 on any CPU.
+    mla = {"attention_backend": "CPU_MLA"} if "kv_lora_rank" in MODELS[args.model] else {}
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -163,6 +167,7 @@ def main() -> None:
         max_num_batched_tokens=128,
         seed=0,
         compilation_config=ROUTES[args.route],
+        **mla,
     )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, logprobs=0)
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
