@@ -135,4 +135,8 @@ def test_the_timed_replays_are_undone_from_copies_beside_or_on_the_host(spare, m
     on_host = [m for m in messages if "timed replays: the inputs the graph writes are kept on the host" in m]
     assert len(on_host) == (0 if spare is None else 2), on_host
     warm_ups = [m for m in messages if "its warm-up runs on the caller's inputs the graph writes" in m]
-    assert len(warm_ups) == (0 if spare is None else 4), warm_ups  # two other candidates per shape
+    # Per shape (two candidates: the cost model's and one lane's own): one lane's warm-up, and the
+    # chosen one's again where its capture was not the last one made (one lane's own program is
+    # captured last and kept as it is). Which one the host's timing chooses varies with its load.
+    chosen = [m.split(": chose schedule ")[1].split(" ")[0] for m in messages if ": chose schedule " in m]
+    assert len(warm_ups) == (0 if spare is None else sum(1 + (c != "one_lane") for c in chosen)), (chosen, warm_ups)
