@@ -67,7 +67,7 @@ def describe(host: dict[torch.device, tuple[int, int]]) -> str:
 
 def kept(tensors: Sequence[torch.Tensor], what: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(tensor, copy)`` for each of ``tensors``: what they hold now, to put back after ``what``
-    runs; on the host where their device cannot spare the copies (logged)."""
+    runs (:func:`put_back`); on the host where their device cannot spare the copies (logged)."""
     host = on_host(tensors)
     if host:
         log.info("capturepass: %s: the inputs the graph writes are kept on the host until put back: %s",
@@ -80,7 +80,8 @@ def scratch(tensors: Mapping[int, torch.Tensor], before: Mapping[int, torch.Tens
     """What a run that must leave the caller's ``tensors`` (by position) as they are runs on:
     a copy of ``before[i]`` where given (what the call read), else a copy of the tensor beside
     it, or, where its device cannot spare the copies, the tensor itself, with a copy on the host
-    in ``undo`` to put back after the run (logged, naming ``what``). Returns ``(run, undo)``."""
+    in ``undo`` to put back after the run (:func:`put_back`; logged, naming ``what``). Returns
+    ``(run, undo)``."""
     host = on_host([t for i, t in tensors.items() if i not in before])
     if host:
         log.info("capturepass: %s runs on the caller's inputs the graph writes, put back from the host "
@@ -96,3 +97,11 @@ def scratch(tensors: Mapping[int, torch.Tensor], before: Mapping[int, torch.Tens
         else:
             run[i] = t.clone()
     return run, undo
+
+
+def put_back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each ``(tensor, copy)`` of ``saved`` (:func:`kept`, :func:`scratch`) back into its
+    tensor, then empties it: the copies, of a whole cache perhaps, are not held past this."""
+    for t, copy in saved:
+        t.copy_(copy)
+    saved.clear()

@@ -552,9 +552,7 @@ class Picker:
         finally:
             for c in caps:
                 c.timing_args = c.timing_restore = None
-            for t, copy in saved:
-                t.copy_(copy)
-            saved.clear()  # not held while the chosen candidate is captured again
+            aside.put_back(saved)  # not held while the chosen candidate is captured again
         if failed is not None:
             log.warning("capturepass: %s graph, shape %s: timing the schedule candidates failed (%s: %s); keeping "
                         "the cost model's schedule (not cached)", self.graph, shape, type(failed).__name__, failed)

@@ -107,9 +107,7 @@ class CaptureFailure(Exception):
 
     def put_back(self) -> None:
         """Puts back the caller's tensors the probe ran on (``undo``)."""
-        for t, copy in self.undo:
-            t.copy_(copy)
-        self.undo.clear()
+        aside.put_back(self.undo)
 
 
 class InPlaceMoved(Exception):
@@ -297,8 +295,7 @@ class Capture:
                 for p in range(len(program.pieces)):
                     self.warm_up.run_piece(p, env)
         finally:
-            for t, copy in undo:
-                t.copy_(copy)
+            aside.put_back(undo)
         out = self.warm_up.result(env)
         if real and routed:
             # The pool is the captures' memory: a result the caller keeps would pin its block

@@ -55,3 +55,13 @@ def test_scratch_runs_on_what_the_call_read_on_copies_or_on_the_callers_own(monk
     assert run[0].item() == 2 and run[1] is cache  # the small one from before; the cache itself
     ((t, copy),) = undo
     assert t is cache and torch.equal(copy, cache) and copy.data_ptr() != cache.data_ptr()
+
+
+def test_put_back_restores_each_tensor_and_lets_go_of_the_copies():
+    a, b = torch.arange(4.0), torch.ones(3)
+    saved = aside.kept([a, b], "a test")
+    a.zero_()
+    b.mul_(5)
+    aside.put_back(saved)
+    assert torch.equal(a, torch.arange(4.0)) and torch.equal(b, torch.ones(3))
+    assert saved == []

@@ -21,7 +21,7 @@ MIB = 2**20
 FP32 = dict(atol=1e-4, rtol=1e-4)
 
 
-def MEASURED(tmp_path) -> dict:
+def _measured_options(tmp_path) -> dict:
     """Options under which these small graphs keep two lanes to measure: one compile per lane
     region (under the default, lanes after fusion, Inductor fuses each whole graph into kernels
     of one lane, and one lane is not measured)."""
@@ -54,7 +54,7 @@ def test_measuring_a_graph_that_writes_a_cache_holds_at_most_one_copy_of_it(spar
     model = SlotCache(slots=256 * MIB // (4 * d), d=d).cuda()
     eager = copy.deepcopy(model)
     cache = model.cache.nbytes
-    compiled = torch.compile(model, backend="capturepass", dynamic=False, options=MEASURED(tmp_path))
+    compiled = torch.compile(model, backend="capturepass", dynamic=False, options=_measured_options(tmp_path))
     x = torch.randn(3, d, device="cuda")
     want = eager(x)
     torch.cuda.synchronize()
@@ -83,7 +83,7 @@ def test_a_written_buffer_the_gpu_cannot_copy_beside_itself_is_put_back_from_the
     torch.manual_seed(0)
     model = RunningSum(rows=8192, d=64).cuda()  # 2 MiB
     eager = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="capturepass", dynamic=False, options=MEASURED(tmp_path))
+    compiled = torch.compile(model, backend="capturepass", dynamic=False, options=_measured_options(tmp_path))
     with caplog.at_level(logging.INFO, logger="capturepass"):
         for rows in (3, 3, 2):
             x = torch.randn(rows, 64, device="cuda")
