@@ -31,7 +31,6 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 
-
 def decoders() -> list[str]:
     """The zoo's decoders (token ids in, ``use_cache`` taken), in catalogue order."""
     from capturepass.testing import zoo
