@@ -128,8 +128,11 @@ def test_sizes_captured_ahead_keep_the_layout_of_the_callers_inputs(host_capture
     compiled = torch.compile(model, backend="capturepass", dynamic=True,
                              options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [2, 4]})
 
+    kept = []  # each call's inputs at addresses of their own (see the cache test below)
+
     def call(batch):
         x, positions = torch.randn(batch, 8), torch.arange(5).unsqueeze(0).expand(batch, 5)
+        kept.append((x, positions))
         torch.testing.assert_close(compiled(x, positions), model(x, positions))
 
     call(4)  # captures 4 then 2, then replays 4
@@ -164,8 +167,11 @@ def test_a_cache_passed_as_an_argument_is_captured_in_place_at_every_size_ahead(
     compiled = torch.compile(model, backend="capturepass", dynamic=True,
                              options={"inner": "eager", "cudagraphs": "monolithic", "capture_sizes": [4, 8]})
     cache, expected = torch.zeros(16, 32, 8), torch.zeros(16, 32, 8)
-    for step, batch in enumerate([4, 8, 4, 8, 8]):
-        x, slot = torch.randn(batch, 8), torch.tensor([step])
+    # Every call's inputs live to the end, at addresses of their own: a tensor made per call and
+    # freed later lands where the allocator puts it, and two calls of one size that find an input
+    # at one address capture it in place (a whole read-only input that stayed put), a capture more.
+    calls = [(torch.randn(batch, 8), torch.tensor([step])) for step, batch in enumerate([4, 8, 4, 8, 8])]
+    for x, slot in calls:
         torch.testing.assert_close(compiled(x, cache, slot), model(x, expected, slot))
         torch.testing.assert_close(cache, expected)
     assert [k for k, _ in host_captures] == ["capture", "capture"] + ["replay"] * 5
