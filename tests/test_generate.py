@@ -34,17 +34,19 @@ def _compile_forward(model: torch.nn.Module, **options) -> None:
     model.forward = torch.compile(model.forward, backend="capturepass", options=options)
 
 
-@pytest.mark.parametrize("name", ("llama", "qwen2_moe", "gemma3"))
+@pytest.mark.parametrize("name", ("llama", "qwen2_moe", "gemma3", "llama/flex_attention"))
 @pytest.mark.parametrize("cache", ("static", "dynamic"))
 def test_generate_through_host_captures(name: str, cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three generations (one prompt twice, then another), each equal to eager's tokens. Gemma 3's
     static cache holds a sliding-window layer beside a global one: its window's length counter,
     a tensor written in place at every step, picks the index the next step writes, and its
-    Python-side length reaches the graphs as a host int."""
+    Python-side length reaches the graphs as a host int. ``llama/flex_attention`` attends with
+    ``flex_attention`` (a higher-order op; each step's block mask is built in the graph)."""
     from tests.helpers import capture_on_host
 
     log = capture_on_host(monkeypatch.setattr)
-    model, make_inputs = zoo.build(name)
+    name, _, attn = name.partition("/")
+    model, make_inputs = zoo.build(name, attn=attn or "eager")
     prompts = [make_inputs(seed)["input_ids"][:, :6] for seed in (0, 0, 1)]
     implementation = {"cache_implementation": "static"} if cache == "static" else {}
     want = [_generate(model, ids, **implementation) for ids in prompts]

@@ -572,8 +572,9 @@ def build(
         name: a key of :data:`ZOO`.
         device: where the model and its inputs live (``None``: the CPU).
         dtype: the parameters' dtype (inputs of floating type follow it).
-        attn: the ``attn_implementation`` (``"eager"``, the zoo's choice, or ``"sdpa"``;
-            Gemma 2 takes only ``"eager"``, as ``sdpa`` has no soft-capping).
+        attn: the ``attn_implementation`` (``"eager"``, the zoo's choice, ``"sdpa"``, or
+            ``"flex_attention"`` where ``transformers`` has it for the architecture; Gemma 2
+            takes only ``"eager"``, as ``sdpa`` has no soft-capping).
 
     Returns:
         ``(model, make_inputs)``: the model in eval mode and a function of a seed returning
