@@ -13,6 +13,8 @@ eager for no merit).
     python3 scripts/arch_sweep.py                     # every architecture below, on the CPU
     python3 scripts/arch_sweep.py --models opt,swin --device cuda
     python3 scripts/arch_sweep.py --host-captures     # captures and replays run on the host
+    python3 scripts/arch_sweep.py --attn flex_attention   # another attention implementation
+    python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
 
 Prints one line per model (``OK`` with the largest absolute difference, and any frame Dynamo
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
@@ -21,7 +23,15 @@ compile, which then ran as lane regions or eagerly, with the first such warning)
 any failed or was slow. An output beyond the tolerance is compared with ``backend="inductor"``'s on
 the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
 capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
-printed. On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests.
+printed. An error is ``TORCH`` too where ``backend="inductor"`` fails on the same call (both errors
+are printed). On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests. With
+``--attn`` the models are built with that ``attn_implementation``; one that ``transformers`` has
+no such implementation for is ``SKIP`` (counted apart, not a failure). With ``--generate`` each
+decoder instead generates greedily (three generations: one prompt twice, then another, eight new
+tokens each) with its ``forward`` compiled, in a static cache where ``transformers`` can compile
+the model's decode step whole and in its default cache otherwise, and every token must be eager's
+(``TORCH`` where ``backend="inductor"`` differs from eager's tokens too); the other models are
+``SKIP``.
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -287,7 +299,22 @@ def host_captures() -> None:
     capture_on_host()
 
 
-def check(name: str, device: str, refill: bool = False) -> float:
+def _host_log() -> list:
+    """The host captures' log (``("capture" | "replay", id)``), emptied; empty without ``--host-captures``."""
+    if "tests.helpers" not in sys.modules:
+        return []
+    from tests.helpers import HostCapture
+
+    del HostCapture.log[:]
+    return HostCapture.log
+
+
+class Unsupported(Exception):
+    """``transformers`` has no implementation of the asked attention for the architecture (or,
+    with ``--generate``, the model is no decoder)."""
+
+
+def check(name: str, device: str, refill: bool = False, attn: str | None = None) -> float:
     """The largest absolute difference from eager over the model's three inputs (raises on a failure).
 
     With ``refill`` every input is then passed three times more in buffers refilled in place (a
@@ -295,36 +322,116 @@ def check(name: str, device: str, refill: bool = False) -> float:
     place, the third replays that capture).
     """
     import torch
-    import transformers
 
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
     from capturepass.testing import zoo
 
     torch._dynamo.reset()
-    head, base, own = ARCHITECTURES[name]
-    config = transformers.AutoConfig.for_model(name, **dict(base, **own))
-    auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-            "image": transformers.AutoModelForImageClassification, "backbone": transformers.AutoModel}[head]
-    torch.manual_seed(0)
-    model = auto.from_config(config).eval().to(device)
+    head, config, model = _build(name, device, attn)
     compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "monolithic"} if refill else None)
     tol = zoo.TOLERANCE[device]
     worst = 0.0
+    seen: list[dict] = []
+
+    def inductor():
+        # The calls so far, in order, so that Dynamo makes the same shapes dynamic for Inductor.
+        theirs = torch.compile(model, backend="inductor")
+        return [theirs(**kw)[0] for kw in seen][-1]
+
     with torch.no_grad():
         for kwargs in _inputs(head, getattr(config, "vocab_size", 0), device):
+            seen.append(kwargs)
             ref = model(**kwargs)[0]
             buffers = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
             for call in range(4 if refill else 1):
                 for k, v in kwargs.items():
                     if isinstance(v, torch.Tensor):
                         buffers[k].copy_(v)  # refilled where it is
-                got = compiled(**(kwargs if call == 0 else buffers))[0]
+                try:
+                    got = compiled(**(kwargs if call == 0 else buffers))[0]
+                except Exception as exc:
+                    raise _failure(exc, inductor) from exc
                 try:
                     torch.testing.assert_close(got, ref, **tol)
                 except AssertionError as exc:
-                    raise _mismatch(model, kwargs, ref, got, tol) from exc
+                    raise _mismatch(inductor, ref, got, tol) from exc
                 worst = max(worst, float((ref - got).abs().max()))
     return worst
+
+
+def _build(name: str, device: str, attn: str | None) -> tuple:
+    """``(head, config, model)``: the architecture's model from its tiny config (seed 0), in eval
+    mode on ``device``; raises :class:`Unsupported` where ``attn`` is what it cannot be built with."""
+    import torch
+    import transformers
+
+    head, base, own = ARCHITECTURES[name]
+
+    def config():
+        return transformers.AutoConfig.for_model(name, **dict(base, **own))
+
+    auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
+            "image": transformers.AutoModelForImageClassification, "backbone": transformers.AutoModel}[head]
+    torch.manual_seed(0)
+    try:
+        model = auto.from_config(config(), **({"attn_implementation": attn} if attn else {}))
+    except ValueError as exc:
+        if attn is None:
+            raise
+        # A new config (the refused one was given the implementation): built without it, the
+        # attention implementation is what the model refused.
+        auto.from_config(config())
+        raise Unsupported(str(exc).split(". ")[0]) from exc
+    return head, model.config, model.eval().to(device)
+
+
+NEW_TOKENS = 8
+
+
+def check_generate(name: str, device: str, attn: str | None = None, capture: bool = False) -> str:
+    """Three greedy generations with the model's ``forward`` compiled (``capture``: as on a GPU,
+    ``cudagraphs="monolithic"``), each equal to eager's tokens; returns the cache they used.
+    Raises :class:`Mismatch` on other tokens, :class:`Unsupported` for a model that is no decoder."""
+    import torch
+
+    import capturepass  # noqa: F401 - registers the backend where no entry point is installed
+
+    torch._dynamo.reset()
+    head, config, model = _build(name, device, attn)
+    if head != "causal":
+        raise Unsupported("not a decoder")
+    static = bool(getattr(type(model), "_can_compile_fullgraph", False))
+    gen = torch.Generator().manual_seed(0)
+    first, other = (torch.randint(1, config.vocab_size, (2, 6), generator=gen).to(device) for _ in range(2))
+    prompts = (first, first, other)
+
+    def generate(forward) -> list[torch.Tensor]:
+        model.forward = forward
+        with torch.no_grad():
+            # disable_compile: with a static cache transformers would compile the decode step itself.
+            return [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                   do_sample=False, pad_token_id=0, disable_compile=True,
+                                   **({"cache_implementation": "static"} if static else {})) for ids in prompts]
+
+    eager = model.forward
+    try:
+        want = generate(eager)
+        options = {"cudagraphs": "monolithic"} if capture else None
+        try:
+            got = generate(torch.compile(eager, backend="capturepass", options=options))
+        except Exception as exc:
+            raise _failure(exc, lambda: generate(torch.compile(eager, backend="inductor"))) from exc
+        bad = [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
+        if bad:
+            torch._dynamo.reset()
+            theirs = generate(torch.compile(eager, backend="inductor"))
+            also = any(not torch.equal(t, w) for t, w in zip(theirs, want))
+            raise Mismatch(f"generation(s) {bad} differ from eager's tokens (first: {got[bad[0]].tolist()} against "
+                           f"{want[bad[0]].tolist()}); backend=\"inductor\" {'differs' if also else 'does not'}",
+                           also)
+    finally:
+        model.forward = eager
+    return "static cache" if static else "default cache"
 
 
 class Mismatch(AssertionError):
@@ -342,13 +449,29 @@ class Mismatch(AssertionError):
 INDUCTOR_MARGIN = 2.0
 
 
-def _mismatch(model, kwargs: dict, ref, got, tol: dict) -> Mismatch:
-    """What a mismatch is: capturepass's largest difference, against Inductor's own on the same
-    input (a fresh Dynamo cache, so that the frame is compiled for Inductor)."""
+def _failure(exc: Exception, inductor: Callable[[], Any]) -> Exception:
+    """What capturepass's error ``exc`` is: a :class:`Mismatch` that Inductor shares where
+    ``inductor`` (the same call compiled by ``backend="inductor"``, from a fresh Dynamo cache)
+    fails too, else ``exc`` itself."""
     import torch
 
     torch._dynamo.reset()
-    theirs = torch.compile(model, backend="inductor")(**kwargs)[0]
+    try:
+        inductor()
+    except Exception as theirs:  # noqa: BLE001 - any error of Inductor's own is the answer
+        return Mismatch(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}; backend=\"inductor\" "
+                        f"fails too ({type(theirs).__name__}: {str(theirs).strip().splitlines()[0][:200]})", True)
+    return exc
+
+
+def _mismatch(inductor: Callable[[], Any], ref, got, tol: dict) -> Mismatch:
+    """What a mismatch is: capturepass's largest difference, against Inductor's own on the same
+    input (``inductor``: the calls so far compiled by ``backend="inductor"``, from a fresh Dynamo
+    cache, its last output)."""
+    import torch
+
+    torch._dynamo.reset()
+    theirs = inductor()
     ours_d, theirs_d = float((ref - got).abs().max()), float((ref - theirs).abs().max())
     beyond = not torch.isclose(theirs, ref, **tol).all().item()
     return Mismatch(f"largest difference {ours_d:.2e}; backend=\"inductor\" on the same input {theirs_d:.2e}"
@@ -370,6 +493,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(ARCHITECTURES))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--attn", default=None,
+                   help="the attn_implementation to build every model with (transformers' default otherwise)")
+    p.add_argument("--generate", action="store_true",
+                   help="decoders generate greedily with forward compiled; tokens against eager's")
     p.add_argument("--host-captures", action="store_true",
                    help="on the CPU, capture and replay on the host (the executor's decisions on real inputs); "
                         "each input is then passed three times more in refilled buffers")
@@ -388,11 +515,24 @@ def main() -> None:
             p.error("--host-captures is for the CPU (a GPU captures for real)")
         host_captures()
         logging.getLogger("capturepass").setLevel(logging.INFO)  # the shapes captured again, counted
-    failed = slow = torch_own = 0
+    failed = slow = torch_own = skipped = 0
     for name in names:
+        log = _host_log()
         try:
             with Fallbacks() as fallbacks:
-                worst = check(name, args.device, refill=args.host_captures)
+                if args.generate:
+                    cache = check_generate(name, args.device, attn=args.attn, capture=args.host_captures)
+                    kinds = [k for k, _ in log]
+                    what = f"{3 * NEW_TOKENS} tokens equal to eager's ({cache}" + (
+                        f"; {kinds.count('capture')} captures, {kinds.count('replay')} replays)"
+                        if args.host_captures else ")")
+                else:
+                    worst = check(name, args.device, refill=args.host_captures, attn=args.attn)
+                    what = f"largest difference {worst:.2e}"
+        except Unsupported as exc:
+            skipped += 1
+            print(f"SKIP {name}: {exc}", flush=True)
+            continue
         except Mismatch as exc:
             if exc.inductor_too:
                 torch_own += 1
@@ -408,17 +548,18 @@ def main() -> None:
             continue
         if fallbacks.messages:
             slow += 1
-            print(f"SLOW {name}: largest difference {worst:.2e}; {len(fallbacks.messages)} failed compile(s), the "
+            print(f"SLOW {name}: {what}; {len(fallbacks.messages)} failed compile(s), the "
                   f"first: {fallbacks.messages[0][:300]}", flush=True)
         else:
             eager = (f"; Dynamo ran {', '.join(repr(f) for f in fallbacks.eager_frames)} eagerly past its recompile "
                      f"limit (under any backend)") if fallbacks.eager_frames else ""
             in_place = f"; {fallbacks.in_place} shape(s) captured again with inputs read in place" \
-                if args.host_captures else ""
-            print(f"OK   {name}: largest difference {worst:.2e}{in_place}{eager}", flush=True)
-    print(f"{len(names) - failed - torch_own} of {len(names)} equal to eager"
+                if args.host_captures and not args.generate else ""
+            print(f"OK   {name}: {what}{in_place}{eager}", flush=True)
+    print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
+          + (f" ({skipped} skipped)" if skipped else "")
           + (f", {slow} with failed compiles" if slow else "")
-          + (f", {torch_own} beyond the tolerance under backend=\"inductor\" too" if torch_own else ""))
+          + (f", {torch_own} where backend=\"inductor\" fails or differs from eager too" if torch_own else ""))
     sys.exit(1 if failed or slow else 0)
 
 

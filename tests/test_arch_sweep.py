@@ -4,6 +4,7 @@ zoo equal to eager, and a bad name refused."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -134,18 +135,67 @@ def test_a_mismatch_is_compared_with_inductors_own_difference():
     torch.manual_seed(0)
     model, kwargs = Head().eval(), {"x": torch.randn(3, 8)}
     tol = {"atol": 1e-5, "rtol": 1.3e-6}
+
+    def inductor():
+        return torch.compile(model, backend="inductor")(**kwargs)[0]
+
     with torch.no_grad():
         ref = model(**kwargs)[0]
-        ours = sweep._mismatch(model, kwargs, ref, ref + 0.5, tol)
+        ours = sweep._mismatch(inductor, ref, ref + 0.5, tol)
         assert not ours.inductor_too
         assert "largest difference 5.00e-01" in str(ours) and "not beyond the tolerance" in str(ours)
         # A reference Inductor cannot meet either (here: shifted by 0.25 from the model's own).
-        theirs = sweep._mismatch(model, kwargs, ref + 0.25, ref + 0.5, tol)
+        theirs = sweep._mismatch(inductor, ref + 0.25, ref + 0.5, tol)
         assert theirs.inductor_too
         assert "largest difference 2.50e-01; backend=\"inductor\" on the same input 2.50e-01" in str(theirs)
         # Inductor misses the tolerance too, but capturepass is more than twice as far off: a
         # wrong result hidden behind torch's own rounding would be a failure.
-        worse = sweep._mismatch(model, kwargs, ref + 0.25, ref + 1.0, tol)
+        worse = sweep._mismatch(inductor, ref + 0.25, ref + 1.0, tol)
         assert not worse.inductor_too
         assert "largest difference 7.50e-01; backend=\"inductor\" on the same input 2.50e-01 (also beyond" in str(worse)
     torch._dynamo.reset()
+
+
+def test_an_error_is_torchs_only_where_inductor_fails_the_same_calls_too():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    ours = RuntimeError("lowering failed\nmore lines")
+    assert sweep._failure(ours, lambda: None) is ours
+
+    def inductor_fails():
+        raise ValueError("not enough values to unpack")
+
+    shared = sweep._failure(ours, inductor_fails)
+    assert isinstance(shared, sweep.Mismatch) and shared.inductor_too
+    assert str(shared) == ("RuntimeError: lowering failed; backend=\"inductor\" fails too "
+                           "(ValueError: not enough values to unpack)")
+
+
+def test_another_attention_implementation_and_the_models_without_it():
+    """``--attn flex_attention`` with ``--generate``: Granite generates with its attention a
+    higher-order op of the graph (a static cache: two shapes, no dynamic recompile, which
+    Inductor's CPU lowering of the op does not compile); GPT-BigCode has no such attention and is
+    skipped, not failed."""
+    run = subprocess.run([sys.executable, SCRIPT, "--generate", "--host-captures", "--attn", "flex_attention",
+                          "--models", "granite,gpt_bigcode"], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "OK   granite: 24 tokens equal to eager's (static cache;" in run.stdout
+    assert "SKIP gpt_bigcode: GPTBigCodeForCausalLM does not support an attention implementation" in run.stdout
+    assert "1 of 1 equal to eager (1 skipped)" in run.stdout
+
+
+def test_decoders_generate_eagers_tokens_through_host_captures():
+    """``--generate --host-captures``: three generations of eight tokens, every forward call a
+    capture or a replay (24 in all); an encoder is no decoder and is skipped."""
+    run = subprocess.run([sys.executable, SCRIPT, "--generate", "--host-captures", "--models", "jamba,distilbert"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("OK   jamba:"))
+    counts = re.search(r"\(static cache; (\d+) captures, (\d+) replays\)", line)
+    assert line.startswith("OK   jamba: 24 tokens equal to eager's") and counts, line
+    assert int(counts[1]) + int(counts[2]) == 24 and int(counts[2]) > int(counts[1]), line
+    assert "SKIP distilbert: not a decoder" in run.stdout
+    assert "1 of 1 equal to eager (1 skipped)" in run.stdout
