@@ -30,8 +30,8 @@ no such implementation for is ``SKIP`` (counted apart, not a failure). With ``--
 decoder instead generates greedily (three generations: one prompt twice, then another, eight new
 tokens each) with its ``forward`` compiled, in a static cache where ``transformers`` can compile
 the model's decode step whole and in its default cache otherwise, and every token must be eager's
-(``TORCH`` where ``backend="inductor"`` differs from eager's tokens too); the other models are
-``SKIP``.
+(``TORCH`` where ``backend="inductor"`` differs from eager's tokens too); the other models, and
+a decoder whose eager generation fails, are ``SKIP``.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
     "granitemoeshared": ("causal", SMALL, dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64)),
     "qwen3_next": ("causal", SMALL, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, head_dim=16, linear_num_value_heads=4,
-                                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
+                                         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                                         layer_types=["linear_attention", "full_attention"])),
     "falcon_h1": ("causal", SMALL, dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                                         head_dim=16)),
     "distilbert": ("masked", {}, dict(dim=64, hidden_dim=128, n_layers=2, n_heads=4, vocab_size=512,
@@ -311,7 +312,7 @@ def _host_log() -> list:
 
 class Unsupported(Exception):
     """``transformers`` has no implementation of the asked attention for the architecture (or,
-    with ``--generate``, the model is no decoder)."""
+    with ``--generate``, the model is no decoder, or its eager generation fails)."""
 
 
 def check(name: str, device: str, refill: bool = False, attn: str | None = None) -> float:
@@ -415,7 +416,10 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
 
     eager = model.forward
     try:
-        want = generate(eager)
+        try:
+            want = generate(eager)
+        except Exception as exc:  # noqa: BLE001 - the model's own generation, before any compile
+            raise Unsupported(f"eager generation fails ({type(exc).__name__}: {str(exc)[:200]})") from exc
         options = {"cudagraphs": "monolithic"} if capture else None
         try:
             got = generate(torch.compile(eager, backend="capturepass", options=options))
