@@ -455,8 +455,8 @@ INDUCTOR_MARGIN = 2.0
 
 def _failure(exc: Exception, inductor: Callable[[], Any]) -> Exception:
     """What capturepass's error ``exc`` is: a :class:`Mismatch` that Inductor shares where
-    ``inductor`` (the same call compiled by ``backend="inductor"``, from a fresh Dynamo cache)
-    fails too, else ``exc`` itself."""
+    ``inductor`` (the calls so far, in order, compiled by ``backend="inductor"`` from a fresh
+    Dynamo cache) fails too, else ``exc`` itself."""
     import torch
 
     torch._dynamo.reset()
