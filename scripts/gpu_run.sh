@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|trace|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|trace|sweep|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
@@ -14,6 +14,8 @@
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
+# sweep: scripts/arch_sweep.py on the GPU: every decoder generating through real captures
+# (--generate), then every model with FlexAttention (--attn flex_attention; MODELS limits both). Not part of all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -94,6 +96,16 @@ if [ "$what" = memory ]; then
   python3 bench/memory.py --sizes "${MEMORY_SIZES:-8,32,67}" --out "$out/memory" 2> "$out/memory.log"
   rc=$?
   echo "bench/memory.py: exit $rc"
+fi
+if [ "$what" = sweep ]; then
+  models=${MODELS:+--models $MODELS}
+  python3 scripts/arch_sweep.py --device cuda --generate $models > "$out/sweep-generate.log" 2>&1
+  rc=$?
+  echo "arch_sweep --generate: exit $rc"; grep -E '^(FAIL|TORCH|SLOW)|equal to eager' "$out/sweep-generate.log"
+  python3 scripts/arch_sweep.py --device cuda --attn flex_attention $models > "$out/sweep-flex.log" 2>&1
+  flex=$?
+  [ $flex = 0 ] || rc=1
+  echo "arch_sweep --attn flex_attention: exit $flex"; grep -E '^(FAIL|TORCH|SLOW)|equal to eager' "$out/sweep-flex.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
