@@ -2,6 +2,7 @@
 
 The zoo (:mod:`capturepass.testing.zoo`) is the tested corpus; this sweep tries further
 architectures as a new user would: decoders (logits of a causal LM), encoders (masked-LM logits
+under an attention mask), encoder-decoders (the logits of four decoder tokens over an encoder input
 under an attention mask) and vision models (image-classification logits, or the last hidden state),
 each built from a tiny config (two layers, width 64 or less, float32, random weights), compiled with
 default options, and called at three shapes, the second and third of which make Dynamo recompile
@@ -27,7 +28,7 @@ printed. An error is ``TORCH`` too where ``backend="inductor"`` fails on the sam
 are printed). On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests. With
 ``--attn`` the models are built with that ``attn_implementation``; one that ``transformers`` has
 no such implementation for is ``SKIP`` (counted apart, not a failure). With ``--generate`` each
-decoder instead generates greedily (three generations: one prompt twice, then another, eight new
+decoder and encoder-decoder instead generates greedily (three generations: one prompt twice, then another, eight new
 tokens each) with its ``forward`` compiled, in a static cache where ``transformers`` can compile
 the model's decode step whole and in its default cache otherwise, and every token must be eager's
 (``TORCH`` where ``backend="inductor"`` differs from eager's tokens too); the other models, and
@@ -58,6 +59,12 @@ MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_p
 # Multi-head latent attention (no grouped KV heads) and DeepSeek's routing, with one dense layer first.
 MLA = dict(MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
            v_head_dim=16, first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1)
+# BART-style encoder-decoders, and T5-style ones (relative position buckets, no biases).
+SEQ2SEQ = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=512, max_position_embeddings=128, pad_token_id=0,
+               eos_token_id=2, bos_token_id=1, decoder_start_token_id=1, forced_eos_token_id=None)
+T5_STYLE = dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=512, decoder_start_token_id=0,
+                pad_token_id=0)
 # Sparse attention with a lightning indexer keeping 4 of 8 keys (DeepSeek-V3.2, GLM's DSA).
 DSA = dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
 # Per architecture: the head (causal, masked or image), its base config and the fields of its own.
@@ -222,6 +229,22 @@ ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
                                         layer_types=["sliding_attention", "full_attention"])),
     "granite_swa": ("causal", SMALL, dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     "apertus1p5_text": ("causal", SMALL, {}),
+    # Encoder-decoders (T5 is in the zoo): masked-LM style inputs for the encoder, a few decoder
+    # tokens; with --generate the decoder's self- and cross-attention caches are both written.
+    "bart": ("seq2seq", SEQ2SEQ, {}),
+    "mbart": ("seq2seq", SEQ2SEQ, {}),
+    "pegasus": ("seq2seq", SEQ2SEQ, {}),
+    "marian": ("seq2seq", SEQ2SEQ, {}),
+    "blenderbot": ("seq2seq", SEQ2SEQ, {}),
+    "blenderbot-small": ("seq2seq", SEQ2SEQ, {}),
+    "plbart": ("seq2seq", SEQ2SEQ, {}),
+    "m2m_100": ("seq2seq", SEQ2SEQ, {}),
+    "led": ("seq2seq", SEQ2SEQ, dict(max_encoder_position_embeddings=128, max_decoder_position_embeddings=128,
+                                     attention_window=[8, 8])),
+    "bigbird_pegasus": ("seq2seq", SEQ2SEQ, dict(attention_type="original_full")),
+    "mt5": ("seq2seq", T5_STYLE, {}),
+    "umt5": ("seq2seq", T5_STYLE, {}),
+    "longt5": ("seq2seq", T5_STYLE, {}),
 }
 TOKENS = ((2, 8), (3, 8), (3, 5))  # batch, sequence
 IMAGES = (2, 3, 4)  # batch of 3x32x32 images
@@ -238,6 +261,10 @@ def _inputs(head: str, vocab: int, device: str) -> list[dict]:
         ids = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(sum(shape))).to(device)
         if head == "causal":
             out.append({"input_ids": ids, "use_cache": False})
+        elif head == "seq2seq":
+            mask = torch.ones(shape, dtype=torch.long, device=device)
+            mask[0, shape[1] // 2:] = 0  # a padded row of the encoder's input
+            out.append({"input_ids": ids, "attention_mask": mask, "decoder_input_ids": ids[:, :4], "use_cache": False})
         else:
             mask = torch.ones(shape, dtype=torch.long, device=device)
             mask[0, shape[1] // 2:] = 0  # a padded row
@@ -372,7 +399,8 @@ def _build(name: str, device: str, attn: str | None) -> tuple:
         return transformers.AutoConfig.for_model(name, **dict(base, **own))
 
     auto = {"causal": transformers.AutoModelForCausalLM, "masked": transformers.AutoModelForMaskedLM,
-            "image": transformers.AutoModelForImageClassification, "backbone": transformers.AutoModel}[head]
+            "seq2seq": transformers.AutoModelForSeq2SeqLM, "image": transformers.AutoModelForImageClassification,
+            "backbone": transformers.AutoModel}[head]
     torch.manual_seed(0)
     try:
         model = auto.from_config(config(), **({"attn_implementation": attn} if attn else {}))
@@ -399,7 +427,7 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
 
     torch._dynamo.reset()
     head, config, model = _build(name, device, attn)
-    if head != "causal":
+    if head not in ("causal", "seq2seq"):
         raise Unsupported("not a decoder")
     static = bool(getattr(type(model), "_can_compile_fullgraph", False))
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
-"""scripts/arch_sweep.py on the CPU: a decoder, an encoder under a padding mask and a vision model outside the
-zoo equal to eager, and a bad name refused."""
+"""scripts/arch_sweep.py on the CPU: a decoder, an encoder under a padding mask, an encoder-decoder and a vision
+model outside the zoo equal to eager, generation through host captures, and a bad name refused."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ SCRIPT = os.path.join(ROOT, "scripts", "arch_sweep.py")
 
 
 def test_architectures_outside_the_zoo_compile_equal_to_eager():
-    run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,distilbert,resnet"], capture_output=True, text=True,
-                         timeout=900)
+    run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,distilbert,bart,resnet"], capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    for name in ("opt", "distilbert", "resnet"):
+    for name in ("opt", "distilbert", "bart", "resnet"):
         assert f"OK   {name}: largest difference" in run.stdout
-    assert "3 of 3 equal to eager" in run.stdout
+    assert "4 of 4 equal to eager" in run.stdout
 
 
 def test_host_captures_read_refilled_inputs_in_place_and_stay_equal_to_eager():
@@ -189,13 +189,16 @@ def test_another_attention_implementation_and_the_models_without_it():
 
 def test_decoders_generate_eagers_tokens_through_host_captures():
     """``--generate --host-captures``: three generations of eight tokens, every forward call a
-    capture or a replay (24 in all); an encoder is no decoder and is skipped."""
-    run = subprocess.run([sys.executable, SCRIPT, "--generate", "--host-captures", "--models", "jamba,distilbert"],
+    capture or a replay (24 in all), for a hybrid decoder (Jamba: attention and Mamba layers)
+    and an encoder-decoder (BART: self- and cross-attention caches); an encoder is no decoder and
+    is skipped."""
+    run = subprocess.run([sys.executable, SCRIPT, "--generate", "--host-captures", "--models", "jamba,bart,distilbert"],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("OK   jamba:"))
-    counts = re.search(r"\(static cache; (\d+) captures, (\d+) replays\)", line)
-    assert line.startswith("OK   jamba: 24 tokens equal to eager's") and counts, line
-    assert int(counts[1]) + int(counts[2]) == 24 and int(counts[2]) > int(counts[1]), line
+    for name in ("jamba", "bart"):
+        line = next(ln for ln in run.stdout.splitlines() if ln.startswith(f"OK   {name}:"))
+        counts = re.search(r"\(static cache; (\d+) captures, (\d+) replays\)", line)
+        assert line.startswith(f"OK   {name}: 24 tokens equal to eager's") and counts, line
+        assert int(counts[1]) + int(counts[2]) == 24 and int(counts[2]) > int(counts[1]), line
     assert "SKIP distilbert: not a decoder" in run.stdout
-    assert "1 of 1 equal to eager (1 skipped)" in run.stdout
+    assert "2 of 2 equal to eager (1 skipped)" in run.stdout
