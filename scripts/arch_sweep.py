@@ -67,7 +67,7 @@ T5_STYLE = dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_
                 pad_token_id=0)
 # Sparse attention with a lightning indexer keeping 4 of 8 keys (DeepSeek-V3.2, GLM's DSA).
 DSA = dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=4)
-# Per architecture: the head (causal, masked or image), its base config and the fields of its own.
+# Per architecture: the head (causal, masked, seq2seq, image or backbone), its base config and the fields of its own.
 ARCHITECTURES: dict[str, tuple[str, dict, dict]] = {
     "phi3": ("causal", SMALL, dict(pad_token_id=0)),
     "stablelm": ("causal", SMALL, {}),
