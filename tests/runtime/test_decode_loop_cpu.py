@@ -84,14 +84,18 @@ class _Transformer(nn.Module):
 
 def _generate(model: _Transformer, forward, prompt: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Greedy tokens: the prompt at ``positions`` (a tensor the caller keeps, as the prompt), then
-    one token a step at a new position tensor."""
+    one token a step at a position tensor of its own. Every step's tensors stay alive to the end,
+    so no step finds one at the address of the last (where the allocator may hand a freed block
+    back: a whole read-only input found where the last call had it is captured in place, a
+    capture more that the allocator would decide)."""
     for layer in model.layers:
         layer.attention.k_cache.zero_()
         layer.attention.v_cache.zero_()
+    steps = [torch.tensor([PROMPT + step]) for step in range(NEW_TOKENS - 1)]
     token = forward(prompt, positions)[:, -1].argmax(-1, keepdim=True)
     tokens = [token]
-    for step in range(NEW_TOKENS - 1):
-        token = forward(token, torch.tensor([PROMPT + step]))[:, -1].argmax(-1, keepdim=True)
+    for position in steps:
+        token = forward(token, position)[:, -1].argmax(-1, keepdim=True)
         tokens.append(token)
     return torch.cat(tokens, 1)
 
