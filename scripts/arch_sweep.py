@@ -438,8 +438,9 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
         model.forward = forward
         with torch.no_grad():
             # disable_compile: with a static cache transformers would compile the decode step itself.
+            # min_new_tokens: an end-of-sequence token would end a generation early, and a call less.
             return [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0, disable_compile=True,
+                                   min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, disable_compile=True,
                                    **({"cache_implementation": "static"} if static else {})) for ids in prompts]
 
     eager = model.forward
