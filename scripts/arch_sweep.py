@@ -314,27 +314,18 @@ class Fallbacks(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def host_captures() -> None:
+def host_captures() -> list[tuple[str, int]]:
     """Runs the executor's capture decisions and capturepass's replay path on the host
     (``--host-captures``): every graph is compiled as on a GPU (``cudagraphs="monolithic"``) and
     captured on host graphs (``tests.helpers.HostCapture`` over ``capturepass.testing.host_graphs``:
     a replay runs the segment on the memory it was captured on; it also asserts that a replay finds
     every input captured in place at its captured address), so that which inputs are copied or
     read in place, when a shape is captured again, and the buffers, copies and output aliases of
-    every replay, are exercised on the model's own inputs."""
+    every replay, are exercised on the model's own inputs. Returns their log, ``("capture" |
+    "replay", id)`` per event."""
     from tests.helpers import capture_on_host
 
-    capture_on_host()
-
-
-def _host_log() -> list:
-    """The host captures' log (``("capture" | "replay", id)``), emptied; empty without ``--host-captures``."""
-    if "tests.helpers" not in sys.modules:
-        return []
-    from tests.helpers import HostCapture
-
-    del HostCapture.log[:]
-    return HostCapture.log
+    return capture_on_host()
 
 
 class Unsupported(Exception):
@@ -425,10 +416,10 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
 
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
 
-    torch._dynamo.reset()
-    head, config, model = _build(name, device, attn)
-    if head not in ("causal", "seq2seq"):
+    if ARCHITECTURES[name][0] not in ("causal", "seq2seq"):
         raise Unsupported("not a decoder")
+    torch._dynamo.reset()
+    _, config, model = _build(name, device, attn)
     static = bool(getattr(type(model), "_can_compile_fullgraph", False))
     gen = torch.Generator().manual_seed(0)
     first, other = (torch.randint(1, config.vocab_size, (2, 6), generator=gen).to(device) for _ in range(2))
@@ -543,14 +534,15 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # random-init and unused-key notices
     if args.device == "cuda":
         _cuda_float32()
+    log: list[tuple[str, int]] = []
     if args.host_captures:
         if args.device != "cpu":
             p.error("--host-captures is for the CPU (a GPU captures for real)")
-        host_captures()
+        log = host_captures()
         logging.getLogger("capturepass").setLevel(logging.INFO)  # the shapes captured again, counted
     failed = slow = torch_own = skipped = 0
     for name in names:
-        log = _host_log()
+        del log[:]
         try:
             with Fallbacks() as fallbacks:
                 if args.generate:
