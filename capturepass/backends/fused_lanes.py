@@ -25,9 +25,15 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   it, and counts as a write there: the allocator hands it a block that lane's stream freed. A
   planned reuse that only writes the reused block and runs on another lane than a user of the
   block gets a block of its own, allocated as the reused name was.
-- **Frees.** A ``del`` of a storage used on a lane other than its allocating one moves after the
-  final join: the allocator gives a freed block back to its allocating stream at once, and the
-  other lane may still be reading it (Inductor emits no ``record_stream``).
+- **Frees.** The allocator gives a freed block back to its allocating stream at once, and hands
+  it to the next allocation on that stream (Inductor emits no ``record_stream``): a ``del`` of a
+  storage used on a lane other than its allocating one runs only once the allocating lane has
+  waited for every such use (its clock covers them), so that whatever that lane does with the
+  block next is ordered after them. It stays where Inductor wrote it if the lane's waits already
+  cover the uses there, moves right after the first later wait of that lane that does (a lane
+  usually waits for the others' results of one layer before it starts the next), and otherwise
+  after the final join. Holding every such block to the join instead would keep each layer's
+  cross-lane buffers alive to the end of the graph.
 
 Lines the rewrite cannot classify are launches on the current lane that read and write every
 storage they name (correct, and at worst ordered more than needed). :func:`check` runs a
@@ -82,6 +88,7 @@ class Summary:
     records: int
     held: int
     lanes: list[int]
+    moved: int = 0
 
     def line(self) -> str:
         return f"{MARK}{json.dumps(dataclasses.asdict(self), sort_keys=True)}"
@@ -115,6 +122,7 @@ class Rewritten:
         waits: waits written (the final join not counted).
         held: storages whose ``del`` moved after the final join.
         lanes: the side lanes the code uses, sorted.
+        moved: names whose ``del`` moved to a later wait of their storage's allocating lane.
     """
 
     source: str
@@ -124,10 +132,11 @@ class Rewritten:
     waits: int
     held: list[str]
     lanes: list[int]
+    moved: int = 0
 
     def summary(self) -> Summary:
         return Summary(len(self.launches), sum(1 for _, lane in self.launches if lane), self.switches,
-                       self.records, len(self.held), list(self.lanes))
+                       self.records, len(self.held), list(self.lanes), self.moved)
 
 
 def kernel_params(module_source: str) -> dict[str, list[str]]:
@@ -404,7 +413,10 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     last_write: dict[str, tuple[int, int, int]] = {}  # storage -> (lane, its count, out index)
     reads_since: dict[str, list[tuple[int, int, int]]] = {}
     alloc_lane: dict[str, int] = {n: 0 for n in inputs}
-    used_on: dict[str, set[int]] = {n: {0} for n in inputs}
+    # storage -> lane -> that lane's count at its last use of the storage.
+    last_use: dict[str, dict[int, int]] = {n: {0: 0} for n in inputs}
+    pending: list[str] = []  # names whose del waits for their allocating lane to cover every use
+    moved: list[str] = []
     out: list[str] = []
     record_after: dict[int, int] = {}  # out index -> event slot
     state = {"waits": 0, "switches": 0, "current": 0}
@@ -413,6 +425,12 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     held: list[str] = []
     body_indent: str | None = None
     entry_at = -1
+
+    def covered(st: str) -> bool:
+        """Whether the allocating lane of ``st`` is ordered after every use of it elsewhere."""
+        home = alloc_lane.get(st, 0)
+        mine = clock.get(home, {})
+        return all(mine.get(k, -1) >= v for k, v in last_use.get(st, {}).items() if k != home)
 
     def need(lane: int, dep: tuple[int, int, int], indent: str) -> None:
         dlane, when, at = dep
@@ -424,6 +442,15 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         state["waits"] += 1
         for k, v in snapshot[at].items():
             mine[k] = max(mine.get(k, -1), v)
+        if indent == body_indent:
+            free = [n for n in pending if alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
+            if free:
+                out.append(f"{indent}del {', '.join(free)}")
+                moved.extend(free)
+                pending[:] = [n for n in pending if n not in free]
+
+    def use(st: str, lane: int) -> None:
+        last_use.setdefault(st, {})[lane] = count[lane]
 
     def switch(lane: int, indent: str) -> None:
         if lane == state["current"]:
@@ -457,10 +484,11 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             out.append(line.text)
             st = names.of(line.names[0])
             alloc_lane[st] = line.lane
-            used_on[st] = {line.lane}
             # The block may be one this lane's earlier work used: a write here, in its order.
             count[line.lane] = count.get(line.lane, 0) + 1
             clock.setdefault(line.lane, {})[line.lane] = count[line.lane]
+            last_use[st] = {}
+            use(st, line.lane)
             last_at[line.lane] = len(out) - 1
             snapshot[last_at[line.lane]] = dict(clock[line.lane])
             last_write[st] = (line.lane, count[line.lane], last_at[line.lane])
@@ -470,10 +498,11 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             keep, later = [], []
             for n in line.names:
                 st = names.of(n)
-                (later if used_on.get(st, {0}) - {alloc_lane.get(st, 0)} else keep).append(n)
+                (keep if covered(st) else later).append(n)
             if keep:
                 out.append(f"{line.indent}del {', '.join(keep)}")
-            held.extend(later)
+            # A del inside a nested block (a branch that may not run) is held to the join.
+            (pending if line.indent == body_indent else held).extend(later)
             continue
         if line.kind != "launch":
             out.append(line.text)
@@ -493,12 +522,12 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         snapshot[at] = dict(clock[lane])
         for st in line.reads:
             reads_since.setdefault(st, []).append((lane, count[lane], at))
-            used_on.setdefault(st, set()).add(lane)
+            use(st, lane)
         for st in line.writes:
             last_write[st] = (lane, count[lane], at)
             reads_since[st] = []
-            used_on.setdefault(st, set()).add(lane)
             alloc_lane.setdefault(st, lane)
+            use(st, lane)
         launches.append((line.text.strip(), lane))
 
     # Each record goes right after the launch its waits depend on, on that launch's lane.
@@ -511,11 +540,12 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         # The main lane waits for every side lane (the runtime records their ends), then the
         # frees held back run: every use of those blocks is ordered before the caller's next work.
         final.append(f"{body_indent}{RUNTIME}.leave()")
+        held.extend(pending)
         if held:
             final.append(f"{body_indent}del {', '.join(dict.fromkeys(held))}")
     header = module_source.splitlines()[call_body(module_source)[0]]
     return Rewritten("\n".join([header, *final, *tail]) + "\n", launches, state["switches"], len(record_after),
-                     state["waits"], list(dict.fromkeys(held)), lanes)
+                     state["waits"], list(dict.fromkeys(held)), lanes, len(moved))
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
@@ -566,7 +596,8 @@ def check(rewritten: str, module_source: str) -> list[str]:
       wrote, with no event ordering it after that;
     - a side lane that allocates or launches before it waits for the main lane (a capture
       forks every stream it uses from the capturing one);
-    - a ``del`` of a storage used on a lane other than its allocating one before the join;
+    - a ``del`` of a storage used on a lane other than its allocating one, before the join and
+      before the allocating lane waits for that use;
     - a wait for a slot not yet recorded; a return with side lanes not joined.
     """
     parsed, inputs, _, names = _parse(rewritten, lambda writes, sources: None, kernel_params(module_source))
@@ -576,7 +607,7 @@ def check(rewritten: str, module_source: str) -> list[str]:
     last_write: dict[str, tuple[int, int]] = {n: (0, 0) for n in inputs}
     reads_since: dict[str, list[tuple[int, int]]] = {}
     alloc_lane: dict[str, int] = {n: 0 for n in inputs}
-    used: dict[str, set[int]] = {n: {0} for n in inputs}
+    used: dict[str, dict[int, int]] = {n: {0: 0} for n in inputs}  # storage -> lane -> its last use
     lane, joined, side = 0, True, set()
 
     def merge(into: dict[int, int], other: dict[int, int]) -> None:
@@ -622,14 +653,17 @@ def check(rewritten: str, module_source: str) -> list[str]:
             out.append(f"lane {lane} {what} before it waits for the main lane: {s[:80]}")
         if line.kind == "alloc":
             st = names.of(line.names[0])
-            alloc_lane[st], used[st] = lane, {lane}
+            alloc_lane[st] = lane
             last_write[st], reads_since[st] = (lane, tick(lane)), []
+            used[st] = {lane: last_write[st][1]}
         elif line.kind == "del":
             for n in line.names:
                 st = names.of(n)
-                if not joined and used.get(st, {0}) - {alloc_lane.get(st, 0)}:
-                    out.append(f"{n} freed before the join, used on lanes {sorted(used[st])}, allocated on "
-                               f"{alloc_lane.get(st, 0)}")
+                home = alloc_lane.get(st, 0)
+                early = sorted(k for k, v in used.get(st, {}).items() if k != home and not ordered(home, (k, v)))
+                if not joined and early:
+                    out.append(f"{n} freed before lane {home}, which allocated it, waits for its use on lanes "
+                               f"{early}")
         elif line.kind == "launch":
             for st in sorted(line.reads | line.writes):
                 if st in last_write and not ordered(lane, last_write[st]):
@@ -642,10 +676,10 @@ def check(rewritten: str, module_source: str) -> list[str]:
             now = tick(lane)
             for st in line.reads:
                 reads_since.setdefault(st, []).append((lane, now))
-                used.setdefault(st, set()).add(lane)
+                used.setdefault(st, {})[lane] = now
             for st in line.writes:
                 last_write[st], reads_since[st] = (lane, now), []
-                used.setdefault(st, set()).add(lane)
+                used.setdefault(st, {})[lane] = now
                 alloc_lane.setdefault(st, lane)
         elif line.kind == "return" and not joined:
             out.append("returns before the side lanes are joined")

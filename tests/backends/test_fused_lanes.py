@@ -163,9 +163,96 @@ def test_the_order_check_finds_what_a_rewrite_must_not_leave_out():
         "lane 0 uses buf2, written on lane 1 with no event after: "
         "triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)"]
     early = done.source.replace("    _cp_lanes.leave()\n            del buf2\n", "    del buf2\n            _cp_lanes.leave()\n")
-    assert fused_lanes.check(early, module()) == ["buf2 freed before the join, used on lanes [0, 1], allocated on 1"]
+    assert fused_lanes.check(early, module()) == [
+        "buf2 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
     no_fork = done.source.replace("    _cp_lanes.wait(0)\n", "")
     assert "lane 1 allocates before it waits for the main lane" in fused_lanes.check(no_fork, module())[0]
+
+
+CHAIN = textwrap.dedent('''\
+    triton_poi_fused_sin_0 = async_compile.triton('triton_poi_fused_sin_0', """
+    @triton.jit
+    def triton_poi_fused_sin_0(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
+        pass
+    """, device_str='cuda')
+
+    def call(args):
+        arg0_1, arg1_1, arg2_1 = args
+        args.clear()
+        with torch.cuda._DeviceGuard(0):
+            torch.cuda.set_device(0)
+            buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [sin], Original ATen: [aten.sin]
+            stream0 = get_raw_stream(0)
+            triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
+            buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+            extern_kernels.mm(buf0, arg1_1, out=buf1)
+            del buf0
+            buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+            extern_kernels.mm(buf1, arg2_1, out=buf2)
+            del buf1
+            buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+            # Topologically Sorted Source Nodes: [sin_1], Original ATen: [aten.sin]
+            stream0 = get_raw_stream(0)
+            triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
+        return (buf2, buf3, )
+    ''')
+
+
+def test_a_block_read_on_another_lane_is_freed_once_its_lane_waits_for_that_read():
+    """Lanes take turns, as layers do: ``sin`` on lane 1 makes buf0, ``mm`` on the main lane reads
+    it, ``mm_1`` on lane 1 reads ``mm``'s result. buf0 goes back to lane 1's stream right after
+    lane 1 waits for ``mm`` (every later use of the block on lane 1 is then after the read), not
+    at the join. buf1, made on the main lane and read on lane 1, waits for the join: the main
+    lane never waits for ``mm_1`` before it. ``sin_1``, on the main lane, may take neither."""
+    done = fused_lanes.rewrite(CHAIN, by_buffer({"buf0": 1, "buf2": 1}))
+    assert_expected_inline(body(done), """\
+arg0_1, arg1_1, arg2_1 = args
+args.clear()
+with torch.cuda._DeviceGuard(0):
+    torch.cuda.set_device(0)
+    _cp_lanes.enter(0)
+    _cp_lanes.record(0)
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(0)
+    buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin], Original ATen: [aten.sin]
+    stream0 = get_raw_stream(0)
+    triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
+    _cp_lanes.record(1)
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+    _cp_lanes.wait(1)
+    extern_kernels.mm(buf0, arg1_1, out=buf1)
+    _cp_lanes.record(2)
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+    _cp_lanes.wait(2)
+    del buf0
+    extern_kernels.mm(buf1, arg2_1, out=buf2)
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin_1], Original ATen: [aten.sin]
+    stream0 = get_raw_stream(0)
+    triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
+    _cp_lanes.leave()
+    del buf1
+return (buf2, buf3, )""")
+    assert (done.held, done.moved) == (["buf1"], 1)
+    assert fused_lanes.check(done.source, CHAIN) == []
+    # The same free before lane 1's wait: lane 1 could hand buf0 to an allocation that runs while
+    # ``mm`` still reads it.
+    early = done.source.replace("_cp_lanes.wait(2)\n        del buf0\n", "del buf0\n        _cp_lanes.wait(2)\n")
+    assert early != done.source and fused_lanes.check(early, CHAIN) == [
+        "buf0 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
 
 
 def _inductor_code() -> str:
