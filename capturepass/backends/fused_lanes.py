@@ -415,7 +415,10 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     alloc_lane: dict[str, int] = {n: 0 for n in inputs}
     # storage -> lane -> that lane's count at its last use of the storage.
     last_use: dict[str, dict[int, int]] = {n: {0: 0} for n in inputs}
-    pending: list[str] = []  # names whose del waits for their allocating lane to cover every use
+    # Names whose del waits for their allocating lane to cover every use: name -> [the del's
+    # indent, the least indent of a line since] (a del moves only within its block: a line less
+    # indented since means the code left it, and a wait there may not run where the del would).
+    pending: dict[str, list[int]] = {}
     moved: list[str] = []
     out: list[str] = []
     record_after: dict[int, int] = {}  # out index -> event slot
@@ -442,12 +445,13 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         state["waits"] += 1
         for k, v in snapshot[at].items():
             mine[k] = max(mine.get(k, -1), v)
-        if indent == body_indent:
-            free = [n for n in pending if alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
-            if free:
-                out.append(f"{indent}del {', '.join(free)}")
-                moved.extend(free)
-                pending[:] = [n for n in pending if n not in free]
+        free = [n for n, (at, least) in pending.items() if at == len(indent) and least >= at
+                and alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
+        if free:
+            out.append(f"{indent}del {', '.join(free)}")
+            moved.extend(free)
+            for n in free:
+                del pending[n]
 
     def use(st: str, lane: int) -> None:
         last_use.setdefault(st, {})[lane] = count[lane]
@@ -472,6 +476,9 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         if line.kind == "return":
             tail = [p.text for p in parsed[k:]]
             break
+        if line.text.strip():
+            for since in pending.values():
+                since[1] = min(since[1], len(line.indent))
         if line.kind in ("launch", "alloc") and body_indent is None:
             body_indent = line.indent
             out.append(f"{line.indent}{RUNTIME}.enter({device})")
@@ -501,8 +508,8 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
                 (keep if covered(st) else later).append(n)
             if keep:
                 out.append(f"{line.indent}del {', '.join(keep)}")
-            # A del inside a nested block (a branch that may not run) is held to the join.
-            (pending if line.indent == body_indent else held).extend(later)
+            for n in later:
+                pending[n] = [len(line.indent), len(line.indent)]
             continue
         if line.kind != "launch":
             out.append(line.text)
@@ -540,7 +547,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         # The main lane waits for every side lane (the runtime records their ends), then the
         # frees held back run: every use of those blocks is ordered before the caller's next work.
         final.append(f"{body_indent}{RUNTIME}.leave()")
-        held.extend(pending)
+        held.extend(pending)  # never covered within their blocks
         if held:
             final.append(f"{body_indent}del {', '.join(dict.fromkeys(held))}")
     header = module_source.splitlines()[call_body(module_source)[0]]

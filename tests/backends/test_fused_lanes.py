@@ -255,6 +255,30 @@ return (buf2, buf3, )""")
         "buf0 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
 
 
+def test_a_free_moves_within_its_block_of_code_with_dynamic_shapes():
+    """With dynamic shapes Inductor binds the sizes (``s0 = arg3_1``) before the device's block:
+    the lanes' entry then stands outside that block, and a free inside it still moves to its
+    lane's wait, inside it too. A wait in another block (after the code left the del's) never
+    takes a free: there it may not run."""
+    dynamic = CHAIN.replace("arg0_1, arg1_1, arg2_1 = args\n    args.clear()\n",
+                            "arg0_1, arg1_1, arg2_1, arg3_1 = args\n    args.clear()\n    s0 = arg3_1\n")
+    assert dynamic != CHAIN
+    done = fused_lanes.rewrite(dynamic, by_buffer({"buf0": 1, "buf2": 1}))
+    static = fused_lanes.rewrite(CHAIN, by_buffer({"buf0": 1, "buf2": 1}))
+    assert (done.held, done.moved) == (static.held, static.moved) == (["buf1"], 1)
+    assert fused_lanes.check(done.source, dynamic) == []
+    lines = [x.strip() for x in body(done).splitlines()]
+    assert lines.index("del buf0") == lines.index("_cp_lanes.wait(2)") + 1
+    # The second product in a block of its own: lane 1's wait there cannot free buf0.
+    split = CHAIN.replace("        buf2 = empty_strided_cuda", "    with torch.cuda._DeviceGuard(0):\n        buf2 = empty_strided_cuda")
+    split = split.replace("        extern_kernels.mm(buf1, arg2_1, out=buf2)\n",
+                          "        extern_kernels.mm(buf1, arg2_1, out=buf2)\n    with torch.cuda._DeviceGuard(0):\n")
+    assert split.count("_DeviceGuard") == 3
+    done = fused_lanes.rewrite(split, by_buffer({"buf0": 1, "buf2": 1}))
+    assert (sorted(done.held), done.moved) == (["buf0", "buf1"], 0)
+    assert fused_lanes.check(done.source, split) == []
+
+
 def _inductor_code() -> str:
     """The output code of a host compile with two chains of products, in-place updates and
     planned reuses (the host's code has the same lines around its C++ kernels)."""
