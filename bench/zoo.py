@@ -32,8 +32,8 @@ random weights leave the router's scores near ties), compile time (the first cal
 ``TORCHINDUCTOR_CACHE_DIR``; in brackets the first three calls, by which every variant has
 captured: cudagraph trees warm up at a shape's first call and record at its second, capturepass
 captures at the first), and peak memory above the weights over the compile and the first
-calls (``--memory-sites``: the blocks live at the peak, by where they were allocated, into each
-worker's log, and the variant's own peak: the most that the blocks its calls allocated held at
+calls (``--memory-sites``: the blocks live at the peak, by where they were allocated, by stream
+and the largest of them, into each worker's log, and the variant's own peak: the most that the blocks its calls allocated held at
 once, without the bench's references and copies, the figure the memory bars compare). The table gives capturepass default against the faster of reduce-overhead and
 capturepass ``policy="off"`` (the never-slower bar: at most 1.01) and against reduce-overhead.
 Below it, for the capturepass variants on a GPU, each capture's graphs replayed alone and the
@@ -439,6 +439,18 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
     lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s), "
              f"{ours / 2**20:.1f} MiB of them allocated under capturepass"]
     lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    # The caching allocator hands a freed block only to its own stream's next allocation: where
+    # lanes run on several streams, each keeps blocks (its temporaries, cuDNN's and cuBLAS's
+    # workspaces) that the others cannot take, and the split by stream shows it.
+    streams: dict[int, list[int]] = {}
+    for entry in best_live:
+        streams.setdefault(entry.get("stream", 0), []).append(entry["size"])
+    if len(streams) > 1:
+        lines.append("by stream: " + ", ".join(
+            f"{stream:#x} {sum(sizes) / 2**20:.1f} MiB in {len(sizes)} block(s)"
+            for stream, sizes in sorted(streams.items(), key=lambda kv: -sum(kv[1]))))
+    largest = sorted(best_live, key=lambda e: -e["size"])[:5]
+    lines.append("largest blocks: " + ", ".join(f"{e['size'] / 2**20:.1f} MiB ({site(e)})" for e in largest))
     return "\n".join(lines)
 
 

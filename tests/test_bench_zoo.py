@@ -149,11 +149,18 @@ def test_peak_sites_sum_the_blocks_live_at_the_peak_by_where_they_were_allocated
         {"action": "alloc", "addr": 4, "size": 100 * mib, "frames": model},  # below the peak (140)
     ]
     text = zoo.peak_sites({"device_traces": [trace]})
+    tuned = "torch/_dynamo/testing.py:462 rand_strided <- capturepass/backends/inner.py:24 _inductor"
     assert text.splitlines() == [
         "peak of the recorded history: 140.0 MiB in 3 block(s), 130.0 MiB of them allocated under capturepass",
-        "     130.0 MiB  torch/_dynamo/testing.py:462 rand_strided <- capturepass/backends/inner.py:24 _inductor",
+        f"     130.0 MiB  {tuned}",
         "      10.0 MiB  transformers/llama.py:122 forward",
+        f"largest blocks: 125.0 MiB ({tuned}), 10.0 MiB (transformers/llama.py:122 forward), 5.0 MiB ({tuned})",
     ]
+    # Blocks of two streams at the peak: what each stream's pool holds.
+    for entry, stream in zip(trace, (7, 13, 7, 7, 13, 7)):
+        entry["stream"] = stream
+    assert zoo.peak_sites({"device_traces": [trace]}).splitlines()[3] == (
+        "by stream: 0xd 125.0 MiB in 1 block(s), 0x7 15.0 MiB in 2 block(s)")
 
 
 def test_own_peak_counts_only_the_blocks_the_variants_calls_allocated():
