@@ -279,9 +279,10 @@ def test_a_free_moves_within_its_block_of_code_with_dynamic_shapes():
     assert fused_lanes.check(done.source, split) == []
 
 
-def _inductor_code() -> str:
+def _inductor_code(dynamic: bool = False) -> str:
     """The output code of a host compile with two chains of products, in-place updates and
-    planned reuses (the host's code has the same lines around its C++ kernels)."""
+    planned reuses (the host's code has the same lines around its C++ kernels); with
+    ``dynamic``, the sizes bound from the arguments first."""
     import torch
 
     from capturepass.backends.inline_check import CodeCapture
@@ -296,25 +297,35 @@ def _inductor_code() -> str:
 
     torch._dynamo.reset()
     with CodeCapture() as code, torch.no_grad():
-        torch.compile(f, backend="inductor", options={"fx_graph_cache": False})(
+        torch.compile(f, backend="inductor", dynamic=dynamic, options={"fx_graph_cache": False})(
             torch.randn(32, 32), torch.randn(32, 32), torch.randn(32, 32))
     torch._dynamo.reset()
     (text,) = [c for c in code.codes if "def call(" in c]
     return text
 
 
-@pytest.fixture(scope="module")
-def inductor_code() -> str:
-    return _inductor_code()
+@pytest.fixture(scope="module", params=[False, True], ids=["static", "dynamic"])
+def inductor_code(request) -> str:
+    return _inductor_code(request.param)
 
 
 def test_every_lane_assignment_of_real_inductor_code_checks_clean(inductor_code):
     """Whatever lane each buffer's launch takes (three lanes, drawn), the rewrite of a real
-    Inductor compile's ``call`` passes the order check, and the module it makes compiles."""
+    Inductor compile's ``call`` passes the order check, frees every name the code frees (where
+    Inductor did, at a later wait or after the join), and the module it makes compiles."""
+    import re
+
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    buffers = sorted(set(__import__("re").findall(r"\bbuf\d+\b", inductor_code)))
+    buffers = sorted(set(re.findall(r"\bbuf\d+\b", inductor_code)))
+
+    def freed(code: str) -> list[str]:
+        return sorted(n.strip() for m in re.finditer(r"\bdel ([\w, ]+?)\s*(?:#.*)?$", code, re.MULTILINE)
+                      for n in m.group(1).split(",") if n.strip())
+
+    original = freed("\n".join(fused_lanes.call_body(inductor_code)[2]))
+    assert original
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.lists(st.integers(0, 2), min_size=len(buffers), max_size=len(buffers)))
@@ -322,6 +333,7 @@ def test_every_lane_assignment_of_real_inductor_code_checks_clean(inductor_code)
         lane = dict(zip(buffers, lanes))
         new, done = fused_lanes.rewrite_module(inductor_code, by_buffer(lane))
         assert fused_lanes.check(done.source, inductor_code) == []
+        assert freed(done.source) == original
         compile(new, "<rewritten>", "exec")
 
     run()
