@@ -445,7 +445,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         state["waits"] += 1
         for k, v in snapshot[at].items():
             mine[k] = max(mine.get(k, -1), v)
-        free = [n for n, (at, least) in pending.items() if at == len(indent) and least >= at
+        free = [n for n, (level, least) in pending.items() if level == len(indent) and least >= level
                 and alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
         if free:
             out.append(f"{indent}del {', '.join(free)}")
