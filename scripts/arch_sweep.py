@@ -16,11 +16,13 @@ eager for no merit).
     python3 scripts/arch_sweep.py --host-captures     # captures and replays run on the host
     python3 scripts/arch_sweep.py --attn flex_attention   # another attention implementation
     python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
+    python3 scripts/arch_sweep.py --regions fused     # every model's code through the lanes' rewrite
 
 Prints one line per model (``OK`` with the largest absolute difference, and any frame Dynamo
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
 error's last frames, or ``SLOW`` for a model equal to eager whose regions Inductor failed to
-compile, which then ran as lane regions or eagerly, with the first such warning) and exits 1 if
+compile, which then ran as lane regions or eagerly, or whose lanes after fusion the order check
+faulted, which then ran on one lane, with the first such warning) and exits 1 if
 any failed or was slow. An output beyond the tolerance is compared with ``backend="inductor"``'s on
 the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
 capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
@@ -274,12 +276,14 @@ def _inputs(head: str, vocab: int, device: str) -> list[dict]:
 
 # capturepass's warnings of a compile that failed and was replaced by a slower one: the model
 # stays equal to eager, so only its log tells (MiniMax on the H200 ran every region eagerly).
-FALLBACKS = ("compiler failed on region", "one compile of")
+FALLBACKS = ("compiler failed on region", "one compile of", "lanes after fusion left out")
 
 
 # Dynamo's warning when a frame reached its recompile limit: from then on that frame runs
 # eagerly, under any backend (JetMoE's calls pass through transformers' deprecation wrapper).
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.\w+ .*?function: '([^']+)'", re.S)
+# A compile's lanes after fusion, as logged: how many of its frees the rewrite moved or held.
+FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait")
 
 
 class Fallbacks(logging.Handler):
@@ -291,11 +295,15 @@ class Fallbacks(logging.Handler):
         self.messages: list[str] = []
         self.eager_frames: list[str] = []
         self.in_place = 0  # shapes captured again with inputs read in place (``--host-captures``)
+        self.fused = [0, 0, 0]  # compiles with lanes after fusion, their frees held, moved (``--regions fused``)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if "stayed at one address" in message:
             self.in_place += 1
+        fused = FUSED.search(message)
+        if fused:
+            self.fused = [self.fused[0] + 1, self.fused[1] + int(fused.group(1)), self.fused[2] + int(fused.group(2))]
         if record.levelno < logging.WARNING:
             return
         if any(f in message for f in FALLBACKS):
@@ -333,7 +341,16 @@ class Unsupported(Exception):
     with ``--generate``, the model is no decoder, or its eager generation fails)."""
 
 
-def check(name: str, device: str, refill: bool = False, attn: str | None = None) -> float:
+def _options(capture: bool, regions: str | None) -> dict | None:
+    """capturepass's options for a model of the sweep: captures on the host, a region route."""
+    options = {"cudagraphs": "monolithic"} if capture else {}
+    if regions is not None:
+        options["regions"] = regions
+    return options or None
+
+
+def check(name: str, device: str, refill: bool = False, attn: str | None = None,
+          regions: str | None = None) -> float:
     """The largest absolute difference from eager over the model's three inputs (raises on a failure).
 
     With ``refill`` every input is then passed three times more in buffers refilled in place (a
@@ -347,7 +364,7 @@ def check(name: str, device: str, refill: bool = False, attn: str | None = None)
 
     torch._dynamo.reset()
     head, config, model = _build(name, device, attn)
-    compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "monolithic"} if refill else None)
+    compiled = torch.compile(model, backend="capturepass", options=_options(refill, regions))
     tol = zoo.TOLERANCE[device]
     worst = 0.0
     seen: list[dict] = []
@@ -408,7 +425,8 @@ def _build(name: str, device: str, attn: str | None) -> tuple:
 NEW_TOKENS = 8
 
 
-def check_generate(name: str, device: str, attn: str | None = None, capture: bool = False) -> str:
+def check_generate(name: str, device: str, attn: str | None = None, capture: bool = False,
+                   regions: str | None = None) -> str:
     """Three greedy generations with the model's ``forward`` compiled (``capture``: as on a GPU,
     ``cudagraphs="monolithic"``), each equal to eager's tokens; returns the cache they used.
     Raises :class:`Mismatch` on other tokens, :class:`Unsupported` for a model that is no decoder."""
@@ -440,7 +458,7 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
             want = generate(eager)
         except Exception as exc:  # noqa: BLE001 - the model's own generation, before any compile
             raise Unsupported(f"eager generation fails ({type(exc).__name__}: {str(exc)[:200]})") from exc
-        options = {"cudagraphs": "monolithic"} if capture else None
+        options = _options(capture, regions)
         try:
             got = generate(torch.compile(eager, backend="capturepass", options=options))
         except Exception as exc:
@@ -521,6 +539,9 @@ def main() -> None:
                    help="the attn_implementation to build every model with (transformers' default otherwise)")
     p.add_argument("--generate", action="store_true",
                    help="decoders generate greedily with forward compiled; tokens against eager's")
+    p.add_argument("--regions", default=None, choices=("auto", "lanes", "segments", "fused"),
+                   help="capturepass's region route (its default otherwise); fused on the CPU puts every "
+                        "model's Inductor code through the lanes-after-fusion rewrite and its order check")
     p.add_argument("--host-captures", action="store_true",
                    help="on the CPU, capture and replay on the host (the executor's decisions on real inputs); "
                         "each input is then passed three times more in refilled buffers")
@@ -539,20 +560,24 @@ def main() -> None:
         if args.device != "cpu":
             p.error("--host-captures is for the CPU (a GPU captures for real)")
         log = host_captures()
-        logging.getLogger("capturepass").setLevel(logging.INFO)  # the shapes captured again, counted
+    if args.host_captures or args.regions:
+        # The shapes captured again, the frees of lanes after fusion: counted from the log.
+        logging.getLogger("capturepass").setLevel(logging.INFO)
     failed = slow = torch_own = skipped = 0
     for name in names:
         del log[:]
         try:
             with Fallbacks() as fallbacks:
                 if args.generate:
-                    cache = check_generate(name, args.device, attn=args.attn, capture=args.host_captures)
+                    cache = check_generate(name, args.device, attn=args.attn, capture=args.host_captures,
+                                           regions=args.regions)
                     kinds = [k for k, _ in log]
                     what = f"{3 * NEW_TOKENS} tokens equal to eager's ({cache}" + (
                         f"; {kinds.count('capture')} captures, {kinds.count('replay')} replays)"
                         if args.host_captures else ")")
                 else:
-                    worst = check(name, args.device, refill=args.host_captures, attn=args.attn)
+                    worst = check(name, args.device, refill=args.host_captures, attn=args.attn,
+                                  regions=args.regions)
                     what = f"largest difference {worst:.2e}"
         except Unsupported as exc:
             skipped += 1
@@ -580,7 +605,10 @@ def main() -> None:
                      f"limit (under any backend)") if fallbacks.eager_frames else ""
             in_place = f"; {fallbacks.in_place} shape(s) captured again with inputs read in place" \
                 if args.host_captures and not args.generate else ""
-            print(f"OK   {name}: {what}{in_place}{eager}", flush=True)
+            compiles, held, moved = fallbacks.fused
+            fused = (f"; lanes after fusion in {compiles} compile(s): {moved} frees moved to a later wait, {held} "
+                     f"held to the join") if compiles else ""
+            print(f"OK   {name}: {what}{in_place}{fused}{eager}", flush=True)
     print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
           + (f" ({skipped} skipped)" if skipped else "")
           + (f", {slow} with failed compiles" if slow else "")
