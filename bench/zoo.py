@@ -439,9 +439,9 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
     lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s), "
              f"{ours / 2**20:.1f} MiB of them allocated under capturepass"]
     lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
-    # The caching allocator hands a freed block only to its own stream's next allocation: where
-    # lanes run on several streams, each keeps blocks (its temporaries, cuDNN's and cuBLAS's
-    # workspaces) that the others cannot take, and the split by stream shows it.
+    # Which stream allocated the blocks live at the peak: a graph of lanes whose side streams hold
+    # more than their share there keeps a side lane's results alive past their use (a free held
+    # across lanes) or a workspace per stream (cuBLAS keeps one per stream until cleared).
     streams: dict[int, list[int]] = {}
     for entry in best_live:
         streams.setdefault(entry.get("stream", 0), []).append(entry["size"])
