@@ -101,9 +101,9 @@ def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
                                            model(x))
         assert len(seen.messages) == 2 and "compiled as lane regions instead" in seen.messages[1]
         # Lanes after fusion whose order check finds a fault run on one lane (Inductor's cache off:
-        # a module it loads from there is not rewritten again).
-        with monkeypatch.context() as m:
-            m.setattr(torch._inductor.config, "fx_graph_cache", False)
+        # a module it loads from there is not rewritten again; its config patched by its own
+        # ``patch``, which monkeypatch's undo would delete from the config module).
+        with monkeypatch.context() as m, torch._inductor.config.patch(fx_graph_cache=False):
             m.setattr(fused_inductor, "check", lambda source, module: ["lane 1 uses buf2, written on lane 0 with no "
                                                                        "event after"])
             torch._dynamo.reset()
