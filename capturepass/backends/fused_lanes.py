@@ -419,10 +419,9 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     # indent, the least indent of a line since] (a del moves only within its block: a line less
     # indented since means the code left it, and a wait there may not run where the del would).
     pending: dict[str, list[int]] = {}
-    moved: list[str] = []
     out: list[str] = []
     record_after: dict[int, int] = {}  # out index -> event slot
-    state = {"waits": 0, "switches": 0, "current": 0}
+    state = {"waits": 0, "switches": 0, "current": 0, "moved": 0}
     started: set[int] = {0}
     launches: list[tuple[str, int]] = []
     held: list[str] = []
@@ -449,7 +448,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
                 and alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
         if free:
             out.append(f"{indent}del {', '.join(free)}")
-            moved.extend(free)
+            state["moved"] += len(free)
             for n in free:
                 del pending[n]
 
@@ -552,7 +551,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             final.append(f"{body_indent}del {', '.join(dict.fromkeys(held))}")
     header = module_source.splitlines()[call_body(module_source)[0]]
     return Rewritten("\n".join([header, *final, *tail]) + "\n", launches, state["switches"], len(record_after),
-                     state["waits"], list(dict.fromkeys(held)), lanes, len(moved))
+                     state["waits"], list(dict.fromkeys(held)), lanes, state["moved"])
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
