@@ -75,6 +75,7 @@ import contextlib
 import logging
 import os
 import statistics
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -286,6 +287,15 @@ def replay_segments(cap: Any) -> None:
 # -- the record of one choice ------------------------------------------------------------------------
 
 
+# The turns this process holds, by lock path: a path's re-entrant lock (one thread at a time) and
+# how deep its holder is. A second ``flock`` on another descriptor of the same file conflicts with
+# the first even within one process, so a capture that measures its candidates inside a turn the
+# process already holds (a benchmark timing its calls under the same lock, a new shape captured
+# there) would wait on itself forever.
+_turns: dict[str, tuple[threading.RLock, list[int]]] = {}
+_turns_guard = threading.Lock()
+
+
 @contextlib.contextmanager
 def measuring_turn():
     """Holds an exclusive lock on the file ``CAPTUREPASS_PICK_LOCK`` names (when set) while the
@@ -297,21 +307,30 @@ def measuring_turn():
     device, a benchmark's workers) set the same path and time their candidates one process at
     a time. Where the lock cannot be taken (no ``fcntl``, a path that cannot be opened), the
     candidates are timed without it, with a warning the first time for that path.
+
+    The turn is re-entrant: within one that this thread already holds (a caller timing its own
+    calls under it, whose call captures a new shape), it is held on, not taken again. Other
+    threads of the process wait for it as other processes do.
     """
     path = os.environ.get(PICK_LOCK_ENV)
     if not path:
         yield
         return
-    with contextlib.ExitStack() as stack:
-        try:
-            import fcntl
+    with _turns_guard:
+        mutex, depth = _turns.setdefault(path, (threading.RLock(), [0]))
+    with mutex, contextlib.ExitStack() as stack:
+        depth[0] += 1
+        stack.callback(depth.__setitem__, 0, depth[0] - 1)
+        if depth[0] == 1:
+            try:
+                import fcntl
 
-            f = stack.enter_context(open(path, "a"))
-            fcntl.flock(f, fcntl.LOCK_EX)
-            stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
-        except (ImportError, OSError) as e:  # no fcntl, a path that cannot be opened, a file system without locks
-            files.warn_once(f"lock:{path}", "capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the "
-                            "schedule candidates without it", PICK_LOCK_ENV, path, type(e).__name__, e)
+                f = stack.enter_context(open(path, "a"))
+                fcntl.flock(f, fcntl.LOCK_EX)
+                stack.callback(fcntl.flock, f, fcntl.LOCK_UN)
+            except (ImportError, OSError) as e:  # no fcntl, a path that cannot be opened, a file system without locks
+                files.warn_once(f"lock:{path}", "capturepass: %s=%s: the lock cannot be taken (%s: %s); timing the "
+                                "schedule candidates without it", PICK_LOCK_ENV, path, type(e).__name__, e)
         yield
 
 

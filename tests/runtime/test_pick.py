@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -226,6 +227,62 @@ def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_pa
     p2.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
     p2.capture(_Executor(), [torch.randn(4, 8)], real=True)
     assert held and not any(held)
+
+
+def test_a_capture_inside_a_turn_this_process_holds_does_not_wait_on_itself(tmp_path, monkeypatch):
+    # A benchmark times its calls under the lock its workers' pickers share; a call there that
+    # captures a new shape (Dynamo sending an earlier shape to a later, dynamic graph) measures
+    # its candidates inside that turn. A second flock of the file from the same process would
+    # block forever.
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
+    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    held = []
+    measure = p.measure_round
+    p.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
+    done = threading.Event()
+
+    def timed_calls():
+        with pick.measuring_turn():
+            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            held.append(("after the capture", _locked_elsewhere(lock)))
+        done.set()
+
+    t = threading.Thread(target=timed_calls, daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set(), "the nested turn waited on the turn its own process holds"
+    assert picked[0].choice == "one_lane"
+    assert held[-1] == ("after the capture", True)  # the inner turn's end leaves the outer one held
+    assert held[:-1] and all(held[:-1])
+    assert not _locked_elsewhere(lock)
+
+
+def test_another_thread_waits_for_the_turn(tmp_path, monkeypatch):
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "gpu.lock"))
+    inside, leave, order = threading.Event(), threading.Event(), []
+
+    def first():
+        with pick.measuring_turn():
+            inside.set()
+            leave.wait(30)
+            order.append("first leaves")
+
+    def second():
+        inside.wait(30)
+        with pick.measuring_turn():
+            order.append("second enters")
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (first, second)]
+    for t in threads:
+        t.start()
+    inside.wait(30)
+    threads[1].join(0.5)
+    assert threads[1].is_alive() and order == []  # the second thread waits while the first holds it
+    leave.set()
+    for t in threads:
+        t.join(30)
+    assert order == ["first leaves", "second enters"]
 
 
 def test_a_lock_that_cannot_be_opened_warns_once_and_still_chooses(tmp_path, monkeypatch, caplog):
