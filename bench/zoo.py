@@ -59,12 +59,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
+import faulthandler
 import gc
 import itertools
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -168,13 +169,15 @@ def compiled(model, variant: str):
 def turn(lock_path: str):
     """Holds the GPU timing lock once every process has compiled: compiles overlap, timings
     neither overlap each other nor a compile (CPU contention slows the host side of a call)."""
+    from capturepass.runtime.pick import measuring_turn
+
+    # The same turn as capturepass's measured choice (``CAPTUREPASS_PICK_LOCK`` names this file
+    # in every worker): a timed call that captures a new shape measures its candidates inside
+    # it, where a lock of its own on the file would wait on this one forever.
+    assert os.environ.get("CAPTUREPASS_PICK_LOCK") == lock_path, "the worker's timing lock is not its pickers'"
     _arrive(lock_path, "ready", "go")
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with measuring_turn():
+        yield
     # A process that exits tears down its CUDA context and compile workers: not while another
     # process is timing.
     _arrive(lock_path, "done", "exit")
@@ -225,6 +228,7 @@ def worker(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("capturepass").setLevel(logging.INFO)  # its choices and fallbacks, into DIR/logs
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's request at its timeout
     dev = args.device
     cuda = dev == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -265,6 +269,15 @@ def worker(args: argparse.Namespace) -> None:
             rotation += [make(seed) for seed in range(4, 4 + max(0, args.inputs - 2))]
             timed_calls[label] = (lambda turn=itertools.cycle(rotation[:max(1, args.inputs)]): run_variant(fn, next(turn)))
             same_inputs[label] = (lambda x=rotation[0]: run_variant(fn, x))
+        # Dynamo tries its newest graph first: once a later shape made it compile a dynamic graph,
+        # an earlier shape that graph admits too runs through it from then on (a DiT's token
+        # count; not a batch of one, which Dynamo specialises), and capturepass captures that
+        # shape anew there. One more call of every shape before the memory is read and the calls
+        # are timed: both are of the steady state, not of the graphs the shapes met first.
+        for call in same_inputs.values():
+            call()
+        if cuda:
+            torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
         if cuda and args.memory_sites:
@@ -608,8 +621,14 @@ def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[di
         try:
             out, err = proc.communicate(timeout=max(1, args.timeout - (time.time() - start)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
+            # Its threads' Python stacks first (``faulthandler``, registered by the worker), into
+            # its log: where a worker that runs out of time was waiting.
+            proc.send_signal(signal.SIGUSR1)
+            try:
+                out, err = proc.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
             failures.append(f"{m} {v}: timed out after {args.timeout} s")
         got = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         if args.out:  # the worker's log (capturepass's choices, warnings), for the reader of the table

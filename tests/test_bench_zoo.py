@@ -244,3 +244,35 @@ def test_zoo_bench_compile_table_gives_the_first_three_calls_where_timed():
     table = bench.report(rows, ["llama"], ["reduce-overhead", "capturepass", "capturepass-off"]).splitlines()
     head = next(i for i, x in enumerate(table) if "compile s (three calls) / peak MiB" in x)
     assert table[head + 2] == "| llama | decode[8,1] | 10.5 (13.0) / 100 | 18.0 (18.2) / 100 | 13.0 / 100 |"
+
+
+def test_a_capture_measured_inside_the_timing_turn_does_not_wait_on_it(tmp_path, monkeypatch):
+    # A DiT's first shape, timed after its second made Dynamo compile a dynamic graph, runs
+    # through that graph and is captured there: capturepass measures its candidates inside the
+    # worker's timing turn. With a lock of its own on the file the worker waited on itself until
+    # the bench's time limit.
+    import threading
+
+    from capturepass.runtime.pick import measuring_turn
+
+    zoo = _load("zoo")
+    lock = str(tmp_path / "lock")
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", lock)
+    for release in ("go", "exit"):
+        open(f"{lock}.{release}", "w").close()
+    done = threading.Event()
+
+    def timed_calls():
+        with zoo.turn(lock):
+            with measuring_turn():
+                pass
+        done.set()
+
+    t = threading.Thread(target=timed_calls, daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set()
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "another"))
+    with pytest.raises(AssertionError, match="not its pickers'"):
+        with zoo.turn(lock):
+            pass
