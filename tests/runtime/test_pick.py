@@ -204,18 +204,20 @@ def _locked_elsewhere(path) -> bool:
         return False
 
 
+def _lock_noting_picker(tmp_path, lock, held: list):
+    """A picker (one lane fastest) whose every timed round notes in ``held`` whether ``lock`` was
+    held then."""
+    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    measure = p.measure_round
+    p.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
+    return p, picked
+
+
 def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_path, monkeypatch):
     lock = tmp_path / "gpu.lock"
     monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
-    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     held = []
-    measure = p.measure_round
-
-    def measure_round(caps, order):
-        held.append(_locked_elsewhere(lock))
-        return measure(caps, order)
-
-    p.measure_round = measure_round
+    p, picked = _lock_noting_picker(tmp_path, lock, held)
     p.capture(_Executor(), [torch.randn(4, 8)], real=True)
     assert held and all(held)  # every round, warm-up included
     assert not _locked_elsewhere(lock)  # let go once the choice is made
@@ -223,8 +225,7 @@ def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_pa
     # Without the variable nothing is locked.
     monkeypatch.delenv("CAPTUREPASS_PICK_LOCK")
     held.clear()
-    p2, _, _, _ = _picker(tmp_path / "b", {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
-    p2.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
+    p2, _ = _lock_noting_picker(tmp_path / "b", lock, held)
     p2.capture(_Executor(), [torch.randn(4, 8)], real=True)
     assert held and not any(held)
 
@@ -236,10 +237,8 @@ def test_a_capture_inside_a_turn_this_process_holds_does_not_wait_on_itself(tmp_
     # block forever.
     lock = tmp_path / "gpu.lock"
     monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
-    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     held = []
-    measure = p.measure_round
-    p.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
+    p, picked = _lock_noting_picker(tmp_path, lock, held)
     done = threading.Event()
 
     def timed_calls():
