@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|trace|sweep|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|heap|trace|sweep|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
@@ -16,6 +16,10 @@
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
 # sweep: scripts/arch_sweep.py on the GPU: every decoder generating through real captures
 # (--generate), then every model with FlexAttention (--attn flex_attention; MODELS limits both). Not part of all.
+# heap: the held-output expiry test (torch without UntypedStorage._swap_data_ptr_) and then the
+# static-cache generation tests in one process, HEAP_REPS times (3 by default) under glibc's malloc
+# checking where the machine has it, then once under compute-sanitizer memcheck: an xdist worker
+# that ran them aborted once with a corrupted heap (RELIABILITY.md). Not part of all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -57,6 +61,24 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
       -k "target_and_draft or external_stream_joined or join_level" > "$out/sanitizer-resources-$tool.log" 2>&1
     echo "compute-sanitizer $tool (resource tests): exit $?; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer-resources-$tool.log" | tail -1); $(grep -E 'passed|failed' "$out/sanitizer-resources-$tool.log" | tail -1)"
   done
+fi
+if [ "$what" = heap ]; then
+  heap_tests="tests/runtime/test_outputs_gpu.py::test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten tests/test_generate.py::test_generate_with_a_static_cache_gpu"
+  debug=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0
+  for i in $(seq "${HEAP_REPS:-3}"); do
+    # shellcheck disable=SC2086
+    if [ -e "$debug" ]; then
+      LD_PRELOAD=$debug MALLOC_CHECK_=3 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
+        > "$out/heap-$i.log" 2>&1
+    else
+      python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
+    fi
+    echo "heap run $i: exit $?; $(grep -E 'passed|failed|corrupted|Fatal' "$out/heap-$i.log" | tail -2 | tr '\n' ' ')"
+  done
+  # shellcheck disable=SC2086
+  compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
+    > "$out/heap-memcheck.log" 2>&1
+  echo "compute-sanitizer memcheck (heap tests): exit $?; $(grep -E 'ERROR SUMMARY' "$out/heap-memcheck.log" | tail -1)"
 fi
 if [ "$what" = resources ] || [ "$what" = all ]; then
   python3 examples/engine_resources.py --device cuda 2>&1 | grep -v DEBUG | tail -12
