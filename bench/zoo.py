@@ -224,8 +224,6 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from capturepass.backends.compile import last_compiled
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("capturepass").setLevel(logging.INFO)  # its choices and fallbacks, into DIR/logs
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's request at its timeout
@@ -239,13 +237,13 @@ def worker(args: argparse.Namespace) -> None:
         if args.memory_sites:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     fn = compiled(model, args.variant)
-    results, timed_calls, same_inputs, steady, records = {}, {}, {}, {}, {}
+    results, timed_calls, same_inputs, steady, owners = {}, {}, {}, {}, {}
     replays = [] if cuda and args.variant.startswith("capturepass") else None
     with torch.no_grad():
         for label, make in shapes.items():
             inputs = [make(seed) for seed in range(4)]
             ref = output(model(**inputs[3])).float()
-            before = last_compiled()  # a list that holds them: their ids stay theirs
+            made = capture_owners()
             start = time.perf_counter()
             run_variant(fn, inputs[0])
             if cuda:
@@ -259,8 +257,7 @@ def worker(args: argparse.Namespace) -> None:
             got = output(run_variant(fn, inputs[3])).float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, ready_s=ready_s, rel_err=err)
-            seen = {id(r) for r in before}
-            records[label] = [r for r in last_compiled() if id(r) not in seen]
+            owners[label] = capture_owners() - made
             # The timed calls take turns over --inputs token sets, the same for every variant: an
             # MoE model's time depends on where its router sends the tokens, and with random
             # weights its scores are near ties that a kernel's rounding flips (one token set
@@ -279,8 +276,11 @@ def worker(args: argparse.Namespace) -> None:
         # count; not a batch of one, which Dynamo specialises), and capturepass captures that
         # shape anew there. One more call of every shape before the memory is read and the calls
         # are timed: both are of the steady state, not of the graphs the shapes met first.
-        for call in steady.values():
+        for label, call in steady.items():
+            made = capture_owners()
             call()
+            # The captures its calls run from now on: those of the graph that now serves it.
+            owners[label] = (capture_owners() - made) or owners[label]
         if cuda:
             torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
@@ -318,9 +318,14 @@ def worker(args: argparse.Namespace) -> None:
                     # model's time depends on its routing, and the rotation's other token sets
                     # would count as the host's share (+2% on Qwen2-MoE at decode on an H100).
                     one = same_inputs[label]
+                    made = capture_owners()
                     same = timed(one, iters=args.iters, device=dev)
+                    # The same tensors call after call are captured in place (a capture that
+                    # replaces the one that copied them): the replay alone is of what these calls ran.
+                    now = capture_owners()
+                    owners[label] = (now - made) or (owners[label] & now)
                     replays += [dict(rep, shape=label, call_ms=same)
-                                for rep in replay_times(args.iters, records[label], one)]
+                                for rep in replay_times(args.iters, owners[label], one)]
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
     for label, r in results.items():
         print(json.dumps(dict(model=args.model, variant=args.variant, shape=label, device=dev, peak_mib=peak,
@@ -501,16 +506,25 @@ def host_profile(call, iters: int, top: int = 30) -> str:
     return text.getvalue()
 
 
-def replay_times(iters: int, records: list, call: Callable[[], object]) -> list[dict]:
-    """The captures of ``records`` (the graphs compiled for one shape), each one's graphs replayed
-    alone (milliseconds per replay), with the schedule chosen for it: the whole call's time less
-    this is the host's share. A call of that shape comes first, each time: a capture's input
-    buffers and temporaries are blocks of its model's pool, which another shape's replays write
-    (the copy into them is the call's, before its replay)."""
+def capture_owners() -> set[str]:
+    """The names of the capture owners every graph compiled in this process holds now."""
+    from capturepass.backends.compile import last_compiled
+
+    return {o.name for rec in last_compiled() if rec.executor is not None for o in rec.executor.owners}
+
+
+def replay_times(iters: int, owners: set[str], call: Callable[[], object]) -> list[dict]:
+    """The captures named in ``owners`` (those one shape's calls run), each one's graphs replayed
+    alone (milliseconds per replay), with the schedules chosen for its graph: the whole call's
+    time less this is the host's share. A call of that shape comes first, each time: a capture's
+    input buffers and temporaries are blocks of its model's pool, which another shape's replays
+    write (the copy into them is the call's, before its replay)."""
+    from capturepass.backends.compile import last_compiled
+
     out = []
-    for rec in records:
+    for rec in last_compiled():
         ex = rec.executor
-        if ex is None:
+        if ex is None or not any(o.name in owners for o in ex.owners):
             continue
         choices = [c.text() for c in ex.schedule_choices]
         if not choices:
@@ -522,7 +536,7 @@ def replay_times(iters: int, records: list, call: Callable[[], object]) -> list[
                 d.startswith("lanes predicted no faster") or d.startswith("schedule one_lane from the schedule cache"))]
         for owner in ex.owners:
             graphs = list(owner.graphs.values())
-            if graphs:
+            if graphs and owner.name in owners:
                 call()
                 ms = timed(lambda gs=graphs: [g.replay() for g in gs], iters=iters, device="cuda")
                 out.append({"owner": owner.name, "replay_ms": ms, "choices": choices})

@@ -276,3 +276,29 @@ def test_a_capture_measured_inside_the_timing_turn_does_not_wait_on_it(tmp_path,
     with pytest.raises(AssertionError, match="not its pickers'"):
         with zoo.turn(lock):
             pass
+
+
+def test_replay_alone_times_the_captures_a_shapes_calls_run(monkeypatch):
+    # A DiT's first shape, once its second made Dynamo compile a dynamic graph, runs through that
+    # graph's capture: the replay alone is of the captures named for the shape, whichever graph
+    # compiled them, and no other.
+    from tests.helpers import capture_on_host
+
+    zoo = _load("zoo")
+    capture_on_host(monkeypatch.setattr)
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(8, 8)
+    fn = torch.compile(lin, backend="capturepass", dynamic=True,
+                       options={"cudagraphs": "monolithic", "inner": "eager"})
+    before = zoo.capture_owners()
+    with torch.no_grad():
+        fn(torch.randn(3, 8))
+        first = zoo.capture_owners() - before
+        fn(torch.randn(5, 8))
+        second = zoo.capture_owners() - before - first
+        assert len(first) == 1 and len(second) == 1
+        replayed = []
+        monkeypatch.setattr(zoo, "timed", lambda f, iters, device: (f(), replayed.append(1), 0.5)[2])
+        reps = zoo.replay_times(2, second, lambda: fn(torch.randn(5, 8)))
+    assert [r["owner"] for r in reps] == sorted(second) and replayed == [1]
+    assert reps[0]["replay_ms"] == 0.5
