@@ -424,7 +424,6 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     state = {"waits": 0, "switches": 0, "current": 0, "moved": 0}
     started: set[int] = {0}
     launches: list[tuple[str, int]] = []
-    held: list[str] = []
     body_indent: str | None = None
     entry_at = -1
 
@@ -546,12 +545,11 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         # The main lane waits for every side lane (the runtime records their ends), then the
         # frees held back run: every use of those blocks is ordered before the caller's next work.
         final.append(f"{body_indent}{RUNTIME}.leave()")
-        held.extend(pending)  # never covered within their blocks
-        if held:
-            final.append(f"{body_indent}del {', '.join(dict.fromkeys(held))}")
+        if pending:  # the frees never covered within their blocks
+            final.append(f"{body_indent}del {', '.join(pending)}")
     header = module_source.splitlines()[call_body(module_source)[0]]
     return Rewritten("\n".join([header, *final, *tail]) + "\n", launches, state["switches"], len(record_after),
-                     state["waits"], list(dict.fromkeys(held)), lanes, state["moved"])
+                     state["waits"], list(pending), lanes, state["moved"])
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
