@@ -257,7 +257,7 @@ def worker(args: argparse.Namespace) -> None:
             got = output(run_variant(fn, inputs[3])).float()
             err = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
             results[label] = dict(compile_s=compile_s, ready_s=ready_s, rel_err=err)
-            owners[label] = capture_owners() - made
+            owners[label] = serving(made, set())
             # The timed calls take turns over --inputs token sets, the same for every variant: an
             # MoE model's time depends on where its router sends the tokens, and with random
             # weights its scores are near ties that a kernel's rounding flips (one token set
@@ -279,8 +279,7 @@ def worker(args: argparse.Namespace) -> None:
         for label, call in steady.items():
             made = capture_owners()
             call()
-            # The captures its calls run from now on: those of the graph that now serves it.
-            owners[label] = (capture_owners() - made) or owners[label]
+            owners[label] = serving(made, owners[label])
         if cuda:
             torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
@@ -322,8 +321,7 @@ def worker(args: argparse.Namespace) -> None:
                     same = timed(one, iters=args.iters, device=dev)
                     # The same tensors call after call are captured in place (a capture that
                     # replaces the one that copied them): the replay alone is of what these calls ran.
-                    now = capture_owners()
-                    owners[label] = (now - made) or (owners[label] & now)
+                    owners[label] = serving(made, owners[label])
                     replays += [dict(rep, shape=label, call_ms=same)
                                 for rep in replay_times(args.iters, owners[label], one)]
     graphs = capture_summary() if args.variant.startswith("capturepass") else None
@@ -511,6 +509,14 @@ def capture_owners() -> set[str]:
     from capturepass.backends.compile import last_compiled
 
     return {o.name for rec in last_compiled() if rec.executor is not None for o in rec.executor.owners}
+
+
+def serving(before: set[str], kept: set[str]) -> set[str]:
+    """The capture owners a shape's calls run after calls that began with ``before`` (the
+    :func:`capture_owners` then): those the calls made (a first capture, a graph that now serves
+    the shape, inputs captured in place), else those of ``kept`` still held."""
+    now = capture_owners()
+    return (now - before) or (kept & now)
 
 
 def replay_times(iters: int, owners: set[str], call: Callable[[], object]) -> list[dict]:

@@ -297,6 +297,11 @@ def test_replay_alone_times_the_captures_a_shapes_calls_run(monkeypatch):
         fn(torch.randn(5, 8))
         second = zoo.capture_owners() - before - first
         assert len(first) == 1 and len(second) == 1
+        # A call that captures nothing keeps the shape's captures; one that does names its own.
+        made = zoo.capture_owners()
+        fn(torch.randn(5, 8))
+        assert zoo.serving(made, second | {"g9.released"}) == second
+        assert zoo.serving(before, set()) == first | second
         replayed = []
         monkeypatch.setattr(zoo, "timed", lambda f, iters, device: (f(), replayed.append(1), 0.5)[2])
         reps = zoo.replay_times(2, second, lambda: fn(torch.randn(5, 8)))
