@@ -5,7 +5,8 @@ captures are records of which program was captured) and an injected timer (each
 candidate's replay takes a fixed time): every count below is exact. The GPU path
 is ``tests/runtime/test_pick_gpu.py``.
 
-The candidates themselves are ``tests/backends/test_candidates.py``.
+The candidates themselves are ``tests/backends/test_candidates.py``; the lock processes that
+share a GPU time their candidates under, ``tests/runtime/test_pick_lock.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import dataclasses
 import json
 import logging
 import os
-import threading
 
 import pytest
 import torch
@@ -26,10 +26,11 @@ from capturepass.errors import DumpError, OptionError
 from capturepass.ir import meta
 from capturepass.ir.options import Options
 from capturepass.runtime import choices, files, pick
-from capturepass.runtime.pick import Picker, ScheduleCache
+from capturepass.runtime.pick import ScheduleCache
 from capturepass.show import cli
 from capturepass.show import summary as show_summary
 from tests.helpers import aten_graph, candidates_of as _compile, moe_block_fn as _moe
+from tests.runtime.pick_fakes import Cand, FakeCap, FakeExecutor, fake_picker
 
 # -- the choice and the budget ----------------------------------------------------------------------
 
@@ -67,88 +68,13 @@ def test_budget_bounds_the_timed_replays(budget_ms, per_sample, rounds):
         assert per_sample * sum(sum(times[i] for i in c) for c in calls) <= budget_ms / 1e3
 
 
-# -- the picker with a fake executor and timer ------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Cand:
-    name: str
-    lanes: int
-    estimate_us: float
-    program: object = dataclasses.field(default_factory=object)
-
-
-class _Owner:
-    def __init__(self):
-        self.closed = False
-
-    def close(self):
-        self.closed = True
-
-
-class _Cap:
-    """A capture that keeps its outputs when measuring asks (as one of several segments does)."""
-
-    outputs_dropped = False
-
-    def __init__(self, program, failure=None, name="model"):
-        self.program, self.owner, self.failure, self.name = program, _Owner(), failure, name
-
-    def capture_warmed(self, args):
-        if self.failure is not None:
-            raise self.failure
-
-    def drop_outputs(self):
-        return False
-
-
-class _Executor:
-    def __init__(self, workspaces=None):
-        self.static_positions = ()
-        self.captured = []
-        self.names = []  # the candidate name each capture's owner bears (None: the cost model's)
-        # The cuBLAS workspaces each candidate's capture allocates, bytes (by name; absent: unknown).
-        self.workspaces = workspaces or {}
-
-    def _warm_program(self, program, args, real, candidate, lane_map=None):
-        self.captured.append((program, real))
-        self.names.append(candidate)
-        cap = _Cap(program, name=candidate or "model")
-        cap.workspace_bytes = self.workspaces.get(cap.name)
-        return cap, ("warm-up of", program)
-
-    def _capture_program(self, program, args, real, candidate, lane_map=None):
-        cap, out = self._warm_program(program, args, real, candidate)
-        cap.capture_warmed(args)
-        return cap, out
-
-
-class _Timer:
-    """Each candidate's replay takes a fixed time (microseconds, by candidate name)."""
-
-    def __init__(self, us, written=None):
-        self.us, self.written, self.replays = us, written, 0
-
-    def __call__(self, caps, order):
-        self.replays += len(order)
-        if self.written is not None:
-            self.written.add_(1.0)  # a replay writes a static input in place
-        return [self.us[caps[i].name] / 1e6 for i in order]
-
-
-def _picker(tmp_path, us, budget_ms=2.0, device="FakeGPU sm90", graph="g0", cands=None, written=None, **kw):
-    cands = cands or [_Cand("model", 3, 20.0), _Cand("one_lane", 1, 34.0), _Cand("aux1", 2, 22.0)]
-    timer = _Timer(us, written)
-    picked = []
-    p = Picker("inference", cands, graph, budget_ms, ScheduleCache(tmp_path / "cache"), picked.append,
-               measure_round=timer, device_name=lambda d: device, per_sample=1, **kw)
-    return p, timer, picked, cands
+# -- the picker with a fake executor and timer (tests/runtime/pick_fakes.py) ----------------------
 
 
 def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, caplog):
-    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    p, timer, picked, cands = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     mib = 2**20
-    ex = _Executor({"model": 96 * mib, "one_lane": 32 * mib, "aux1": 64 * mib + 3 * mib // 10})
+    ex = FakeExecutor({"model": 96 * mib, "one_lane": 32 * mib, "aux1": 64 * mib + 3 * mib // 10})
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = p.capture(ex, [x], real=True)
@@ -191,112 +117,7 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
     assert all(r.levelno == logging.INFO for r in caplog.records if "schedule" in r.getMessage())
 
 
-def _locked_elsewhere(path) -> bool:
-    """Whether another open file cannot take ``path``'s lock now (flock locks belong to an open
-    file, so a second one conflicts within one process too)."""
-    fcntl = pytest.importorskip("fcntl")
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
-
-
-def _lock_noting_picker(tmp_path, lock, held: list):
-    """A picker (one lane fastest) whose every timed round notes in ``held`` whether ``lock`` was
-    held then."""
-    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
-    measure = p.measure_round
-    p.measure_round = lambda caps, order: (held.append(_locked_elsewhere(lock)), measure(caps, order))[1]
-    return p, picked
-
-
-def test_candidates_are_timed_under_the_lock_processes_sharing_a_gpu_name(tmp_path, monkeypatch):
-    lock = tmp_path / "gpu.lock"
-    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
-    held = []
-    p, picked = _lock_noting_picker(tmp_path, lock, held)
-    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
-    assert held and all(held)  # every round, warm-up included
-    assert not _locked_elsewhere(lock)  # let go once the choice is made
-    assert picked[0].choice == "one_lane"
-    # Without the variable nothing is locked.
-    monkeypatch.delenv("CAPTUREPASS_PICK_LOCK")
-    held.clear()
-    p2, _ = _lock_noting_picker(tmp_path / "b", lock, held)
-    p2.capture(_Executor(), [torch.randn(4, 8)], real=True)
-    assert held and not any(held)
-
-
-def test_a_capture_inside_a_turn_this_process_holds_does_not_wait_on_itself(tmp_path, monkeypatch):
-    # A benchmark times its calls under the lock its workers' pickers share; a call there that
-    # captures a new shape (Dynamo sending an earlier shape to a later, dynamic graph) measures
-    # its candidates inside that turn. A second flock of the file from the same process would
-    # block forever.
-    lock = tmp_path / "gpu.lock"
-    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(lock))
-    held = []
-    p, picked = _lock_noting_picker(tmp_path, lock, held)
-    done = threading.Event()
-
-    def timed_calls():
-        with pick.measuring_turn():
-            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
-            held.append(("after the capture", _locked_elsewhere(lock)))
-        done.set()
-
-    t = threading.Thread(target=timed_calls, daemon=True)
-    t.start()
-    t.join(60)
-    assert done.is_set(), "the nested turn waited on the turn its own process holds"
-    assert picked[0].choice == "one_lane"
-    assert held[-1] == ("after the capture", True)  # the inner turn's end leaves the outer one held
-    assert held[:-1] and all(held[:-1])
-    assert not _locked_elsewhere(lock)
-
-
-def test_another_thread_waits_for_the_turn(tmp_path, monkeypatch):
-    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "gpu.lock"))
-    inside, leave, order = threading.Event(), threading.Event(), []
-
-    def first():
-        with pick.measuring_turn():
-            inside.set()
-            leave.wait(30)
-            order.append("first leaves")
-
-    def second():
-        inside.wait(30)
-        with pick.measuring_turn():
-            order.append("second enters")
-
-    threads = [threading.Thread(target=f, daemon=True) for f in (first, second)]
-    for t in threads:
-        t.start()
-    inside.wait(30)
-    threads[1].join(0.5)
-    assert threads[1].is_alive() and order == []  # the second thread waits while the first holds it
-    leave.set()
-    for t in threads:
-        t.join(30)
-    assert order == ["first leaves", "second enters"]
-
-
-def test_a_lock_that_cannot_be_opened_warns_once_and_still_chooses(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", str(tmp_path / "no" / "such" / "dir" / "gpu.lock"))
-    monkeypatch.setattr(files, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="capturepass"):
-        for sub in ("a", "b"):
-            p, _, picked, _ = _picker(tmp_path / sub, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
-            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
-            assert picked[0].choice == "one_lane"
-    warned = [r.getMessage() for r in caplog.records if "CAPTUREPASS_PICK_LOCK" in r.getMessage()]
-    assert len(warned) == 1 and "the lock cannot be taken (FileNotFoundError" in warned[0]
-
-
-class _DroppingCap(_Cap):
+class _DroppingCap(FakeCap):
     """A capture that lets go of its outputs when asked, as a real one-segment capture does."""
 
     def drop_outputs(self):
@@ -304,7 +125,7 @@ class _DroppingCap(_Cap):
         return True
 
 
-class _DroppingExecutor(_Executor):
+class _DroppingExecutor(FakeExecutor):
     def __init__(self):
         super().__init__()
         self.caps = []
@@ -320,7 +141,7 @@ def test_measuring_holds_one_set_of_outputs_and_one_lane_chosen_needs_no_second_
     """The candidates are only timed: before each capture the one captured before it drops its
     outputs, so measuring holds one set. One lane's own program is captured last and keeps its
     outputs: chosen, it is the call's capture as it is."""
-    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    p, timer, picked, cands = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     ex = _DroppingExecutor()
     cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
     model, one_lane, aux1 = ex.caps
@@ -333,7 +154,7 @@ def test_measuring_holds_one_set_of_outputs_and_one_lane_chosen_needs_no_second_
 
 
 def test_a_chosen_candidate_that_dropped_its_outputs_is_captured_again(tmp_path):
-    p, _, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 30.0})
+    p, _, picked, cands = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 30.0})
     ex = _DroppingExecutor()
     cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
     assert picked[0].choice == "aux1"
@@ -354,7 +175,7 @@ def test_the_call_keeps_its_results_when_its_choice_fails_to_capture_again(tmp_p
         def _capture_program(self, program, args, real, candidate, lane_map=None):
             raise CaptureFailure(0, RuntimeError("cannot capture"), None, {}, None)
 
-    p, _, picked, cands = _picker(tmp_path, {"model": 30.0, "one_lane": 60.0, "aux1": 80.0})
+    p, _, picked, cands = fake_picker(tmp_path, {"model": 30.0, "one_lane": 60.0, "aux1": 80.0})
     with pytest.raises(CaptureFailure) as failure:
         p.capture(FailAgain(), [torch.randn(4, 8)], real=True)
     assert picked[0].choice == "model"
@@ -362,36 +183,36 @@ def test_the_call_keeps_its_results_when_its_choice_fails_to_capture_again(tmp_p
 
 
 def test_a_lone_candidate_keeps_its_outputs(tmp_path):
-    p, timer, picked, cands = _picker(tmp_path, {"model": 100.0}, cands=[_Cand("model", 1, 20.0)])
+    p, timer, picked, cands = fake_picker(tmp_path, {"model": 100.0}, cands=[Cand("model", 1, 20.0)])
     ex = _DroppingExecutor()
     cap, _ = p.capture(ex, [torch.randn(4, 8)], real=True)
     assert cap is ex.caps[0] and not cap.outputs_dropped and ex.names == [None]
 
 
 def test_tie_keeps_fewer_lanes(tmp_path):
-    p, _, picked, _ = _picker(tmp_path, {"model": 60.0, "one_lane": 60.0, "aux1": 60.0})
-    p.capture(_Executor(), [torch.randn(2)], real=True)
+    p, _, picked, _ = fake_picker(tmp_path, {"model": 60.0, "one_lane": 60.0, "aux1": 60.0})
+    p.capture(FakeExecutor(), [torch.randn(2)], real=True)
     assert picked[0].choice == "one_lane"
 
 
 def test_timed_replays_leave_written_static_inputs_as_they_were(tmp_path):
     cache = torch.arange(4.0)
-    p, timer, _, _ = _picker(tmp_path, {"model": 10.0, "one_lane": 20.0, "aux1": 30.0}, written=cache)
-    p.capture(_Executor(), [torch.randn(2), cache], real=True, protect=[cache])
+    p, timer, _, _ = fake_picker(tmp_path, {"model": 10.0, "one_lane": 20.0, "aux1": 30.0}, written=cache)
+    p.capture(FakeExecutor(), [torch.randn(2), cache], real=True, protect=[cache])
     assert timer.replays == 3 * (2 + 25)  # 120 us of 2 ms: the round cap
     assert torch.equal(cache, torch.arange(4.0))
 
 
 def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, caplog):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
-    p, _, _, _ = _picker(tmp_path, us)
-    p.capture(_Executor({"model": 96 << 20, "one_lane": 32 << 20}), [torch.randn(4, 8)], real=True)
+    p, _, _, _ = fake_picker(tmp_path, us)
+    p.capture(FakeExecutor({"model": 96 << 20, "one_lane": 32 << 20}), [torch.randn(4, 8)], real=True)
     (path,) = (tmp_path / "cache").iterdir()
     entry = json.loads(path.read_text())
     assert (entry["format"], entry["choice"]) == (choices.CACHE_FORMAT, "aux1")
     # A fresh picker (another process): nothing measured, only the chosen candidate captured.
-    fresh, timer, picked, cands = _picker(tmp_path, us)
-    ex = _Executor()
+    fresh, timer, picked, cands = fake_picker(tmp_path, us)
+    ex = FakeExecutor()
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
     assert timer.replays == 0
@@ -412,24 +233,24 @@ def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, ca
 @pytest.mark.parametrize("change", ["device", "shape", "graph"])
 def test_cache_key_includes_device_shape_and_graph(tmp_path, change):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
-    p, _, _, _ = _picker(tmp_path, us)
-    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    p, _, _, _ = fake_picker(tmp_path, us)
+    p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
     kw = {"device": "OtherGPU sm80"} if change == "device" else {"graph": "g1"} if change == "graph" else {}
-    fresh, timer, picked, _ = _picker(tmp_path, us, **kw)
-    fresh.capture(_Executor(), [torch.randn(4, 9) if change == "shape" else torch.randn(4, 8)], real=True)
+    fresh, timer, picked, _ = fake_picker(tmp_path, us, **kw)
+    fresh.capture(FakeExecutor(), [torch.randn(4, 9) if change == "shape" else torch.randn(4, 8)], real=True)
     assert timer.replays == 18 and not picked[0].cached
     assert len(list((tmp_path / "cache").iterdir())) == 2
 
 
 def test_records_show_the_call_without_its_parameters_and_the_key_keeps_them(tmp_path):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
-    p, _, picked, _ = _picker(tmp_path, us)
-    ex = _Executor()
+    p, _, picked, _ = fake_picker(tmp_path, us)
+    ex = FakeExecutor()
     ex.static_positions = (1,)  # a parameter, at a fixed address
     p.capture(ex, [torch.randn(4, 8), torch.randn(8, 8)], real=True)
     assert picked[0].shape == "(float32[4, 8])" and picked[0].text().startswith("schedule for (float32[4, 8]) on ")
     # A parameter of another shape is another key (measured again), shown the same.
-    fresh, timer, again, _ = _picker(tmp_path, us)
+    fresh, timer, again, _ = fake_picker(tmp_path, us)
     fresh.capture(ex, [torch.randn(4, 8), torch.randn(8, 9)], real=True)
     assert timer.replays == 18 and not again[0].cached and again[0].shape == "(float32[4, 8])"
     assert len(list((tmp_path / "cache").iterdir())) == 2
@@ -438,16 +259,16 @@ def test_records_show_the_call_without_its_parameters_and_the_key_keeps_them(tmp
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 999, "choice": "aux1"}), "[]"])
 def test_corrupt_cache_warns_once_and_measures(tmp_path, caplog, content):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
-    p, _, _, _ = _picker(tmp_path, us)
-    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    p, _, _, _ = fake_picker(tmp_path, us)
+    p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
     (path,) = (tmp_path / "cache").iterdir()
     path.write_text(content)
     files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         for _ in range(2):
             path.write_text(content)
-            fresh, timer, picked, _ = _picker(tmp_path, us)
-            fresh.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            fresh, timer, picked, _ = fake_picker(tmp_path, us)
+            fresh.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
             assert timer.replays == 18 and picked[0].choice == "aux1" and not picked[0].cached
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith(f"capturepass: the schedule cache file {path}")
@@ -460,8 +281,8 @@ def test_unwritable_cache_warns_once_and_still_chooses(tmp_path, caplog):
     files._warned.clear()
     with caplog.at_level(logging.WARNING, logger="capturepass"):
         for _ in range(2):
-            p, timer, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 120.0, "aux1": 70.0})
-            p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+            p, timer, picked, _ = fake_picker(tmp_path, {"model": 100.0, "one_lane": 120.0, "aux1": 70.0})
+            p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
             assert picked[0].choice == "aux1" and timer.replays == 18
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cannot write the schedule cache in" in warnings[0]
@@ -475,17 +296,17 @@ def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
         def program(self):
             raise RuntimeError("inductor said no")
 
-    cands = [_Cand("model", 3, 20.0), _Cand("one_lane", 1, 34.0)]
-    p, timer, picked, _ = _picker(tmp_path, {"model": 50.0, "one_lane": 60.0}, cands=[*cands, Broken()])
+    cands = [Cand("model", 3, 20.0), Cand("one_lane", 1, 34.0)]
+    p, timer, picked, _ = fake_picker(tmp_path, {"model": 50.0, "one_lane": 60.0}, cands=[*cands, Broken()])
     with caplog.at_level(logging.WARNING, logger="capturepass"):
-        p.capture(_Executor(), [torch.randn(2)], real=True)
+        p.capture(FakeExecutor(), [torch.randn(2)], real=True)
     assert picked[0].choice == "model"
     assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
                                        "workspace_mib": None, "note": "compile failed: RuntimeError"}
     assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
 
 
-class _FailFirst(_Executor):
+class _FailFirst(FakeExecutor):
     """Its first capture of ``program`` fails, as a capture of an op that calls ``.tolist()`` does."""
 
     def __init__(self, program):
@@ -500,15 +321,15 @@ class _FailFirst(_Executor):
             self.captured.append((program, real))
             self.names.append(candidate)
             failure = CaptureFailure(0, RuntimeError("cannot capture"), ("failed warm-up of", program), {}, None)
-            return _Cap(program, failure, candidate or "model"), ("failed warm-up of", program)
+            return FakeCap(program, failure, candidate or "model"), ("failed warm-up of", program)
         return super()._warm_program(program, args, real, candidate)
 
 
 def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
-    p, _, _, _ = _picker(tmp_path, us)
-    p.capture(_Executor(), [torch.randn(4, 8)], real=True)
-    fresh, timer, picked, cands = _picker(tmp_path, us)
+    p, _, _, _ = fake_picker(tmp_path, us)
+    p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
+    fresh, timer, picked, cands = fake_picker(tmp_path, us)
     ex = _FailFirst(cands[2].program)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = fresh.capture(ex, [torch.randn(4, 8)], real=True)
@@ -521,7 +342,7 @@ def test_cached_choice_that_fails_to_capture_is_measured_again(tmp_path, caplog)
 
 
 def test_timing_that_fails_keeps_the_cost_models_schedule(tmp_path, caplog):
-    p, _, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    p, _, picked, cands = fake_picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
 
     def broken(caps, order):
         broken.caps = caps
@@ -529,7 +350,7 @@ def test_timing_that_fails_keeps_the_cost_models_schedule(tmp_path, caplog):
 
     p.measure_round = broken
     with caplog.at_level(logging.WARNING, logger="capturepass"):
-        cap, out = p.capture(_Executor(), [torch.randn(2)], real=True)
+        cap, out = p.capture(FakeExecutor(), [torch.randn(2)], real=True)
     assert cap.program is cands[0].program and not cap.owner.closed and out == ("warm-up of", cands[0].program)
     assert [c.owner.closed for c in broken.caps] == [False, True, True]
     assert picked == [] and not (tmp_path / "cache").exists()
@@ -541,16 +362,16 @@ def test_timing_that_fails_keeps_the_cost_models_schedule(tmp_path, caplog):
 def test_cost_model_candidate_that_fails_to_capture_is_the_executors(tmp_path):
     from capturepass.runtime.replay import CaptureFailure
 
-    p, timer, picked, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    p, timer, picked, cands = fake_picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
     with pytest.raises(CaptureFailure):
         p.capture(_FailFirst(cands[0].program), [torch.randn(2)], real=True)
     assert timer.replays == 0 and picked == []
 
 
 def test_a_rebuilt_program_gets_the_renewed_picker(tmp_path, caplog):
-    p, _, _, cands = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    p, _, _, cands = fake_picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
     assert p.for_program(cands[0].program) is p
-    other, _, _, rebuilt = _picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
+    other, _, _, rebuilt = fake_picker(tmp_path, {"model": 1.0, "one_lane": 1.0, "aux1": 1.0})
     p.renew = lambda program: other if program is rebuilt[0].program else None
     with caplog.at_level(logging.INFO, logger="capturepass"):
         assert p.for_program(rebuilt[0].program) is other
@@ -629,7 +450,7 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
     us = {"model": 30.0, "one_lane": 25.0, "aux1": 40.0}
     p.measure_round = lambda caps, order: [us[caps[i].name] / 1e6 for i in order]
     p.device_name = choices.device_name
-    p.capture(_Executor(), args, real=True)
+    p.capture(FakeExecutor(), args, real=True)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         assert dynamo._cached_choice("inference", pristine, graph_opts, args) == (hint_key, "one_lane")
         assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, "one_lane")
@@ -639,7 +460,7 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
     assert dynamo._cached_choice("inference", pristine, graph_opts, other) == (hint_key, None)
     # A second shape that kept the cost model's lanes: the symbolic graph measures again.
     us["model"] = 10.0
-    p.capture(_Executor(), other, real=True)
+    p.capture(FakeExecutor(), other, real=True)
     summary = ScheduleCache(tmp_path).get(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key))
     assert summary["choice"] == choices.MIXED and summary["record"]["shapes"] == {
         choices.shape_text(args): "one_lane", choices.shape_text(other): "model"}
@@ -653,7 +474,7 @@ def test_measured_choices_are_summed_up_for_the_graphs_next_compile(tmp_path, mo
         ((30 / 25) / (18.09 / 34.0) + (10 / 25) / (18.09 / 34.0)) / 2, rel=1e-3)
     # A shape served from the cache is summed up too (a summary lost to two processes writing it).
     os.remove(ScheduleCache(tmp_path).path(ScheduleCache.graph_summary_key("FakeGPU sm90", hint_key)))
-    p.capture(_Executor(), args, real=True)
+    p.capture(FakeExecutor(), args, real=True)
     assert p.records[-1].cached
     assert dynamo._cached_choice("inference", pristine, graph_opts, dynamic) == (hint_key, "one_lane")
     # Nothing is measured with pick="model", or without a pristine copy (nothing captured).
@@ -702,7 +523,7 @@ def test_choice_goes_into_the_graph_record_the_dump_and_show(tmp_path, capsys):
     p.measure_round = lambda caps, order: [us[caps[i].name] / 1e6 for i in order]
     p.per_sample = 1  # the fake's sample is one replay
     p.device_name = lambda d: "FakeGPU sm90"
-    p.capture(_Executor({"model": 64 << 20, "one_lane": 32 << 20, "aux1": 64 << 20}), [torch.randn(16, 64)],
+    p.capture(FakeExecutor({"model": 64 << 20, "one_lane": 32 << 20, "aux1": 64 << 20}), [torch.randn(16, 64)],
               real=True)
     text = meta.graph_info(compiled.graph).decisions[-1]
     assert text.startswith("schedule for (float32[16, 64]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest")
@@ -809,19 +630,19 @@ def test_one_lanes_measured_replay_calibrates_the_devices_cost_model(tmp_path, c
 
     store = CalibrationStore(tmp_path / "cache")
     graph = [(1e-6, 20), (1e-5, 2)]  # 40 us nominal: one lane measured at 60 us
-    p, _, picked, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
+    p, _, picked, _ = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
                               calibration=store, rooflines=graph)
     with caplog.at_level(logging.INFO, logger="capturepass"):
-        p.capture(_Executor(), [torch.randn(4, 8)], real=True)
+        p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
     model = store.model("FakeGPU sm90")
     assert model.samples == 1 and model.launch_floor_s == 2e-6
     assert sum(c * max(model.scale * r, 2e-6) for r, c in graph) == pytest.approx(60e-6, rel=0.04)
     assert any(r.getMessage().startswith("capturepass: inference graph, shape (float32[4, 8]): cost model: "
                                          "calibrated on FakeGPU sm90 from 1 measured graph(s)") for r in caplog.records)
     # A choice read from the schedule cache measures nothing, so it adds no sample.
-    again, _, _, _ = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
+    again, _, _, _ = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0},
                              calibration=store, rooflines=[(1e-6, 1)])
-    again.capture(_Executor(), [torch.randn(4, 8)], real=True)
+    again.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
     assert store.model("FakeGPU sm90") == model
 
 
@@ -832,17 +653,17 @@ def test_every_candidate_warms_up_before_any_is_captured(tmp_path, caplog):
 
     events = []
 
-    class Recording(_Executor):
+    class Recording(FakeExecutor):
         def _warm_program(self, program, args, real, candidate, lane_map=None):
             cap, out = super()._warm_program(program, args, real, candidate)
             name = candidate or "model"
             events.append(("warm", name))
             if name == "aux1":
                 cap.failure = CaptureFailure(0, RuntimeError("cannot capture"), None, {}, None)
-            cap.capture_warmed = lambda a, c=cap, n=name: (events.append(("capture", n)), _Cap.capture_warmed(c, a))
+            cap.capture_warmed = lambda a, c=cap, n=name: (events.append(("capture", n)), FakeCap.capture_warmed(c, a))
             return cap, out
 
-    p, _, picked, cands = _picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
+    p, _, picked, cands = fake_picker(tmp_path, {"model": 100.0, "one_lane": 60.0, "aux1": 80.0})
     ex = Recording()
     with caplog.at_level(logging.INFO, logger="capturepass"):
         cap, out = p.capture(ex, [torch.randn(4, 8)], real=True)
