@@ -93,9 +93,18 @@ def capturing() -> Iterator[None]:
 
 
 def release_allowed() -> bool:
-    """Whether memory may be released now: no capture of ours is in progress, and the current
-    stream is not capturing (a free inside a capture would invalidate it)."""
+    """Whether memory may be released now: no capture of ours is in progress, the current
+    stream is not capturing (a free inside a capture would invalidate it), and no dispatch mode
+    is active.
+
+    A model dies wherever Python's collector runs, often while Dynamo traces another model
+    under fake tensors: a release there would copy held outputs out as fake tensors (or into
+    that trace), then free the memory under them. Its release waits for the next call of a
+    compiled graph.
+    """
     if _capturing:
+        return False
+    if torch._C._len_torch_dispatch_stack():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 log = logging.getLogger("capturepass")
 
@@ -331,16 +332,20 @@ class OutputAliases:
             return 0
         live, self._live = self._live, []
         n = 0
-        for alias, static, refs in live:
-            # Our own reference is one use; any other is a tensor (or view) of the caller's.
-            if _use_count(alias) > 1:
-                # The copy goes on the current stream, after the replay that wrote the values.
-                if self._swap:
-                    # The swap moves the memory under every tensor of the alias at once.
-                    alias._swap_data_ptr_(static.clone())
-                else:
-                    self._move(alias, static.clone(), refs)
-                n += 1
+        # The release of an owner runs wherever Python collects what held it, often inside
+        # another program's trace (Dynamo's fake tensors, a proxy mode): the copy must be of
+        # the real memory, and no part of that trace.
+        with _disable_current_modes():
+            for alias, static, refs in live:
+                # Our own reference is one use; any other is a tensor (or view) of the caller's.
+                if _use_count(alias) > 1:
+                    # The copy goes on the current stream, after the replay that wrote the values.
+                    if self._swap:
+                        # The swap moves the memory under every tensor of the alias at once.
+                        alias._swap_data_ptr_(static.clone())
+                    else:
+                        self._move(alias, static.clone(), refs)
+                    n += 1
         self.rescues += n
         return n
 

@@ -606,3 +606,52 @@ def test_host_scalars_that_never_come_back_stop_being_captured(monkeypatch, capl
     assert len(warnings) == 1, warnings
     assert "its last 3 captures were made for values of its host scalar(s) that no capture of it held " \
            "(%arg1_1 = 2, 3, 4, 5, the last one now), and none of them replayed" in warnings[0], warnings[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dies", ["model", "compiled graph"])
+def test_what_dies_while_another_model_is_traced_keeps_its_held_output(simulated, dies, caplog):
+    """Owners go when their model or compiled graph is collected, which happens wherever
+    Python's collector runs: here while fake tensors trace another model, as Dynamo's do.
+    A collected model's release waits until no dispatch mode is active (the next call of any
+    compiled graph runs it); a collected graph releases at once, its rescue outside the
+    trace's mode. Either way the held output keeps its values, copied out of the capture's
+    memory before that memory goes (under fake tensors the copy was fake, and raised)."""
+    import gc
+    import logging
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from capturepass.runtime import lifetime
+
+    torch.manual_seed(0)
+    model = _Mlp()
+    compiled = _compile(model)
+    ex = _prime(compiled, torch.randn(4, 16))
+    compiled(torch.randn(4, 16))  # the capture
+    x = torch.randn(4, 16)
+    held = compiled(x)[0]  # a replay's output, over the capture's memory
+    want = model(x)[0]
+    cap = _only_capture(ex)
+    owner, aliases = cap.owner, cap.outputs
+    pool = {t.untyped_storage().data_ptr() for outs in cap.seg_out.values() for t in outs}
+    assert held.untyped_storage().data_ptr() in pool
+    (watchers,) = ex._watchers.values()  # the finalizers on the model's parameters
+    gc.collect()
+    lifetime.drain()  # earlier tests' collected models
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        if dies == "model":
+            # The simulated graphs hold the tensors they read (a CUDA graph holds addresses):
+            # the parameters' finalizers are fired as the collector would fire them.
+            with FakeTensorMode():
+                watchers[0]()
+            assert lifetime.PENDING and not owner.closed  # collected, not yet released
+            _compile(torch.nn.Linear(16, 16))(torch.randn(2, 16))  # the next call releases it
+            assert not lifetime.PENDING and "its model was collected" in caplog.text
+        else:
+            del compiled, model, ex, cap, watchers
+            with FakeTensorMode():
+                torch._dynamo.reset()  # Dynamo's caches let go of the graph: it dies here
+    assert owner.closed
+    assert aliases.rescues == 1 and held.untyped_storage().data_ptr() not in pool
+    assert torch.equal(held, want)
