@@ -331,22 +331,29 @@ class OutputAliases:
         if not self._live:
             return 0
         live, self._live = self._live, []
-        n = 0
-        # The release of an owner runs wherever Python collects what held it, often inside
-        # another program's trace (Dynamo's fake tensors, a proxy mode): the copy must be of
-        # the real memory, and no part of that trace.
-        with _disable_current_modes():
-            for alias, static, refs in live:
-                # Our own reference is one use; any other is a tensor (or view) of the caller's.
-                if _use_count(alias) > 1:
-                    # The copy goes on the current stream, after the replay that wrote the values.
-                    if self._swap:
-                        # The swap moves the memory under every tensor of the alias at once.
-                        alias._swap_data_ptr_(static.clone())
-                    else:
-                        self._move(alias, static.clone(), refs)
-                    n += 1
+        if torch._C._len_torch_dispatch_stack():
+            # The release of an owner runs wherever Python collects what held it, often inside
+            # another program's trace (Dynamo's fake tensors, a proxy mode): the copy must be of
+            # the real memory, and no part of that trace.
+            with _disable_current_modes():
+                n = self._copy_out(live)
+        else:
+            n = self._copy_out(live)
         self.rescues += n
+        return n
+
+    def _copy_out(self, live: list[tuple[Any, Any, Sequence[weakref.ref]]]) -> int:
+        n = 0
+        for alias, static, refs in live:
+            # Our own reference is one use; any other is a tensor (or view) of the caller's.
+            if _use_count(alias) > 1:
+                # The copy goes on the current stream, after the replay that wrote the values.
+                if self._swap:
+                    # The swap moves the memory under every tensor of the alias at once.
+                    alias._swap_data_ptr_(static.clone())
+                else:
+                    self._move(alias, static.clone(), refs)
+                n += 1
         return n
 
     def _move(self, alias: Any, copy: Any, refs: Sequence[weakref.ref]) -> None:
