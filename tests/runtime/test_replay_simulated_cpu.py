@@ -628,10 +628,10 @@ def test_what_dies_while_another_model_is_traced_keeps_its_held_output(simulated
     model = _Mlp()
     compiled = _compile(model)
     ex = _prime(compiled, torch.randn(4, 16))
-    compiled(torch.randn(4, 16))  # the capture
-    x = torch.randn(4, 16)
-    held = compiled(x)[0]  # a replay's output, over the capture's memory
-    want = model(x)[0]
+    xs = [torch.randn(4, 16) for _ in range(2)]  # both alive: no input is seen again at its address
+    compiled(xs[0])  # the capture
+    held = compiled(xs[1])[0]  # a replay's output, over the capture's memory
+    want = model(xs[1])[0]
     cap = _only_capture(ex)
     owner, aliases = cap.owner, cap.outputs
     pool = {t.untyped_storage().data_ptr() for outs in cap.seg_out.values() for t in outs}
