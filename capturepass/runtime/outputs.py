@@ -399,8 +399,21 @@ class OutputAliases:
             "expire it; clone the output before the next call")
 
     def close(self) -> None:
-        """Rescues what is still held, then lets go of the static storages."""
+        """Rescues what is still held, then lets go of the static storages.
+
+        A close runs wherever its owner's release runs (a collector's finalizer, with any
+        stream current): on a GPU the copies are fenced by synchronizing the device, so that
+        they read what the last replay wrote on whichever stream it ran, and the caller's next
+        use, on any stream, reads them complete. Not while the current stream captures (a
+        release there is the caller's fault; the copies then go on the current stream).
+        """
+        devices = {st.device for st in self._static.values() if st.device.type == "cuda"} if self.num_live else ()
+        fence = bool(devices) and not torch.cuda.is_current_stream_capturing()
+        for device in devices if fence else ():
+            torch.cuda.synchronize(device)
         self.rescue()
+        for device in devices if fence else ():
+            torch.cuda.synchronize(device)
         self._static.clear()
 
 
