@@ -162,8 +162,9 @@ def _storages_preserved() -> bool:
 
 
 def _died(ref: "weakref.ref[Executor]", instance: Any) -> None:
-    with _lock:
-        PENDING.append((ref, instance))
+    # No lock: the collector runs this at any allocation, also inside code that would hold
+    # one. A list's append and pop are atomic.
+    PENDING.append((ref, instance))
     if release_allowed():
         drain()
 
@@ -172,9 +173,12 @@ def drain() -> None:
     """Releases the owners of every instance that died (when no capture is in progress)."""
     if not release_allowed():
         return
-    with _lock:
-        todo = list(PENDING)
-        PENDING.clear()
+    todo = []
+    while PENDING:  # a release added meanwhile (a collection right here) is taken too
+        try:
+            todo.append(PENDING.pop(0))
+        except IndexError:  # another thread took the last one
+            break
     keep = []
     for ref, instance in todo:
         executor = ref()
@@ -186,9 +190,7 @@ def drain() -> None:
             done = executor.release_instance(instance, "its model was collected")
         if not done:
             keep.append((ref, instance))  # the executor is busy (capturing): next time
-    if keep:
-        with _lock:
-            PENDING.extend(keep)
+    PENDING.extend(keep)
 
 
 def _static_tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -176,6 +176,48 @@ def test_release_waits_for_a_capture_in_progress():
     assert owner.closed and not lifetime.PENDING and executor.owners == []
 
 
+def test_a_model_that_dies_while_the_pending_releases_are_drained_does_not_deadlock(monkeypatch):
+    """A watched tensor dies wherever the collector runs: also inside ``drain`` itself, at an
+    allocation made while it takes the pending releases. The finalizer then adds its own
+    there; a lock around that (not reentrant) waited on itself forever. The collector is
+    stood in for by a list that fires the finalizer when it is read."""
+    import threading
+
+    class _Executor:  # what drain asks of an executor
+        def __init__(self) -> None:
+            self.released: list[tuple] = []
+
+        def release_instance(self, instance, why):
+            self.released.append(instance)
+            return True
+
+    ex = _Executor()
+    watched = torch.zeros(1)
+    (late,) = lifetime.watch(ex, ("late",), [watched])
+
+    class _CollectsWhenRead(list):
+        def _collect(self):
+            if late.alive:
+                late()  # the finalizer, as the collector runs it
+        def __iter__(self):
+            self._collect()
+            return super().__iter__()
+        def pop(self, *args):
+            self._collect()
+            return super().pop(*args)
+
+    monkeypatch.setattr(lifetime, "PENDING", _CollectsWhenRead([(weakref.ref(ex), ("first",))]))
+    thread = threading.Thread(target=lifetime.drain, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive() and lifetime._lock.locked():
+        lifetime._lock.release()  # for the tests after this one (a Lock has no owner)
+    assert not thread.is_alive(), "drain waited on its own lock"
+    lifetime.drain()
+    assert sorted(ex.released) == [("first",), ("late",)] and not lifetime.PENDING
+    del watched
+
+
 @torch.no_grad()
 def test_capturepass_release_releases_one_model():
     a, b = _Lin(1.0), _Lin(3.0)
