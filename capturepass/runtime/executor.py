@@ -387,7 +387,7 @@ class Executor(Releases):
         if self.closed:
             raise CapturePassError(f"this compiled {self._what} was closed (its owners {self.graph_owner}.m* "
                                    "are released); compile it again")
-        if lifetime.PENDING:
+        if lifetime.PENDING or lifetime.DEFERRED:
             lifetime.drain()
         # An engine capturing around us comes first, whatever our own mode: its graph must
         # receive our lanes' forks and joins, and retain what our ops retain.
@@ -792,6 +792,7 @@ class Executor(Releases):
 
     def __del__(self) -> None:
         try:
-            self.close()
+            if not self.closed:
+                lifetime.defer(self.close)
         except Exception:
             pass

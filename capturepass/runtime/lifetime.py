@@ -31,7 +31,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +48,9 @@ _capturing = 0
 # (executor, instance) pairs whose model died while a release was not allowed; the instance
 # is a ``CaptureDied`` where one capture's in-place input died.
 PENDING: list[tuple["weakref.ref[Executor]", Any]] = []
+# The closes of compiled graphs and owners that were collected while a release was not
+# allowed; each keeps its object alive until the next drain.
+DEFERRED: list[Callable[[], None]] = []
 
 
 class CaptureDied:
@@ -88,7 +91,7 @@ def capturing() -> Iterator[None]:
     finally:
         with _lock:
             _capturing -= 1
-        if PENDING:
+        if PENDING or DEFERRED:
             drain()
 
 
@@ -169,10 +172,31 @@ def _died(ref: "weakref.ref[Executor]", instance: Any) -> None:
         drain()
 
 
+def defer(close: Callable[[], None]) -> None:
+    """Runs ``close`` (a collected object's release, from its ``__del__``) now if a release is
+    allowed, else at the next drain: an object dies wherever its last reference goes, also
+    inside a capture, where a release would synchronize (invalidating the capture) and free
+    memory the capture may be using."""
+    if release_allowed():
+        close()
+    else:
+        DEFERRED.append(close)
+
+
 def drain() -> None:
-    """Releases the owners of every instance that died (when no capture is in progress)."""
+    """Releases the owners of every instance that died, and the compiled graphs and owners
+    collected meanwhile (when a release is allowed)."""
     if not release_allowed():
         return
+    while DEFERRED:
+        try:
+            close = DEFERRED.pop(0)
+        except IndexError:  # another thread took the last one
+            break
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - one object's release must not keep the others
+            log.warning("capturepass: a deferred release failed", exc_info=True)
     todo = []
     while PENDING:  # a release added meanwhile (a collection right here) is taken too
         try:

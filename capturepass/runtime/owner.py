@@ -484,7 +484,8 @@ class GraphOwner:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            if not self.closed:
+                lifetime.defer(self.close)
         except Exception:
             pass
 

@@ -176,6 +176,23 @@ def test_release_waits_for_a_capture_in_progress():
     assert owner.closed and not lifetime.PENDING and executor.owners == []
 
 
+@torch.no_grad()
+def test_a_compiled_graph_collected_inside_a_capture_is_released_after_it():
+    """A compiled graph dies where its last reference goes, also inside a capture (an engine's,
+    or one of ours on another thread): its owners' release would synchronize there, which
+    invalidates a CUDA capture. It waits for the capture's end."""
+    model = _Lin(2.0)
+    compiled = _compile(model)
+    compiled(torch.randn(4, 8))
+    (owner,) = _record().executor.owners
+    with lifetime.capturing():
+        del model, compiled
+        torch._dynamo.reset()  # the graph's last references: the executor dies here
+        gc.collect()
+        assert not owner.closed and lifetime.DEFERRED
+    assert owner.closed and not lifetime.DEFERRED
+
+
 def test_a_model_that_dies_while_the_pending_releases_are_drained_does_not_deadlock(monkeypatch):
     """A watched tensor dies wherever the collector runs: also inside ``drain`` itself, at an
     allocation made while it takes the pending releases. The finalizer then adds its own
