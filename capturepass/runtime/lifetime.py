@@ -183,28 +183,28 @@ def defer(close: Callable[[], None]) -> None:
         DEFERRED.append(close)
 
 
+def _take(items: list) -> Iterator[Any]:
+    """Pops ``items`` from the front until it is empty, without a lock (a list's pop is atomic):
+    what a collection adds meanwhile, even inside the caller's loop, is taken too."""
+    while True:
+        try:
+            yield items.pop(0)
+        except IndexError:
+            return
+
+
 def drain() -> None:
     """Releases the owners of every instance that died, and the compiled graphs and owners
     collected meanwhile (when a release is allowed)."""
     if not release_allowed():
         return
-    while DEFERRED:
-        try:
-            close = DEFERRED.pop(0)
-        except IndexError:  # another thread took the last one
-            break
+    for close in _take(DEFERRED):
         try:
             close()
         except Exception:  # noqa: BLE001 - one object's release must not keep the others
             log.warning("capturepass: a deferred release failed", exc_info=True)
-    todo = []
-    while PENDING:  # a release added meanwhile (a collection right here) is taken too
-        try:
-            todo.append(PENDING.pop(0))
-        except IndexError:  # another thread took the last one
-            break
     keep = []
-    for ref, instance in todo:
+    for ref, instance in _take(PENDING):
         executor = ref()
         if executor is None:
             continue
