@@ -392,7 +392,8 @@ FALLBACKS = ("compiler failed on region", "one compile of", "lanes after fusion 
 # eagerly, under any backend (JetMoE's calls pass through transformers' deprecation wrapper).
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.\w+ .*?function: '([^']+)'", re.S)
 # A compile's lanes after fusion, as logged: how many of its frees the rewrite moved or held.
-FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait")
+FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait, "
+                   r"(\d+) buffers allocated on their last user's stream")
 
 
 class Fallbacks(logging.Handler):
@@ -404,7 +405,9 @@ class Fallbacks(logging.Handler):
         self.messages: list[str] = []
         self.eager_frames: list[str] = []
         self.in_place = 0  # shapes captured again with inputs read in place (``--host-captures``)
-        self.fused = [0, 0, 0]  # compiles with lanes after fusion, their frees held, moved (``--regions fused``)
+        # compiles with lanes after fusion, their frees held, moved, buffers allocated on their
+        # last user's stream (``--regions fused``)
+        self.fused = [0, 0, 0, 0]
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -412,7 +415,7 @@ class Fallbacks(logging.Handler):
             self.in_place += 1
         fused = FUSED.search(message)
         if fused:
-            self.fused = [self.fused[0] + 1, self.fused[1] + int(fused.group(1)), self.fused[2] + int(fused.group(2))]
+            self.fused = [self.fused[0] + 1, *(a + int(b) for a, b in zip(self.fused[1:], fused.groups()))]
         if record.levelno < logging.WARNING:
             return
         if any(f in message for f in FALLBACKS):
@@ -714,9 +717,9 @@ def main() -> None:
                      f"limit (under any backend)") if fallbacks.eager_frames else ""
             in_place = f"; {fallbacks.in_place} shape(s) captured again with inputs read in place" \
                 if args.host_captures and not args.generate else ""
-            compiles, held, moved = fallbacks.fused
+            compiles, held, moved, homed = fallbacks.fused
             fused = (f"; lanes after fusion in {compiles} compile(s): {moved} frees moved to a later wait, {held} "
-                     f"held to the join") if compiles else ""
+                     f"held to the join, {homed} buffers allocated on their last user's stream") if compiles else ""
             print(f"OK   {name}: {what}{in_place}{fused}{eager}", flush=True)
     print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
           + (f" ({skipped} skipped)" if skipped else "")

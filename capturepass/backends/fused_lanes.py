@@ -21,8 +21,14 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   lane already covers it (vector clocks). A side lane first waits for the main lane's entry,
   before it allocates or launches anything (a capture must fork every stream it uses from the
   capturing one), and the main lane waits for every side lane at the end.
-- **Allocations.** A buffer's ``empty_strided`` runs on the lane of the first launch that names
-  it, and counts as a write there: the allocator hands it a block that lane's stream freed. A
+- **Allocations.** The allocator hands a buffer a block its allocating stream freed, any of
+  them: every use of the buffer must come after every use of those blocks. A buffer's
+  ``empty_strided`` runs on the stream of its last user (the lane of the last launch that names
+  it; the main lane, the caller's stream, for what the call returns), where the lane of its
+  first launch will be ordered, at that launch, after that stream's latest free; otherwise on
+  the lane of its first launch. So a block one lane freed is reused by another lane's buffer
+  once an event orders them (the streams do not each keep a cache of their own for the same
+  memory), and the buffer goes back to its last user's stream where Inductor frees it. A
   planned reuse that only writes the reused block and runs on another lane than a user of the
   block gets a block of its own, allocated as the reused name was.
 - **Frees.** The allocator gives a freed block back to its allocating stream at once, and hands
@@ -44,6 +50,7 @@ inside Inductor's compile are in ``capturepass.backends.fused_inductor``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import re
 import textwrap
@@ -89,6 +96,7 @@ class Summary:
     held: int
     lanes: list[int]
     moved: int = 0
+    homed: int = 0
 
     def line(self) -> str:
         return f"{MARK}{json.dumps(dataclasses.asdict(self), sort_keys=True)}"
@@ -123,6 +131,8 @@ class Rewritten:
         held: storages whose ``del`` moved after the final join.
         lanes: the side lanes the code uses, sorted.
         moved: names whose ``del`` moved to a later wait of their storage's allocating lane.
+        homed: buffers of a side lane allocated on the stream of a lane that uses them later
+            (:func:`rewrite`'s "Allocations").
     """
 
     source: str
@@ -133,10 +143,11 @@ class Rewritten:
     held: list[str]
     lanes: list[int]
     moved: int = 0
+    homed: int = 0
 
     def summary(self) -> Summary:
         return Summary(len(self.launches), sum(1 for _, lane in self.launches if lane), self.switches,
-                       self.records, len(self.held), list(self.lanes), self.moved)
+                       self.records, len(self.held), list(self.lanes), self.moved, self.homed)
 
 
 def kernel_params(module_source: str) -> dict[str, list[str]]:
@@ -401,6 +412,16 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         RewriteError: the module has no ``call`` in a form this reads.
     """
     parsed, inputs, streams, names = _parse(module_source, lane_of)
+    # storage -> the lane of its last user: the last launch that names it, or the main lane for
+    # what the call returns (the caller's stream uses it next, and frees it).
+    last_user: dict[str, int] = {}
+    for line in parsed:
+        if line.kind == "launch":
+            for st in line.reads | line.writes:
+                last_user[st] = line.lane
+        elif line.kind == "return":
+            for n in re.findall(r"\bbuf\d+\b", line.text):
+                last_user[names.of(n)] = 0
 
     # Pass 2: emit, with the switches, records and waits the storages need. A lane's clock
     # holds, per lane, how many of its launches it is ordered after (-1: none; the main lane's
@@ -421,7 +442,10 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     pending: dict[str, list[int]] = {}
     out: list[str] = []
     record_after: dict[int, int] = {}  # out index -> event slot
-    state = {"waits": 0, "switches": 0, "current": 0, "moved": 0}
+    # lane -> its clock at its latest free: every block its stream's allocator may hand out
+    # next was last used before that (a free runs once its lane covers the block's uses).
+    freed: dict[int, dict[int, int]] = {}
+    state = {"waits": 0, "switches": 0, "current": 0, "moved": 0, "homed": 0}
     started: set[int] = {0}
     launches: list[tuple[str, int]] = []
     body_indent: str | None = None
@@ -447,6 +471,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
                 and alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
         if free:
             out.append(f"{indent}del {', '.join(free)}")
+            freed[lane] = dict(mine)
             state["moved"] += len(free)
             for n in free:
                 del pending[n]
@@ -469,6 +494,29 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             started.add(lane)
             need(lane, (0, 0, entry_at), indent)
 
+    def at_first_use(k: int, st: str) -> dict[int, int]:
+        """The clock the lane of alloc line ``k`` will have at the launch right after it, where
+        that is the first use of ``st`` (with the waits that launch needs written before it);
+        else the lane's clock now (or, for a lane not started, the main lane's entry)."""
+        lane = parsed[k].lane
+        mine = dict(clock.get(lane, {})) if lane in started else {0: 0}
+        nxt = None
+        for line in itertools.islice(parsed, k + 1, None):
+            if line.kind == "launch":
+                nxt = line
+                break
+            if line.kind not in ("alloc", "other", "stream"):
+                return mine
+        if nxt is None or nxt.lane != lane or st not in nxt.reads | nxt.writes:
+            return mine
+        deps = [last_write[x] for x in nxt.reads | nxt.writes if x in last_write]
+        deps += [d for x in nxt.writes for d in reads_since.get(x, ())]
+        for dlane, when, at in deps:
+            if dlane != lane and mine.get(dlane, -1) < when:
+                for j, v in snapshot[at].items():
+                    mine[j] = max(mine.get(j, -1), v)
+        return mine
+
     tail: list[str] = []
     for k, line in enumerate(parsed):
         if line.kind == "return":
@@ -485,9 +533,23 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             for n in inputs:
                 last_write[n] = (0, 0, last_at[0])
         if line.kind == "alloc":
+            st = names.of(line.names[0])
+            home = _home(line.lane, last_user.get(st, line.lane), at_first_use(k, st), freed)
+            if home != line.lane:
+                # Allocated on the stream of the lane that uses it last: its block comes from
+                # what that lane freed (which this lane is ordered after), not from a cache of
+                # this lane's own, and goes back there where Inductor frees it, once that lane
+                # is done with it (its clock then covers the other lanes' uses it waited for).
+                switch(home, line.indent)
+                out.append(line.text)
+                alloc_lane[st] = home
+                last_use[st] = {}
+                last_write.pop(st, None)
+                reads_since[st] = []
+                state["homed"] += 1
+                continue
             switch(line.lane, line.indent)
             out.append(line.text)
-            st = names.of(line.names[0])
             alloc_lane[st] = line.lane
             # The block may be one this lane's earlier work used: a write here, in its order.
             count[line.lane] = count.get(line.lane, 0) + 1
@@ -506,6 +568,8 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
                 (keep if covered(st) else later).append(n)
             if keep:
                 out.append(f"{line.indent}del {', '.join(keep)}")
+                for home in {alloc_lane.get(names.of(n), 0) for n in keep}:
+                    freed[home] = dict(clock.get(home, {}))
             for n in later:
                 pending[n] = [len(line.indent), len(line.indent)]
             continue
@@ -549,7 +613,17 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
             final.append(f"{body_indent}del {', '.join(pending)}")
     header = module_source.splitlines()[call_body(module_source)[0]]
     return Rewritten("\n".join([header, *final, *tail]) + "\n", launches, state["switches"], len(record_after),
-                     state["waits"], list(pending), lanes, state["moved"])
+                     state["waits"], list(pending), lanes, state["moved"], state["homed"])
+
+
+def _home(lane: int, last: int, mine: Mapping[int, int], freed: Mapping[int, Mapping[int, int]]) -> int:
+    """The lane on whose stream a buffer that ``lane`` writes first is allocated: ``last``, the
+    lane of its last user, where ``lane`` will be ordered, at its first use (``mine``: its clock
+    there), after that lane's latest free (any block its allocator hands out now was last used
+    before it); else ``lane`` itself."""
+    if last == lane:
+        return lane
+    return last if all(mine.get(k, -1) >= v for k, v in freed.get(last, {}).items()) else lane
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
@@ -602,6 +676,8 @@ def check(rewritten: str, module_source: str) -> list[str]:
       forks every stream it uses from the capturing one);
     - a ``del`` of a storage used on a lane other than its allocating one, before the join and
       before the allocating lane waits for that use;
+    - a launch that uses a buffer before it is ordered after every use of every block the stream
+      that allocated it had been given back by then (the allocator may hand it any of them);
     - a wait for a slot not yet recorded; a return with side lanes not joined.
     """
     parsed, inputs, _, names = _parse(rewritten, lambda writes, sources: None, kernel_params(module_source))
@@ -612,6 +688,11 @@ def check(rewritten: str, module_source: str) -> list[str]:
     reads_since: dict[str, list[tuple[int, int]]] = {}
     alloc_lane: dict[str, int] = {n: 0 for n in inputs}
     used: dict[str, dict[int, int]] = {n: {0: 0} for n in inputs}  # storage -> lane -> its last use
+    # lane -> the latest use on each lane of every storage freed to its stream so far; storage ->
+    # that of its allocating stream when it was allocated: the block may be any of those, and
+    # every use of the storage must come after every use of the block before it.
+    freed: dict[int, dict[int, int]] = {}
+    blocks: dict[str, dict[int, int]] = {}
     lane, joined, side = 0, True, set()
 
     def merge(into: dict[int, int], other: dict[int, int]) -> None:
@@ -658,8 +739,9 @@ def check(rewritten: str, module_source: str) -> list[str]:
         if line.kind == "alloc":
             st = names.of(line.names[0])
             alloc_lane[st] = lane
-            last_write[st], reads_since[st] = (lane, tick(lane)), []
-            used[st] = {lane: last_write[st][1]}
+            last_write.pop(st, None)
+            reads_since[st], used[st] = [], {}
+            blocks[st] = dict(freed.get(lane, {}))
         elif line.kind == "del":
             for n in line.names:
                 st = names.of(n)
@@ -668,8 +750,12 @@ def check(rewritten: str, module_source: str) -> list[str]:
                 if not joined and early:
                     out.append(f"{n} freed before lane {home}, which allocated it, waits for its use on lanes "
                                f"{early}")
+                merge(freed.setdefault(home, {}), used.get(st, {}))
         elif line.kind == "launch":
             for st in sorted(line.reads | line.writes):
+                if st in blocks and any(clock.setdefault(lane, {}).get(k, -1) < v for k, v in blocks[st].items()):
+                    out.append(f"lane {lane} uses {st}, allocated on lane {alloc_lane[st]}'s stream, before it is "
+                               f"ordered after the uses of a block that stream freed: {s[:80]}")
                 if st in last_write and not ordered(lane, last_write[st]):
                     out.append(f"lane {lane} uses {st}, written on lane {last_write[st][0]} with no event after: "
                                f"{s[:80]}")

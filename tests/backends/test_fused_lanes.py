@@ -74,8 +74,10 @@ def body(rewritten: fused_lanes.Rewritten) -> str:
 
 def test_a_side_lane_waits_for_what_it_reads_and_main_for_the_side_lane():
     """``sin`` and ``mm_1`` on lane 1: it forks from the main lane's entry; the in-place ``add``
-    (``in_out_ptr0``: buf3 is buf1's values, updated) waits for ``mm_1``'s buffer; buf2, made on
-    lane 1 and read on the main one, is freed after the join."""
+    (``in_out_ptr0``: buf3 is buf1's values, updated) waits for ``mm_1``'s buffer; buf2, written
+    on lane 1 and read on the main one, is allocated on the main lane's stream (lane 1 is
+    ordered after everything the main lane freed so far: nothing) and freed there where Inductor
+    freed it, after the main lane waited for lane 1; not held to the join."""
     done = fused_lanes.rewrite(module(), by_buffer({"buf0": 1, "buf2": 1}))
     assert_expected_inline(body(done), """\
 arg0_1, arg1_1, arg2_1 = args
@@ -97,10 +99,10 @@ with torch.cuda._DeviceGuard(0):
     buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
     # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
     extern_kernels.mm(arg0_1, arg1_1, out=buf1)
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
     buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
     # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
     extern_kernels.mm(buf0, arg2_1, out=buf2)
     _cp_lanes.record(1)
     del buf0
@@ -111,10 +113,10 @@ with torch.cuda._DeviceGuard(0):
     stream0 = get_raw_stream(0)
     _cp_lanes.wait(1)
     triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)
-    _cp_lanes.leave()
     del buf2
+    _cp_lanes.leave()
 return (buf3, )""")
-    assert done.held == ["buf2"] and done.lanes == [1] and (done.records, done.waits) == (2, 2)
+    assert done.held == [] and done.homed == 1 and done.lanes == [1] and (done.records, done.waits) == (2, 2)
 
 
 def test_an_in_place_update_on_another_lane_waits_for_the_values_it_updates():
@@ -161,10 +163,11 @@ def test_the_order_check_finds_what_a_rewrite_must_not_leave_out():
     no_wait = done.source.replace("    _cp_lanes.wait(1)\n", "")
     assert fused_lanes.check(no_wait, module()) == [
         "lane 0 uses buf2, written on lane 1 with no event after: "
-        "triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)"]
-    early = done.source.replace("    _cp_lanes.leave()\n            del buf2\n", "    del buf2\n            _cp_lanes.leave()\n")
+        "triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)",
+        "buf2 freed before lane 0, which allocated it, waits for its use on lanes [1]"]
+    early = done.source.replace("    del buf2\n", "").replace("    _cp_lanes.wait(1)\n", "    del buf2\n            _cp_lanes.wait(1)\n")
     assert fused_lanes.check(early, module()) == [
-        "buf2 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
+        "buf2 freed before lane 0, which allocated it, waits for its use on lanes [1]"]
     no_fork = done.source.replace("    _cp_lanes.wait(0)\n", "")
     assert "lane 1 allocates before it waits for the main lane" in fused_lanes.check(no_fork, module())[0]
 
@@ -201,12 +204,30 @@ CHAIN = textwrap.dedent('''\
     ''')
 
 
-def test_a_block_read_on_another_lane_is_freed_once_its_lane_waits_for_that_read():
+# CHAIN after a product and a free of the main lane's: lane 1, which starts after them, is not
+# ordered after that free, so a block of the main lane's stream is not one it may take.
+AFTER_A_FREE = CHAIN.replace("""        torch.cuda.set_device(0)
+""", """        torch.cuda.set_device(0)
+        buf4 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+        # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]
+        extern_kernels.mm(arg0_1, arg2_1, out=buf4)
+        buf5 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+        # Topologically Sorted Source Nodes: [sin_2], Original ATen: [aten.sin]
+        stream0 = get_raw_stream(0)
+        triton_poi_fused_sin_0.run(buf4, buf5, 512, stream=stream0)
+        del buf4
+""").replace("return (buf2, buf3, )", "return (buf2, buf3, buf5, )")
+
+
+def test_each_buffer_is_allocated_on_the_stream_of_the_lane_that_uses_it_last():
     """Lanes take turns, as layers do: ``sin`` on lane 1 makes buf0, ``mm`` on the main lane reads
-    it, ``mm_1`` on lane 1 reads ``mm``'s result. buf0 goes back to lane 1's stream right after
-    lane 1 waits for ``mm`` (every later use of the block on lane 1 is then after the read), not
-    at the join. buf1, made on the main lane and read on lane 1, waits for the join: the main
-    lane never waits for ``mm_1`` before it. ``sin_1``, on the main lane, may take neither."""
+    it, ``mm_1`` on lane 1 reads ``mm``'s result buf1. buf0 is allocated on the main lane's stream
+    (lane 1 will be ordered after the main lane's entry, and the main lane has freed nothing
+    since), buf1 on lane 1's (the main lane is ordered after everything lane 1 has freed: nothing):
+    each goes back to the stream of its last user where Inductor frees it, once that lane has
+    waited for the other's use. buf2, which the call returns, is allocated on the main lane's
+    stream (the caller's, which uses it next): lane 1 writes it after its wait for ``mm``, which
+    orders it after the main lane's free of buf0. Nothing is moved or held to the join."""
     done = fused_lanes.rewrite(CHAIN, by_buffer({"buf0": 1, "buf2": 1}))
     assert_expected_inline(body(done), """\
 arg0_1, arg1_1, arg2_1 = args
@@ -215,6 +236,63 @@ with torch.cuda._DeviceGuard(0):
     torch.cuda.set_device(0)
     _cp_lanes.enter(0)
     _cp_lanes.record(0)
+    buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin], Original ATen: [aten.sin]
+    stream0 = get_raw_stream(0)
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(0)
+    triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
+    _cp_lanes.record(1)
+    buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(1)
+    extern_kernels.mm(buf0, arg1_1, out=buf1)
+    _cp_lanes.record(2)
+    del buf0
+    buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
+    _cp_lanes.wait(2)
+    extern_kernels.mm(buf1, arg2_1, out=buf2)
+    del buf1
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
+    buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin_1], Original ATen: [aten.sin]
+    stream0 = get_raw_stream(0)
+    triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
+    _cp_lanes.leave()
+return (buf2, buf3, )""")
+    assert (done.held, done.moved, done.homed) == ([], 0, 3)
+    assert fused_lanes.check(done.source, CHAIN) == []
+
+
+def test_a_block_read_on_another_lane_is_freed_once_its_lane_waits_for_that_read():
+    """The same after the main lane has freed a block (``AFTER_A_FREE``): lane 1 starts from the
+    main lane's entry, before that free, so buf0 is allocated on lane 1's own stream. Its free
+    goes back to lane 1's stream right after lane 1 waits for ``mm`` (every later use of the
+    block on lane 1 is then after the read), not at the join. buf1 and buf2 are allocated as
+    above, and ``sin_1``, on the main lane, may take neither."""
+    done = fused_lanes.rewrite(AFTER_A_FREE, by_buffer({"buf0": 1, "buf2": 1}))
+    assert_expected_inline(body(done), """\
+arg0_1, arg1_1, arg2_1 = args
+args.clear()
+with torch.cuda._DeviceGuard(0):
+    torch.cuda.set_device(0)
+    _cp_lanes.enter(0)
+    _cp_lanes.record(0)
+    buf4 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]
+    extern_kernels.mm(arg0_1, arg2_1, out=buf4)
+    buf5 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
+    # Topologically Sorted Source Nodes: [sin_2], Original ATen: [aten.sin]
+    stream0 = get_raw_stream(0)
+    triton_poi_fused_sin_0.run(buf4, buf5, 512, stream=stream0)
+    del buf4
     _cp_lanes.switch(1)
     stream0 = get_raw_stream(0)
     _cp_lanes.wait(0)
@@ -223,20 +301,21 @@ with torch.cuda._DeviceGuard(0):
     stream0 = get_raw_stream(0)
     triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
     _cp_lanes.record(1)
-    _cp_lanes.switch(0)
-    stream0 = get_raw_stream(0)
     buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
     # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
+    _cp_lanes.switch(0)
+    stream0 = get_raw_stream(0)
     _cp_lanes.wait(1)
     extern_kernels.mm(buf0, arg1_1, out=buf1)
     _cp_lanes.record(2)
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
     buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
     # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
+    _cp_lanes.switch(1)
+    stream0 = get_raw_stream(0)
     _cp_lanes.wait(2)
     del buf0
     extern_kernels.mm(buf1, arg2_1, out=buf2)
+    del buf1
     _cp_lanes.switch(0)
     stream0 = get_raw_stream(0)
     buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
@@ -244,15 +323,21 @@ with torch.cuda._DeviceGuard(0):
     stream0 = get_raw_stream(0)
     triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
     _cp_lanes.leave()
-    del buf1
-return (buf2, buf3, )""")
-    assert (done.held, done.moved) == (["buf1"], 1)
-    assert fused_lanes.check(done.source, CHAIN) == []
+return (buf2, buf3, buf5, )""")
+    assert (done.held, done.moved, done.homed) == ([], 1, 2)
+    assert fused_lanes.check(done.source, AFTER_A_FREE) == []
     # The same free before lane 1's wait: lane 1 could hand buf0 to an allocation that runs while
     # ``mm`` still reads it.
     early = done.source.replace("_cp_lanes.wait(2)\n        del buf0\n", "del buf0\n        _cp_lanes.wait(2)\n")
-    assert early != done.source and fused_lanes.check(early, CHAIN) == [
+    assert early != done.source and fused_lanes.check(early, AFTER_A_FREE) == [
         "buf0 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
+    # buf0 allocated on the main lane's stream after that free: the allocator may hand it the
+    # block buf4 had, which ``sin_2`` may still be reading when lane 1's ``sin`` writes it.
+    alloc = "        buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)\n"
+    early = done.source.replace(alloc, "").replace("        _cp_lanes.switch(1)\n", alloc + "        _cp_lanes.switch(1)\n", 1)
+    assert early != done.source and fused_lanes.check(early, AFTER_A_FREE) == [
+        "lane 1 uses buf0, allocated on lane 0's stream, before it is ordered after the uses of a block that stream freed: "
+        "triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)"]
 
 
 def test_a_free_moves_within_its_block_of_code_with_dynamic_shapes():
@@ -260,22 +345,23 @@ def test_a_free_moves_within_its_block_of_code_with_dynamic_shapes():
     the lanes' entry then stands outside that block, and a free inside it still moves to its
     lane's wait, inside it too. A wait in another block (after the code left the del's) never
     takes a free: there it may not run."""
-    dynamic = CHAIN.replace("arg0_1, arg1_1, arg2_1 = args\n    args.clear()\n",
-                            "arg0_1, arg1_1, arg2_1, arg3_1 = args\n    args.clear()\n    s0 = arg3_1\n")
-    assert dynamic != CHAIN
+    dynamic = AFTER_A_FREE.replace("arg0_1, arg1_1, arg2_1 = args\n    args.clear()\n",
+                                   "arg0_1, arg1_1, arg2_1, arg3_1 = args\n    args.clear()\n    s0 = arg3_1\n")
+    assert dynamic != AFTER_A_FREE
     done = fused_lanes.rewrite(dynamic, by_buffer({"buf0": 1, "buf2": 1}))
-    static = fused_lanes.rewrite(CHAIN, by_buffer({"buf0": 1, "buf2": 1}))
-    assert (done.held, done.moved) == (static.held, static.moved) == (["buf1"], 1)
+    static = fused_lanes.rewrite(AFTER_A_FREE, by_buffer({"buf0": 1, "buf2": 1}))
+    assert (done.held, done.moved) == (static.held, static.moved) == ([], 1)
     assert fused_lanes.check(done.source, dynamic) == []
     lines = [x.strip() for x in body(done).splitlines()]
     assert lines.index("del buf0") == lines.index("_cp_lanes.wait(2)") + 1
     # The second product in a block of its own: lane 1's wait there cannot free buf0.
-    split = CHAIN.replace("        buf2 = empty_strided_cuda", "    with torch.cuda._DeviceGuard(0):\n        buf2 = empty_strided_cuda")
+    split = AFTER_A_FREE.replace("        buf2 = empty_strided_cuda",
+                                 "    with torch.cuda._DeviceGuard(0):\n        buf2 = empty_strided_cuda")
     split = split.replace("        extern_kernels.mm(buf1, arg2_1, out=buf2)\n",
                           "        extern_kernels.mm(buf1, arg2_1, out=buf2)\n    with torch.cuda._DeviceGuard(0):\n")
     assert split.count("_DeviceGuard") == 3
     done = fused_lanes.rewrite(split, by_buffer({"buf0": 1, "buf2": 1}))
-    assert (sorted(done.held), done.moved) == (["buf0", "buf1"], 0)
+    assert (sorted(done.held), done.moved) == (["buf0"], 0)
     assert fused_lanes.check(done.source, split) == []
 
 
