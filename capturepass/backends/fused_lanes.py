@@ -411,6 +411,21 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     Raises:
         RewriteError: the module has no ``call`` in a form this reads.
     """
+    done = _rewrite(module_source, lane_of, device, homes=True)
+    if not done.homed:
+        return done
+    # Where a buffer's last user's stream is at its own peak, allocating there can raise that
+    # stream's cache more than it saves the first user's: the rewrite with every buffer on its
+    # first user's stream is kept where its streams' caches (then its peak) come out smaller.
+    plain = _rewrite(module_source, lane_of, device, homes=False)
+    cost = [(sum(per.values()), live) for live, per in (stream_memory(r.source) for r in (done, plain))]
+    return plain if cost[1] < cost[0] else done
+
+
+def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | None], device: int,
+             homes: bool) -> Rewritten:
+    """:func:`rewrite`, with buffers on their last user's stream where that is safe (``homes``) or
+    each on its first user's."""
     parsed, inputs, streams, names = _parse(module_source, lane_of)
     # storage -> the lane of its last user: the last launch that names it, or the main lane for
     # what the call returns (the caller's stream uses it next, and frees it).
@@ -534,7 +549,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
                 last_write[n] = (0, 0, last_at[0])
         if line.kind == "alloc":
             st = names.of(line.names[0])
-            home = _home(line.lane, last_user.get(st, line.lane), at_first_use(k, st), freed)
+            home = _home(line.lane, last_user.get(st, line.lane), at_first_use(k, st), freed) if homes else line.lane
             if home != line.lane:
                 # Allocated on the stream of the lane that uses it last: its block comes from
                 # what that lane freed (which this lane is ordered after), not from a cache of
@@ -624,6 +639,75 @@ def _home(lane: int, last: int, mine: Mapping[int, int], freed: Mapping[int, Map
     if last == lane:
         return lane
     return last if all(mine.get(k, -1) >= v for k, v in freed.get(last, {}).items()) else lane
+
+
+_SIZED_ALLOC = re.compile(r"^\s*(buf\d+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
+_SWITCH = re.compile(rf"^\s*{RUNTIME}\.switch\((\d+)\)")
+
+
+def _nbytes(sizes: str, strides: str, dtype: str) -> int:
+    """The bytes an ``empty_strided`` of these sizes and strides spans (0 for a symbolic size:
+    unknown at compile time, left out of :func:`stream_memory`)."""
+    try:
+        dims = [int(x) for x in sizes.split(",") if x.strip()]
+        steps = [int(x) for x in strides.split(",") if x.strip()]
+        item = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    except (ValueError, AttributeError, TypeError):
+        return 0
+    if not all(dims):
+        return 0
+    return (1 + sum((d - 1) * k for d, k in zip(dims, steps))) * item
+
+
+def stream_memory(source: str) -> tuple[int, dict[int, int]]:
+    """The buffers of a ``call`` body (``source``: Inductor's, or a rewrite's), replayed with a
+    caching allocator per stream: the most bytes live at once, and each stream's own most (a
+    stream reuses only blocks it freed, so that is about what its cache keeps). An allocation
+    is on the stream current at it (``switch``), a storage freed when its last name is
+    deleted; buffers of symbolic size and what library calls allocate for themselves are left out.
+    """
+    lane, base, live, refs = 0, {}, {}, {}
+    per: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    total = top = 0
+
+    def root(n: str) -> str:
+        while n in base:
+            n = base[n]
+        return n
+
+    for line in source.splitlines():
+        if m := _SWITCH.match(line):
+            lane = int(m.group(1))
+        elif f"{RUNTIME}.leave()" in line:
+            lane = 0
+        elif m := _SIZED_ALLOC.match(line):
+            size = _nbytes(m.group(2), m.group(3), m.group(4))
+            live[m.group(1)], refs[m.group(1)] = (size, lane), {m.group(1)}
+            per[lane] = per.get(lane, 0) + size
+            peak[lane] = max(peak.get(lane, 0), per[lane])
+            total += size
+            top = max(top, total)
+        elif m := _REUSE.match(line.strip()):
+            r = root(m.group(2))
+            base[m.group(1)] = r
+            refs.setdefault(r, set()).add(m.group(1))
+            refs[r].discard(m.group(3))
+        elif m := _ALIAS.match(line.strip()):
+            r = root(next(g for g in m.groups()[1:] if g))
+            if r in live:
+                base[m.group(1)] = r
+                refs[r].add(m.group(1))
+        elif m := _DEL.match(line.strip()):
+            for n in (x.strip() for x in m.group(1).split(",") if x.strip()):
+                r = root(n)
+                if r in refs:
+                    refs[r].discard(n)
+                    if not refs[r] and r in live:
+                        size, on = live.pop(r)
+                        per[on] -= size
+                        total -= size
+    return top, peak
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
