@@ -393,7 +393,7 @@ FALLBACKS = ("compiler failed on region", "one compile of", "lanes after fusion 
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.\w+ .*?function: '([^']+)'", re.S)
 # A compile's lanes after fusion, as logged: how many of its frees the rewrite moved or held.
 FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait, "
-                   r"(\d+) buffers allocated on their last user's stream")
+                   r"(\d+) buffers on their last user's stream in captures")
 
 
 class Fallbacks(logging.Handler):
@@ -719,7 +719,7 @@ def main() -> None:
                 if args.host_captures and not args.generate else ""
             compiles, held, moved, homed = fallbacks.fused
             fused = (f"; lanes after fusion in {compiles} compile(s): {moved} frees moved to a later wait, {held} "
-                     f"held to the join, {homed} buffers allocated on their last user's stream") if compiles else ""
+                     f"held to the join, {homed} buffers on their last user's stream in captures") if compiles else ""
             print(f"OK   {name}: {what}{in_place}{fused}{eager}", flush=True)
     print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
           + (f" ({skipped} skipped)" if skipped else "")

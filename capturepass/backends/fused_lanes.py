@@ -22,7 +22,9 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   before it allocates or launches anything (a capture must fork every stream it uses from the
   capturing one), and the main lane waits for every side lane at the end.
 - **Allocations.** The allocator hands a buffer a block its allocating stream freed, any of
-  them: every use of the buffer must come after every use of those blocks. A buffer's
+  them: every use of the buffer must come after every use of those blocks, including the
+  temporaries any launch on that stream may have allocated and freed for itself (a library
+  call's workspace, an op's scratch, a Triton kernel's global scratch). A buffer's
   ``empty_strided`` runs on the stream of its last user (the lane of the last launch that names
   it; the main lane, the caller's stream, for what the call returns), where the lane of its
   first launch will be ordered, at that launch, after that stream's latest free; otherwise on
@@ -144,10 +146,14 @@ class Rewritten:
     lanes: list[int]
     moved: int = 0
     homed: int = 0
+    # The body captures run where it differs (:func:`rewrite_module`: buffers on their last
+    # user's stream).
+    captured: "Rewritten | None" = None
 
     def summary(self) -> Summary:
         return Summary(len(self.launches), sum(1 for _, lane in self.launches if lane), self.switches,
-                       self.records, len(self.held), list(self.lanes), self.moved, self.homed)
+                       self.records, len(self.held), list(self.lanes), self.moved,
+                       self.captured.homed if self.captured is not None else self.homed)
 
 
 def kernel_params(module_source: str) -> dict[str, list[str]]:
@@ -396,7 +402,7 @@ def _parse(module_source: str, lane_of: Callable[[list[str], list[str]], int | N
 
 
 def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
-            device: int = 0) -> Rewritten:
+            device: int = 0, homes: bool = False) -> Rewritten:
     """Rewrites ``module_source``'s ``call`` so that each launch runs on its lane.
 
     Args:
@@ -404,6 +410,11 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         lane_of: a launch's lane from the buffers it writes and the source nodes Inductor
             listed above it (``None``: no lane known, the main lane's).
         device: the CUDA device index of the code's kernels (:data:`HOST` for a host compile's).
+        homes: allocate buffers on their last user's stream where that is safe ("Allocations"
+            above), for code that runs only while its streams capture: the allocator then hands
+            them only blocks of the capture's private pool, which this code alone frees. An
+            uncaptured call's streams may get blocks another thread freed after work this code
+            is not ordered after. Kept only where the streams' caches come out smaller.
 
     Returns:
         The rewritten function and what was written into it.
@@ -411,7 +422,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     Raises:
         RewriteError: the module has no ``call`` in a form this reads.
     """
-    done = _rewrite(module_source, lane_of, device, homes=True)
+    done = _rewrite(module_source, lane_of, device, homes=homes)
     if not done.homed:
         return done
     # Where a buffer's last user's stream is at its own peak, allocating there can raise that
@@ -602,6 +613,9 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
         out.append(line.text)
         count[lane] = count.get(lane, 0) + 1
         clock.setdefault(lane, {})[lane] = count[lane]
+        # A launch may allocate and free temporaries of its own (a library call's workspace, an
+        # op's scratch, a Triton kernel's global scratch): they go back to this lane's stream.
+        freed.setdefault(lane, {})[lane] = count[lane]
         at = last_at[lane] = len(out) - 1
         snapshot[at] = dict(clock[lane])
         for st in line.reads:
@@ -715,8 +729,13 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     """``module_source`` with two ``call`` bodies: the original, and :func:`rewrite`'s with
     its launches on lanes; ``call`` runs the second while :func:`capturepass.runtime.code_lanes.active`
     says lanes are bound (a candidate with side streams), the first otherwise (one lane's code,
-    its frees where Inductor put them)."""
+    its frees where Inductor put them). Where the rewrite with buffers on their last user's
+    stream (``homes``) differs, a third body has it, and runs while the current stream captures
+    (:func:`capturepass.runtime.code_lanes.capturing`); the returned rewrite's ``captured``."""
     done = rewrite(module_source, lane_of, device)
+    captured = rewrite(module_source, lane_of, device, homes=True)
+    if captured.source != done.source:
+        done.captured = captured
     first, end, body = call_body(module_source)
     lines = module_source.splitlines()
     head = lines[first]
@@ -726,9 +745,13 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     inner = indent + "    "
     target = "self." if method else ""
     params = "self, args" if method else "args"
+    active = [f"{inner}if {RUNTIME}.active():"]
+    if done.captured is not None:
+        active.append(f"{inner}    if {RUNTIME}.capturing():")
+        active.append(f"{inner}        return {target}{CAPTURE_CALL}(args)")
     dispatch = [
         f"{indent}def call({params}):",
-        f"{inner}if {RUNTIME}.active():",
+        *active,
         f"{inner}    return {target}{lanes}(args)",
         f"{inner}return {target}{one}(args)",
         "",
@@ -738,13 +761,17 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
         f"{indent}def {lanes}({params}):",
         *done.source.splitlines()[1:],
     ]
+    if done.captured is not None:
+        dispatch += ["", f"{indent}def {CAPTURE_CALL}({params}):", *done.captured.source.splitlines()[1:]]
     new = [done.summary().line(), f"import capturepass.runtime.code_lanes as {RUNTIME}", *lines[:first], *dispatch,
            *lines[end:]]
     return "\n".join(new) + "\n", done
 
 
-# The lanes' body of a rewritten module (its one lane's body is ``_cp_one_call``).
+# The lanes' body of a rewritten module (its one lane's body is ``_cp_one_call``), and the one
+# captures run where it differs.
 LANES_CALL = "_cp_lanes_call"
+CAPTURE_CALL = "_cp_capture_call"
 
 _LANES_CALL = re.compile(rf"^{RUNTIME}\.(enter|switch|record|wait|leave)\((-?\d*)\)$")
 
@@ -761,7 +788,8 @@ def check(rewritten: str, module_source: str) -> list[str]:
     - a ``del`` of a storage used on a lane other than its allocating one, before the join and
       before the allocating lane waits for that use;
     - a launch that uses a buffer before it is ordered after every use of every block the stream
-      that allocated it had been given back by then (the allocator may hand it any of them);
+      that allocated it had been given back by then (the allocator may hand it any of them; every
+      launch there may have freed temporaries of its own);
     - a wait for a slot not yet recorded; a return with side lanes not joined.
     """
     parsed, inputs, _, names = _parse(rewritten, lambda writes, sources: None, kernel_params(module_source))
@@ -848,6 +876,7 @@ def check(rewritten: str, module_source: str) -> list[str]:
                     if not ordered(lane, dep):
                         out.append(f"lane {lane} writes {st}, read on lane {dep[0]} with no event after: {s[:80]}")
             now = tick(lane)
+            merge(freed.setdefault(lane, {}), {lane: now})  # its own temporaries, freed to its stream
             for st in line.reads:
                 reads_since.setdefault(st, []).append((lane, now))
                 used.setdefault(st, {})[lane] = now
