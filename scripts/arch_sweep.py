@@ -392,8 +392,7 @@ FALLBACKS = ("compiler failed on region", "one compile of", "lanes after fusion 
 # eagerly, under any backend (JetMoE's calls pass through transformers' deprecation wrapper).
 RECOMPILE_LIMIT = re.compile(r"torch\._dynamo hit config\.\w+ .*?function: '([^']+)'", re.S)
 # A compile's lanes after fusion, as logged: how many of its frees the rewrite moved or held.
-FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait, "
-                   r"(\d+) buffers on their last user's stream in captures")
+FUSED = re.compile(r"lanes after fusion: .* (\d+) frees held to the join, (\d+) moved to a later wait")
 
 
 class Fallbacks(logging.Handler):
@@ -405,9 +404,7 @@ class Fallbacks(logging.Handler):
         self.messages: list[str] = []
         self.eager_frames: list[str] = []
         self.in_place = 0  # shapes captured again with inputs read in place (``--host-captures``)
-        # compiles with lanes after fusion, their frees held, moved, buffers allocated on their
-        # last user's stream (``--regions fused``)
-        self.fused = [0, 0, 0, 0]
+        self.fused = [0, 0, 0]  # compiles with lanes after fusion, their frees held, moved (``--regions fused``)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -415,7 +412,7 @@ class Fallbacks(logging.Handler):
             self.in_place += 1
         fused = FUSED.search(message)
         if fused:
-            self.fused = [self.fused[0] + 1, *(a + int(b) for a, b in zip(self.fused[1:], fused.groups()))]
+            self.fused = [self.fused[0] + 1, self.fused[1] + int(fused.group(1)), self.fused[2] + int(fused.group(2))]
         if record.levelno < logging.WARNING:
             return
         if any(f in message for f in FALLBACKS):
@@ -717,9 +714,9 @@ def main() -> None:
                      f"limit (under any backend)") if fallbacks.eager_frames else ""
             in_place = f"; {fallbacks.in_place} shape(s) captured again with inputs read in place" \
                 if args.host_captures and not args.generate else ""
-            compiles, held, moved, homed = fallbacks.fused
+            compiles, held, moved = fallbacks.fused
             fused = (f"; lanes after fusion in {compiles} compile(s): {moved} frees moved to a later wait, {held} "
-                     f"held to the join, {homed} buffers on their last user's stream in captures") if compiles else ""
+                     f"held to the join") if compiles else ""
             print(f"OK   {name}: {what}{in_place}{fused}{eager}", flush=True)
     print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
           + (f" ({skipped} skipped)" if skipped else "")

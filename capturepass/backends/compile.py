@@ -183,8 +183,7 @@ def compile_fused(model: Plan, one_lane: Plan, opts: Options, eager_fallback: bo
     program.info = meta.graph_info(graph)
     what = (f"one Inductor compile with lanes after fusion: {side} of {launches} launches on side lanes, "
             f"{sum(r.switches for r in done)} lane switches, {sum(r.records for r in done)} events, "
-            f"{sum(r.held for r in done)} frees held to the join, {sum(r.moved for r in done)} moved to a later wait, "
-            f"{sum(r.homed for r in done)} buffers on their last user's stream in captures")
+            f"{sum(r.held for r in done)} frees held to the join, {sum(r.moved for r in done)} moved to a later wait")
     log.info("capturepass: %s: %s", title, what)
     meta.add_decision(graph, what)
     return program

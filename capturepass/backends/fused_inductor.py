@@ -178,8 +178,7 @@ class Compiling:
                 index = next(iter(getattr(lowering, "device_idxs", ()) or ()), 0) if "cuda" in devices else HOST
                 try:
                     new, done = rewrite_module(wrapper_code.value, me.lane_of, device=index)
-                    found = [f for r in (done, done.captured) if r is not None and r.lanes
-                             for f in check(r.source, wrapper_code.value)]
+                    found = check(done.source, wrapper_code.value) if done.lanes else []
                 except Exception as exc:  # noqa: BLE001 - code the rewrite cannot read runs as written
                     found = [f"the rewrite could not read the code ({type(exc).__name__}: {exc})"]
                     done = None

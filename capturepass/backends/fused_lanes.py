@@ -21,16 +21,8 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   lane already covers it (vector clocks). A side lane first waits for the main lane's entry,
   before it allocates or launches anything (a capture must fork every stream it uses from the
   capturing one), and the main lane waits for every side lane at the end.
-- **Allocations.** The allocator hands a buffer a block its allocating stream freed, any of
-  them: every use of the buffer must come after every use of those blocks, including the
-  temporaries any launch on that stream may have allocated and freed for itself (a library
-  call's workspace, an op's scratch, a Triton kernel's global scratch). A buffer's
-  ``empty_strided`` runs on the stream of its last user (the lane of the last launch that names
-  it; the main lane, the caller's stream, for what the call returns), where the lane of its
-  first launch will be ordered, at that launch, after that stream's latest free; otherwise on
-  the lane of its first launch. So a block one lane freed is reused by another lane's buffer
-  once an event orders them (the streams do not each keep a cache of their own for the same
-  memory), and the buffer goes back to its last user's stream where Inductor frees it. A
+- **Allocations.** A buffer's ``empty_strided`` runs on the lane of the first launch that names
+  it, and counts as a write there: the allocator hands it a block that lane's stream freed. A
   planned reuse that only writes the reused block and runs on another lane than a user of the
   block gets a block of its own, allocated as the reused name was.
 - **Frees.** The allocator gives a freed block back to its allocating stream at once, and hands
@@ -52,7 +44,6 @@ inside Inductor's compile are in ``capturepass.backends.fused_inductor``.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import re
 import textwrap
@@ -98,7 +89,6 @@ class Summary:
     held: int
     lanes: list[int]
     moved: int = 0
-    homed: int = 0
 
     def line(self) -> str:
         return f"{MARK}{json.dumps(dataclasses.asdict(self), sort_keys=True)}"
@@ -133,8 +123,6 @@ class Rewritten:
         held: storages whose ``del`` moved after the final join.
         lanes: the side lanes the code uses, sorted.
         moved: names whose ``del`` moved to a later wait of their storage's allocating lane.
-        homed: buffers of a side lane allocated on the stream of a lane that uses them later
-            (:func:`rewrite`'s "Allocations").
     """
 
     source: str
@@ -145,15 +133,10 @@ class Rewritten:
     held: list[str]
     lanes: list[int]
     moved: int = 0
-    homed: int = 0
-    # The body captures run where it differs (:func:`rewrite_module`: buffers on their last
-    # user's stream).
-    captured: "Rewritten | None" = None
 
     def summary(self) -> Summary:
         return Summary(len(self.launches), sum(1 for _, lane in self.launches if lane), self.switches,
-                       self.records, len(self.held), list(self.lanes), self.moved,
-                       self.captured.homed if self.captured is not None else self.homed)
+                       self.records, len(self.held), list(self.lanes), self.moved)
 
 
 def kernel_params(module_source: str) -> dict[str, list[str]]:
@@ -402,7 +385,7 @@ def _parse(module_source: str, lane_of: Callable[[list[str], list[str]], int | N
 
 
 def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
-            device: int = 0, homes: bool = False) -> Rewritten:
+            device: int = 0) -> Rewritten:
     """Rewrites ``module_source``'s ``call`` so that each launch runs on its lane.
 
     Args:
@@ -410,11 +393,6 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
         lane_of: a launch's lane from the buffers it writes and the source nodes Inductor
             listed above it (``None``: no lane known, the main lane's).
         device: the CUDA device index of the code's kernels (:data:`HOST` for a host compile's).
-        homes: allocate buffers on their last user's stream where that is safe ("Allocations"
-            above), for code that runs only while its streams capture: the allocator then hands
-            them only blocks of the capture's private pool, which this code alone frees. An
-            uncaptured call's streams may get blocks another thread freed after work this code
-            is not ordered after. Kept only where the streams' caches come out smaller.
 
     Returns:
         The rewritten function and what was written into it.
@@ -422,32 +400,7 @@ def rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | 
     Raises:
         RewriteError: the module has no ``call`` in a form this reads.
     """
-    done = _rewrite(module_source, lane_of, device, homes=homes)
-    if not done.homed:
-        return done
-    # Where a buffer's last user's stream is at its own peak, allocating there can raise that
-    # stream's cache more than it saves the first user's: the rewrite with every buffer on its
-    # first user's stream is kept where its streams' caches (then its peak) come out smaller.
-    plain = _rewrite(module_source, lane_of, device, homes=False)
-    cost = [(sum(per.values()), live) for live, per in (stream_memory(r.source) for r in (done, plain))]
-    return plain if cost[1] < cost[0] else done
-
-
-def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int | None], device: int,
-             homes: bool) -> Rewritten:
-    """:func:`rewrite`, with buffers on their last user's stream where that is safe (``homes``) or
-    each on its first user's."""
     parsed, inputs, streams, names = _parse(module_source, lane_of)
-    # storage -> the lane of its last user: the last launch that names it, or the main lane for
-    # what the call returns (the caller's stream uses it next, and frees it).
-    last_user: dict[str, int] = {}
-    for line in parsed:
-        if line.kind == "launch":
-            for st in line.reads | line.writes:
-                last_user[st] = line.lane
-        elif line.kind == "return":
-            for n in re.findall(r"\bbuf\d+\b", line.text):
-                last_user[names.of(n)] = 0
 
     # Pass 2: emit, with the switches, records and waits the storages need. A lane's clock
     # holds, per lane, how many of its launches it is ordered after (-1: none; the main lane's
@@ -468,10 +421,7 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
     pending: dict[str, list[int]] = {}
     out: list[str] = []
     record_after: dict[int, int] = {}  # out index -> event slot
-    # lane -> its clock at its latest free: every block its stream's allocator may hand out
-    # next was last used before that (a free runs once its lane covers the block's uses).
-    freed: dict[int, dict[int, int]] = {}
-    state = {"waits": 0, "switches": 0, "current": 0, "moved": 0, "homed": 0}
+    state = {"waits": 0, "switches": 0, "current": 0, "moved": 0}
     started: set[int] = {0}
     launches: list[tuple[str, int]] = []
     body_indent: str | None = None
@@ -497,7 +447,6 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
                 and alloc_lane.get(names.of(n), 0) == lane and covered(names.of(n))]
         if free:
             out.append(f"{indent}del {', '.join(free)}")
-            freed[lane] = dict(mine)
             state["moved"] += len(free)
             for n in free:
                 del pending[n]
@@ -520,29 +469,6 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
             started.add(lane)
             need(lane, (0, 0, entry_at), indent)
 
-    def at_first_use(k: int, st: str) -> dict[int, int]:
-        """The clock the lane of alloc line ``k`` will have at the launch right after it, where
-        that is the first use of ``st`` (with the waits that launch needs written before it);
-        else the lane's clock now (or, for a lane not started, the main lane's entry)."""
-        lane = parsed[k].lane
-        mine = dict(clock.get(lane, {})) if lane in started else {0: 0}
-        nxt = None
-        for line in itertools.islice(parsed, k + 1, None):
-            if line.kind == "launch":
-                nxt = line
-                break
-            if line.kind not in ("alloc", "other", "stream"):
-                return mine
-        if nxt is None or nxt.lane != lane or st not in nxt.reads | nxt.writes:
-            return mine
-        deps = [last_write[x] for x in nxt.reads | nxt.writes if x in last_write]
-        deps += [d for x in nxt.writes for d in reads_since.get(x, ())]
-        for dlane, when, at in deps:
-            if dlane != lane and mine.get(dlane, -1) < when:
-                for j, v in snapshot[at].items():
-                    mine[j] = max(mine.get(j, -1), v)
-        return mine
-
     tail: list[str] = []
     for k, line in enumerate(parsed):
         if line.kind == "return":
@@ -559,23 +485,9 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
             for n in inputs:
                 last_write[n] = (0, 0, last_at[0])
         if line.kind == "alloc":
-            st = names.of(line.names[0])
-            home = _home(line.lane, last_user.get(st, line.lane), at_first_use(k, st), freed) if homes else line.lane
-            if home != line.lane:
-                # Allocated on the stream of the lane that uses it last: its block comes from
-                # what that lane freed (which this lane is ordered after), not from a cache of
-                # this lane's own, and goes back there where Inductor frees it, once that lane
-                # is done with it (its clock then covers the other lanes' uses it waited for).
-                switch(home, line.indent)
-                out.append(line.text)
-                alloc_lane[st] = home
-                last_use[st] = {}
-                last_write.pop(st, None)
-                reads_since[st] = []
-                state["homed"] += 1
-                continue
             switch(line.lane, line.indent)
             out.append(line.text)
+            st = names.of(line.names[0])
             alloc_lane[st] = line.lane
             # The block may be one this lane's earlier work used: a write here, in its order.
             count[line.lane] = count.get(line.lane, 0) + 1
@@ -594,8 +506,6 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
                 (keep if covered(st) else later).append(n)
             if keep:
                 out.append(f"{line.indent}del {', '.join(keep)}")
-                for home in {alloc_lane.get(names.of(n), 0) for n in keep}:
-                    freed[home] = dict(clock.get(home, {}))
             for n in later:
                 pending[n] = [len(line.indent), len(line.indent)]
             continue
@@ -613,9 +523,6 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
         out.append(line.text)
         count[lane] = count.get(lane, 0) + 1
         clock.setdefault(lane, {})[lane] = count[lane]
-        # A launch may allocate and free temporaries of its own (a library call's workspace, an
-        # op's scratch, a Triton kernel's global scratch): they go back to this lane's stream.
-        freed.setdefault(lane, {})[lane] = count[lane]
         at = last_at[lane] = len(out) - 1
         snapshot[at] = dict(clock[lane])
         for st in line.reads:
@@ -642,86 +549,7 @@ def _rewrite(module_source: str, lane_of: Callable[[list[str], list[str]], int |
             final.append(f"{body_indent}del {', '.join(pending)}")
     header = module_source.splitlines()[call_body(module_source)[0]]
     return Rewritten("\n".join([header, *final, *tail]) + "\n", launches, state["switches"], len(record_after),
-                     state["waits"], list(pending), lanes, state["moved"], state["homed"])
-
-
-def _home(lane: int, last: int, mine: Mapping[int, int], freed: Mapping[int, Mapping[int, int]]) -> int:
-    """The lane on whose stream a buffer that ``lane`` writes first is allocated: ``last``, the
-    lane of its last user, where ``lane`` will be ordered, at its first use (``mine``: its clock
-    there), after that lane's latest free (any block its allocator hands out now was last used
-    before it); else ``lane`` itself."""
-    if last == lane:
-        return lane
-    return last if all(mine.get(k, -1) >= v for k, v in freed.get(last, {}).items()) else lane
-
-
-_SIZED_ALLOC = re.compile(r"^\s*(buf\d+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
-_SWITCH = re.compile(rf"^\s*{RUNTIME}\.switch\((\d+)\)")
-
-
-def _nbytes(sizes: str, strides: str, dtype: str) -> int:
-    """The bytes an ``empty_strided`` of these sizes and strides spans (0 for a symbolic size:
-    unknown at compile time, left out of :func:`stream_memory`)."""
-    try:
-        dims = [int(x) for x in sizes.split(",") if x.strip()]
-        steps = [int(x) for x in strides.split(",") if x.strip()]
-        item = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    except (ValueError, AttributeError, TypeError):
-        return 0
-    if not all(dims):
-        return 0
-    return (1 + sum((d - 1) * k for d, k in zip(dims, steps))) * item
-
-
-def stream_memory(source: str) -> tuple[int, dict[int, int]]:
-    """The buffers of a ``call`` body (``source``: Inductor's, or a rewrite's), replayed with a
-    caching allocator per stream: the most bytes live at once, and each stream's own most (a
-    stream reuses only blocks it freed, so that is about what its cache keeps). An allocation
-    is on the stream current at it (``switch``), a storage freed when its last name is
-    deleted; buffers of symbolic size and what library calls allocate for themselves are left out.
-    """
-    lane, base, live, refs = 0, {}, {}, {}
-    per: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    total = top = 0
-
-    def root(n: str) -> str:
-        while n in base:
-            n = base[n]
-        return n
-
-    for line in source.splitlines():
-        if m := _SWITCH.match(line):
-            lane = int(m.group(1))
-        elif f"{RUNTIME}.leave()" in line:
-            lane = 0
-        elif m := _SIZED_ALLOC.match(line):
-            size = _nbytes(m.group(2), m.group(3), m.group(4))
-            live[m.group(1)], refs[m.group(1)] = (size, lane), {m.group(1)}
-            per[lane] = per.get(lane, 0) + size
-            peak[lane] = max(peak.get(lane, 0), per[lane])
-            total += size
-            top = max(top, total)
-        elif m := _REUSE.match(line.strip()):
-            r = root(m.group(2))
-            base[m.group(1)] = r
-            refs.setdefault(r, set()).add(m.group(1))
-            refs[r].discard(m.group(3))
-        elif m := _ALIAS.match(line.strip()):
-            r = root(next(g for g in m.groups()[1:] if g))
-            if r in live:
-                base[m.group(1)] = r
-                refs[r].add(m.group(1))
-        elif m := _DEL.match(line.strip()):
-            for n in (x.strip() for x in m.group(1).split(",") if x.strip()):
-                r = root(n)
-                if r in refs:
-                    refs[r].discard(n)
-                    if not refs[r] and r in live:
-                        size, on = live.pop(r)
-                        per[on] -= size
-                        total -= size
-    return top, peak
+                     state["waits"], list(pending), lanes, state["moved"])
 
 
 def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]], int | None],
@@ -729,13 +557,8 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     """``module_source`` with two ``call`` bodies: the original, and :func:`rewrite`'s with
     its launches on lanes; ``call`` runs the second while :func:`capturepass.runtime.code_lanes.active`
     says lanes are bound (a candidate with side streams), the first otherwise (one lane's code,
-    its frees where Inductor put them). Where the rewrite with buffers on their last user's
-    stream (``homes``) differs, a third body has it, and runs while the current stream captures
-    (:func:`capturepass.runtime.code_lanes.capturing`); the returned rewrite's ``captured``."""
+    its frees where Inductor put them)."""
     done = rewrite(module_source, lane_of, device)
-    captured = rewrite(module_source, lane_of, device, homes=True)
-    if captured.source != done.source:
-        done.captured = captured
     first, end, body = call_body(module_source)
     lines = module_source.splitlines()
     head = lines[first]
@@ -745,13 +568,9 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
     inner = indent + "    "
     target = "self." if method else ""
     params = "self, args" if method else "args"
-    active = [f"{inner}if {RUNTIME}.active():"]
-    if done.captured is not None:
-        active.append(f"{inner}    if {RUNTIME}.capturing():")
-        active.append(f"{inner}        return {target}{CAPTURE_CALL}(args)")
     dispatch = [
         f"{indent}def call({params}):",
-        *active,
+        f"{inner}if {RUNTIME}.active():",
         f"{inner}    return {target}{lanes}(args)",
         f"{inner}return {target}{one}(args)",
         "",
@@ -761,17 +580,13 @@ def rewrite_module(module_source: str, lane_of: Callable[[list[str], list[str]],
         f"{indent}def {lanes}({params}):",
         *done.source.splitlines()[1:],
     ]
-    if done.captured is not None:
-        dispatch += ["", f"{indent}def {CAPTURE_CALL}({params}):", *done.captured.source.splitlines()[1:]]
     new = [done.summary().line(), f"import capturepass.runtime.code_lanes as {RUNTIME}", *lines[:first], *dispatch,
            *lines[end:]]
     return "\n".join(new) + "\n", done
 
 
-# The lanes' body of a rewritten module (its one lane's body is ``_cp_one_call``), and the one
-# captures run where it differs.
+# The lanes' body of a rewritten module (its one lane's body is ``_cp_one_call``).
 LANES_CALL = "_cp_lanes_call"
-CAPTURE_CALL = "_cp_capture_call"
 
 _LANES_CALL = re.compile(rf"^{RUNTIME}\.(enter|switch|record|wait|leave)\((-?\d*)\)$")
 
@@ -787,9 +602,6 @@ def check(rewritten: str, module_source: str) -> list[str]:
       forks every stream it uses from the capturing one);
     - a ``del`` of a storage used on a lane other than its allocating one, before the join and
       before the allocating lane waits for that use;
-    - a launch that uses a buffer before it is ordered after every use of every block the stream
-      that allocated it had been given back by then (the allocator may hand it any of them; every
-      launch there may have freed temporaries of its own);
     - a wait for a slot not yet recorded; a return with side lanes not joined.
     """
     parsed, inputs, _, names = _parse(rewritten, lambda writes, sources: None, kernel_params(module_source))
@@ -800,11 +612,6 @@ def check(rewritten: str, module_source: str) -> list[str]:
     reads_since: dict[str, list[tuple[int, int]]] = {}
     alloc_lane: dict[str, int] = {n: 0 for n in inputs}
     used: dict[str, dict[int, int]] = {n: {0: 0} for n in inputs}  # storage -> lane -> its last use
-    # lane -> the latest use on each lane of every storage freed to its stream so far; storage ->
-    # that of its allocating stream when it was allocated: the block may be any of those, and
-    # every use of the storage must come after every use of the block before it.
-    freed: dict[int, dict[int, int]] = {}
-    blocks: dict[str, dict[int, int]] = {}
     lane, joined, side = 0, True, set()
 
     def merge(into: dict[int, int], other: dict[int, int]) -> None:
@@ -851,9 +658,8 @@ def check(rewritten: str, module_source: str) -> list[str]:
         if line.kind == "alloc":
             st = names.of(line.names[0])
             alloc_lane[st] = lane
-            last_write.pop(st, None)
-            reads_since[st], used[st] = [], {}
-            blocks[st] = dict(freed.get(lane, {}))
+            last_write[st], reads_since[st] = (lane, tick(lane)), []
+            used[st] = {lane: last_write[st][1]}
         elif line.kind == "del":
             for n in line.names:
                 st = names.of(n)
@@ -862,12 +668,8 @@ def check(rewritten: str, module_source: str) -> list[str]:
                 if not joined and early:
                     out.append(f"{n} freed before lane {home}, which allocated it, waits for its use on lanes "
                                f"{early}")
-                merge(freed.setdefault(home, {}), used.get(st, {}))
         elif line.kind == "launch":
             for st in sorted(line.reads | line.writes):
-                if st in blocks and any(clock.setdefault(lane, {}).get(k, -1) < v for k, v in blocks[st].items()):
-                    out.append(f"lane {lane} uses {st}, allocated on lane {alloc_lane[st]}'s stream, before it is "
-                               f"ordered after the uses of a block that stream freed: {s[:80]}")
                 if st in last_write and not ordered(lane, last_write[st]):
                     out.append(f"lane {lane} uses {st}, written on lane {last_write[st][0]} with no event after: "
                                f"{s[:80]}")
@@ -876,7 +678,6 @@ def check(rewritten: str, module_source: str) -> list[str]:
                     if not ordered(lane, dep):
                         out.append(f"lane {lane} writes {st}, read on lane {dep[0]} with no event after: {s[:80]}")
             now = tick(lane)
-            merge(freed.setdefault(lane, {}), {lane: now})  # its own temporaries, freed to its stream
             for st in line.reads:
                 reads_since.setdefault(st, []).append((lane, now))
                 used.setdefault(st, {})[lane] = now

@@ -75,14 +75,6 @@ def active() -> bool:
     return _local.bound is not None
 
 
-def capturing() -> bool:
-    """Whether the bound lanes' streams capture: the current stream is capturing (a host
-    frame never is). Its buffers may then go on their last user's stream: the capture's private
-    pool holds only what this code frees, where an uncaptured stream may get blocks another
-    thread freed."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-
-
 def enter(device: int) -> None:
     """Starts a call on ``device``: the current stream is its main lane."""
     if _local.frames is None:

@@ -160,8 +160,6 @@ def test_the_order_check_finds_what_a_rewrite_must_not_leave_out():
     assert fused_lanes.check(done.source, module()) == []
     no_wait = done.source.replace("    _cp_lanes.wait(1)\n", "")
     assert fused_lanes.check(no_wait, module()) == [
-        "lane 0 uses buf2, allocated on lane 1's stream, before it is ordered after the uses of a block that "
-        "stream freed: triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)",
         "lane 0 uses buf2, written on lane 1 with no event after: "
         "triton_poi_fused_add_1.run(buf3, buf2, 512, stream=stream0)"]
     early = done.source.replace("    _cp_lanes.leave()\n            del buf2\n", "    del buf2\n            _cp_lanes.leave()\n")
@@ -201,95 +199,6 @@ CHAIN = textwrap.dedent('''\
             triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
         return (buf2, buf3, )
     ''')
-
-
-# CHAIN after a product and a free of the main lane's: lane 1, which starts after them, is not
-# ordered after that free, so a block of the main lane's stream is not one it may take.
-AFTER_A_FREE = CHAIN.replace("""        torch.cuda.set_device(0)
-""", """        torch.cuda.set_device(0)
-        buf4 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-        # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]
-        extern_kernels.mm(arg0_1, arg2_1, out=buf4)
-        buf5 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-        # Topologically Sorted Source Nodes: [sin_2], Original ATen: [aten.sin]
-        stream0 = get_raw_stream(0)
-        triton_poi_fused_sin_0.run(buf4, buf5, 512, stream=stream0)
-        del buf4
-""").replace("return (buf2, buf3, )", "return (buf2, buf3, buf5, )")
-
-
-def test_in_a_capture_each_buffer_is_allocated_on_the_stream_of_the_lane_that_uses_it_last():
-    """The body captures run (``homes``). Lanes take turns, as layers do: ``sin`` on lane 1 makes buf0, ``mm`` on the main lane reads
-    it, ``mm_1`` on lane 1 reads ``mm``'s result buf1. buf0 is allocated on the main lane's stream
-    (lane 1 will be ordered after the main lane's entry, and the main lane has freed nothing
-    since), buf1 on lane 1's (the main lane is ordered after everything lane 1 has freed: nothing):
-    each goes back to the stream of its last user where Inductor frees it, once that lane has
-    waited for the other's use. buf2, which the call returns, is allocated on the main lane's
-    stream (the caller's, which uses it next): lane 1 writes it after its wait for ``mm``, which
-    orders it after the main lane's free of buf0. Nothing is moved or held to the join."""
-    done = fused_lanes.rewrite(CHAIN, by_buffer({"buf0": 1, "buf2": 1}), homes=True)
-    assert_expected_inline(body(done), """\
-arg0_1, arg1_1, arg2_1 = args
-args.clear()
-with torch.cuda._DeviceGuard(0):
-    torch.cuda.set_device(0)
-    _cp_lanes.enter(0)
-    _cp_lanes.record(0)
-    buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [sin], Original ATen: [aten.sin]
-    stream0 = get_raw_stream(0)
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(0)
-    triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
-    _cp_lanes.record(1)
-    buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
-    _cp_lanes.switch(0)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(1)
-    extern_kernels.mm(buf0, arg1_1, out=buf1)
-    _cp_lanes.record(2)
-    del buf0
-    buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(2)
-    extern_kernels.mm(buf1, arg2_1, out=buf2)
-    del buf1
-    _cp_lanes.switch(0)
-    stream0 = get_raw_stream(0)
-    buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [sin_1], Original ATen: [aten.sin]
-    stream0 = get_raw_stream(0)
-    triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
-    _cp_lanes.leave()
-return (buf2, buf3, )""")
-    assert (done.held, done.moved, done.homed) == ([], 0, 3)
-    assert fused_lanes.check(done.source, CHAIN) == []
-
-
-def test_a_module_runs_its_capture_body_only_while_the_stream_captures():
-    """Where buffers on their last user's stream make a different body, the module has it as a
-    third ``call``, which runs while lanes are bound and the current stream captures; uncaptured
-    calls (another thread may free blocks into their streams) run the body without it. On the
-    host nothing captures."""
-    import capturepass.runtime.code_lanes as lanes
-
-    new, done = fused_lanes.rewrite_module(CHAIN, by_buffer({"buf0": 1, "buf2": 1}))
-    assert done.captured is not None and done.captured.homed == 3 and done.homed == 0
-    assert done.summary().homed == 3
-    assert fused_lanes.check(done.source, CHAIN) == fused_lanes.check(done.captured.source, CHAIN) == []
-    assert "    if _cp_lanes.active():\n        if _cp_lanes.capturing():\n            return _cp_capture_call(args)\n" \
-           "        return _cp_lanes_call(args)\n    return _cp_one_call(args)\n" in new
-    body = new[new.index("def _cp_capture_call(args):"):]
-    assert body.splitlines()[1:] == done.captured.source.splitlines()[1:][:len(body.splitlines()) - 1]
-    compile(new, "<rewritten>", "exec")
-    assert lanes.capturing() is False
-    # Nothing changes with the homes: one body for both.
-    new, done = fused_lanes.rewrite_module(module(), by_buffer({"buf0": 1, "buf2": 1, "buf3": 1}))
-    assert done.captured is None and "_cp_capture_call" not in new
 
 
 def test_a_block_read_on_another_lane_is_freed_once_its_lane_waits_for_that_read():
@@ -344,75 +253,6 @@ return (buf2, buf3, )""")
     early = done.source.replace("_cp_lanes.wait(2)\n        del buf0\n", "del buf0\n        _cp_lanes.wait(2)\n")
     assert early != done.source and fused_lanes.check(early, CHAIN) == [
         "buf0 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
-
-
-def test_a_captures_buffer_goes_on_another_lanes_stream_only_after_that_streams_latest_free():
-    """For a capture, after the main lane has freed a block (``AFTER_A_FREE``): lane 1 starts from
-    the main lane's entry, before that free, so buf0 is allocated on lane 1's own stream. Its free
-    goes back to lane 1's stream right after lane 1 waits for ``mm`` (every later use of the
-    block on lane 1 is then after the read), not at the join. buf1 and buf2 are allocated as
-    above, and ``sin_1``, on the main lane, may take neither."""
-    done = fused_lanes.rewrite(AFTER_A_FREE, by_buffer({"buf0": 1, "buf2": 1}), homes=True)
-    assert_expected_inline(body(done), """\
-arg0_1, arg1_1, arg2_1 = args
-args.clear()
-with torch.cuda._DeviceGuard(0):
-    torch.cuda.set_device(0)
-    _cp_lanes.enter(0)
-    _cp_lanes.record(0)
-    buf4 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [mm_2], Original ATen: [aten.mm]
-    extern_kernels.mm(arg0_1, arg2_1, out=buf4)
-    buf5 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [sin_2], Original ATen: [aten.sin]
-    stream0 = get_raw_stream(0)
-    triton_poi_fused_sin_0.run(buf4, buf5, 512, stream=stream0)
-    del buf4
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(0)
-    buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [sin], Original ATen: [aten.sin]
-    stream0 = get_raw_stream(0)
-    triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)
-    _cp_lanes.record(1)
-    buf1 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [mm], Original ATen: [aten.mm]
-    _cp_lanes.switch(0)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(1)
-    extern_kernels.mm(buf0, arg1_1, out=buf1)
-    _cp_lanes.record(2)
-    buf2 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [mm_1], Original ATen: [aten.mm]
-    _cp_lanes.switch(1)
-    stream0 = get_raw_stream(0)
-    _cp_lanes.wait(2)
-    del buf0
-    extern_kernels.mm(buf1, arg2_1, out=buf2)
-    del buf1
-    _cp_lanes.switch(0)
-    stream0 = get_raw_stream(0)
-    buf3 = empty_strided_cuda((8, 64), (64, 1), torch.float32)
-    # Topologically Sorted Source Nodes: [sin_1], Original ATen: [aten.sin]
-    stream0 = get_raw_stream(0)
-    triton_poi_fused_sin_0.run(arg0_1, buf3, 512, stream=stream0)
-    _cp_lanes.leave()
-return (buf2, buf3, buf5, )""")
-    assert (done.held, done.moved, done.homed) == ([], 1, 2)
-    assert fused_lanes.check(done.source, AFTER_A_FREE) == []
-    # The same free before lane 1's wait: lane 1 could hand buf0 to an allocation that runs while
-    # ``mm`` still reads it.
-    early = done.source.replace("_cp_lanes.wait(2)\n        del buf0\n", "del buf0\n        _cp_lanes.wait(2)\n")
-    assert early != done.source and fused_lanes.check(early, AFTER_A_FREE) == [
-        "buf0 freed before lane 1, which allocated it, waits for its use on lanes [0]"]
-    # buf0 allocated on the main lane's stream after that free: the allocator may hand it the
-    # block buf4 had, which ``sin_2`` may still be reading when lane 1's ``sin`` writes it.
-    alloc = "        buf0 = empty_strided_cuda((8, 64), (64, 1), torch.float32)\n"
-    early = done.source.replace(alloc, "").replace("        _cp_lanes.switch(1)\n", alloc + "        _cp_lanes.switch(1)\n", 1)
-    assert early != done.source and fused_lanes.check(early, AFTER_A_FREE) == [
-        "lane 1 uses buf0, allocated on lane 0's stream, before it is ordered after the uses of a block that stream freed: "
-        "triton_poi_fused_sin_0.run(arg0_1, buf0, 512, stream=stream0)"]
 
 
 def test_a_free_moves_within_its_block_of_code_with_dynamic_shapes():
@@ -492,9 +332,8 @@ def test_every_lane_assignment_of_real_inductor_code_checks_clean(inductor_code)
     def run(lanes):
         lane = dict(zip(buffers, lanes))
         new, done = fused_lanes.rewrite_module(inductor_code, by_buffer(lane))
-        for r in (done, done.captured) if done.captured is not None else (done,):
-            assert fused_lanes.check(r.source, inductor_code) == []
-            assert freed(r.source) == original
+        assert fused_lanes.check(done.source, inductor_code) == []
+        assert freed(done.source) == original
         compile(new, "<rewritten>", "exec")
 
     run()
