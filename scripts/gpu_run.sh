@@ -18,8 +18,9 @@
 # (--generate), then every model with FlexAttention (--attn flex_attention; MODELS limits both). Not part of all.
 # heap: the held-output expiry test (torch without UntypedStorage._swap_data_ptr_) and then the
 # static-cache generation tests in one process, HEAP_REPS times (3 by default) under glibc's malloc
-# checking where the machine has it, then once under compute-sanitizer memcheck: an xdist worker
-# that ran them aborted once with a corrupted heap (RELIABILITY.md). Not part of all.
+# checking where the machine has it (glibc's message on stderr: LIBC_FATAL_STDERR_, else it goes to
+# the terminal), then once under compute-sanitizer memcheck: an xdist worker that ran them aborted
+# with a corrupted heap (RELIABILITY.md). Not part of all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -68,7 +69,7 @@ if [ "$what" = heap ]; then
   for i in $(seq "${HEAP_REPS:-3}"); do
     # shellcheck disable=SC2086
     if [ -e "$debug" ]; then
-      LD_PRELOAD=$debug MALLOC_CHECK_=3 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
+      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
         > "$out/heap-$i.log" 2>&1
     else
       python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
