@@ -22,12 +22,12 @@ What the rewrite keeps true, from the code alone (no knowledge of Inductor's IR)
   before it allocates or launches anything (a capture must fork every stream it uses from the
   capturing one), and the main lane waits for every side lane at the end.
 - **Allocations.** A buffer's ``empty_strided`` runs on the lane of the first launch that names
-  it, and counts as a write there: the allocator hands it a block that lane's stream freed,
-  and that stream's own order puts the first use after whatever used the block there, whatever
-  else shares the stream (a lane map runs several lanes on one, and one free list), and
-  whatever else freed into it (an op's temporaries, another thread). Allocating on another
-  lane's stream, which the same memory would then not be cached twice for, raced on a GPU
-  under lane maps (RELIABILITY.md). A planned reuse that only writes the reused block and runs on another lane than a user of the
+  it, and counts as a write there: the allocator hands it a block that lane's stream freed, and
+  that stream's own order puts the first use after whatever used the block there, whatever else
+  shares the stream (a lane map runs several lanes on one, with one free list) or freed into it
+  (an op's temporaries, another thread). Allocating on another lane's stream, so that two
+  streams do not each cache the same memory, raced on a GPU under lane maps (RELIABILITY.md).
+  A planned reuse that only writes the reused block and runs on another lane than a user of the
   block gets a block of its own, allocated as the reused name was.
 - **Frees.** The allocator gives a freed block back to its allocating stream at once, and hands
   it to the next allocation on that stream (Inductor emits no ``record_stream``): a ``del`` of a
