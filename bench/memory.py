@@ -16,6 +16,10 @@ each variant captured, and where the reserved memory lies (graph pools, each str
 every call is compared with eager. Every process starts from empty Inductor and schedule caches
 (a first compile, Triton's tuning included).
 
+With ``--sites``, each worker records the allocator's history (Python frames) and reports, for
+every segment outside a graph pool that is still reserved at the end, where it was ``cudaMalloc``'d:
+the memory a pool does not account for, by the call that made the allocator grow.
+
 Run: ``python bench/memory.py --sizes 8,32,67 --out DIR`` (one process per variant and N).
 """
 
@@ -36,7 +40,7 @@ VARIANTS = ("reduce-overhead", "capturepass-off", "capturepass")
 MIB = 2**20
 
 
-def worker(variant: str, n: int) -> dict:
+def worker(variant: str, n: int, sites: bool = False) -> dict:
     import torch
 
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
@@ -47,6 +51,8 @@ def worker(variant: str, n: int) -> dict:
     torch.cuda.synchronize()
     weights_alloc, weights_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
+    if sites:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     if variant == "reduce-overhead":
         fn = torch.compile(model, mode="reduce-overhead", dynamic=True)
     else:
@@ -69,6 +75,7 @@ def worker(variant: str, n: int) -> dict:
 
         captured = sum(g.executor.num_captures for g in last_compiled() if g.executor is not None)
     return dict(variant=variant, sizes=n, captured=captured, rel_err=worst, segments=segments(),
+                segment_sites=segment_sites() if sites else [],
                 allocated_mib=(torch.cuda.memory_allocated() - weights_alloc) / MIB,
                 reserved_mib=(torch.cuda.memory_reserved() - weights_res) / MIB,
                 peak_mib=(torch.cuda.max_memory_allocated() - weights_alloc) / MIB)
@@ -89,23 +96,50 @@ def segments() -> dict[str, list[float]]:
     return out
 
 
+def segment_sites(top: int = 10) -> list[str]:
+    """The segments outside graph pools still reserved, largest first: size, stream, how much of
+    it is allocated, and the frames of the allocation that made the allocator ``cudaMalloc`` it
+    (the innermost frame, then the nearest under capturepass, Inductor's generated code or this
+    script)."""
+    import torch
+
+    from timing import frame_site
+
+    snap = torch.cuda.memory._snapshot()
+    made = {e["addr"]: e for trace in snap.get("device_traces", []) for e in trace if e["action"] == "segment_alloc"}
+    lines = []
+    held = [s for s in snap["segments"] if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+    for seg in sorted(held, key=lambda s: -s["total_size"])[:top]:
+        frames = (made.get(seg["address"]) or {}).get("frames") or []
+        inner = frame_site(frames[0]) if frames else "? (made before the history)"
+        ours = next((frame_site(f) for f in frames
+                     if "capturepass/" in f["filename"] or "memory.py" in f["filename"]
+                     or f["filename"].endswith(".py") and "/torchinductor_" in f["filename"]), None)
+        lines.append(f"{seg['total_size'] / MIB:.1f} MiB on stream {seg.get('stream', 0):#x}, "
+                     f"{seg['allocated_size'] / MIB:.1f} allocated: {inner}" + (f" <- {ours}" if ours and ours != inner else ""))
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="8,32", help="comma-separated N: call at batch sizes N..1")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=None)
+    p.add_argument("--sites", action="store_true",
+                   help="record the allocator's history: where each segment outside a pool was made")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.n)), flush=True)
+        print(json.dumps(worker(args.worker, args.n, args.sites)), flush=True)
         return
     rows, failures = [], []
     # Memory is per process: the variants run at once (their compiles overlap).
     jobs = [(n, v) for n in (int(x) for x in args.sizes.split(",")) for v in args.variants.split(",")]
     # Each process has caches of its own: the tuning's flush buffer is part of what a first
     # compile holds and peaks at.
-    procs = [((n, v), subprocess.Popen([sys.executable, __file__, "--worker", v, "--n", str(n)],
+    procs = [((n, v), subprocess.Popen([sys.executable, __file__, "--worker", v, "--n", str(n)]
+                                       + (["--sites"] if args.sites else []),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fresh_caches()))
              for n, v in jobs]
     for (n, v), proc in procs:
@@ -135,6 +169,7 @@ def report(rows: list[dict]) -> str:
         where = ", ".join(f"{k}: {v[0]:.0f} reserved / {v[1]:.0f} allocated"
                           for k, v in sorted(r.get("segments", {}).items()))
         lines.append(f"segments, {r['variant']} N={r['sizes']}: {where}")
+        lines += [f"  made by: {line}" for line in r.get("segment_sites", [])]
     return "\n".join(lines)
 
 

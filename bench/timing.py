@@ -108,3 +108,17 @@ def save(out: str | None, stem: str, rows: list[dict], failures: list[str], tabl
             json.dump({"rows": rows, "failures": failures}, f, indent=1)
         with open(os.path.join(out, f"{stem}.md"), "w") as f:
             f.write(table + "\n" + "".join(f"failed: {x}\n" for x in failures))
+
+
+def frame_site(frame: dict) -> str:
+    """One frame of a CUDA memory history (``torch.cuda.memory._snapshot()``) as ``path:line
+    name``, the path cut to what names it: after ``site-packages/``, from ``capturepass/``, else
+    the file's name (a script, or Inductor's generated code)."""
+    path = frame["filename"]
+    if "site-packages/" in path:
+        path = path.rsplit("site-packages/", 1)[-1]
+    elif "capturepass/" in path:
+        path = path[path.rindex("capturepass/"):]
+    else:
+        path = os.path.basename(path)
+    return f"{path}:{frame['line']} {frame['name']}"

@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import branch_models  # noqa: E402
 from branch_models import Workload  # noqa: E402
-from timing import fresh_caches, save, timed  # noqa: E402
+from timing import fresh_caches, frame_site as where, save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 # Not run unless named: the two routes side by side, whichever is the default; the default with
@@ -431,16 +431,6 @@ def peak_sites(snapshot: dict, top: int = 12) -> str:
     differs from another's, the difference shows here; the first line also gives the share of the
     peak allocated under a capturepass frame."""
     best, best_live = _peak(e for trace in snapshot.get("device_traces", []) for e in trace)
-
-    def where(frame: dict) -> str:
-        path = frame["filename"]
-        if "site-packages/" in path:
-            path = path.rsplit("site-packages/", 1)[-1]
-        elif "capturepass/" in path:
-            path = path[path.rindex("capturepass/"):]
-        else:  # a script, or Inductor's generated code
-            path = os.path.basename(path)
-        return f"{path}:{frame['line']} {frame['name']}"
 
     def site(entry: dict) -> str:
         frames = entry.get("frames") or []

@@ -32,3 +32,29 @@ def test_memory_report_compares_reserved_memory_with_reduce_overhead_at_each_n()
     assert ("segments, capturepass N=8: pool (1, 5): 64 reserved / 32 allocated, stream 0x0: 56 reserved / 0 allocated"
             in lines)
 
+
+
+def test_segment_sites_name_the_allocation_that_made_each_segment_outside_a_pool(monkeypatch):
+    import torch
+
+    memory = _load("memory")
+    mib = 2**20
+    here = [{"filename": "/x/site-packages/torch/_inductor/runtime/benchmarking.py", "line": 7, "name": "flush"},
+            {"filename": "/x/capturepass/runtime/executor.py", "line": 40, "name": "warm"}]
+    snapshot = {
+        "segments": [
+            {"address": 1, "total_size": 2 * mib, "allocated_size": 0, "stream": 0, "segment_pool_id": (0, 0)},
+            {"address": 2, "total_size": 60 * mib, "allocated_size": mib, "stream": 7, "segment_pool_id": (0, 0)},
+            {"address": 3, "total_size": 90 * mib, "allocated_size": 0, "stream": 0, "segment_pool_id": (1, 4)},
+        ],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": 2, "size": 60 * mib, "stream": 7, "frames": here},
+            {"action": "alloc", "addr": 1, "size": mib, "stream": 0, "frames": here},
+        ]],
+    }
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: snapshot)
+    assert memory.segment_sites() == [
+        "60.0 MiB on stream 0x7, 1.0 allocated: torch/_inductor/runtime/benchmarking.py:7 flush"
+        " <- capturepass/runtime/executor.py:40 warm",
+        "2.0 MiB on stream 0x0, 0.0 allocated: ? (made before the history)",
+    ]
