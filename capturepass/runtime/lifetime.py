@@ -98,7 +98,7 @@ def capturing() -> Iterator[None]:
 def release_allowed() -> bool:
     """Whether memory may be released now: no capture of ours is in progress, the current
     stream is not capturing (a free inside a capture would invalidate it), and no dispatch mode
-    is active.
+    is active but those that run the ops of a real call (:func:`tracing_modes_active`).
 
     A model dies wherever Python's collector runs, often while Dynamo traces another model
     under fake tensors: a release there would copy held outputs out as fake tensors (or into
@@ -107,9 +107,44 @@ def release_allowed() -> bool:
     """
     if _capturing:
         return False
-    if torch._C._len_torch_dispatch_stack():
+    if tracing_modes_active():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+def _real_tensor_modes() -> tuple[type, ...]:
+    """Dispatch modes that run every op on real tensors and leave memory to the allocator.
+
+    AOT autograd runs the first call of each compiled function (capturepass's warm-up and
+    capture of its first shape among them) under a mode that checks whether custom ops alias
+    their inputs (``_AnalyzeCustomOpInputOutputMode``, where this torch has it): the call's own
+    ops, on its real tensors. A release there is a release between two ops of that call.
+    """
+    try:
+        import torch._dynamo  # noqa: F401  (runtime_wrappers imports it back: first, to import at all)
+        from torch._functorch._aot_autograd import runtime_wrappers
+    except ImportError:
+        return ()
+    mode = getattr(runtime_wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+    return (mode,) if isinstance(mode, type) else ()
+
+
+_REAL_TENSOR_MODES: tuple[type, ...] | None = None
+
+
+def tracing_modes_active() -> bool:
+    """Whether a dispatch mode is active that may not run on this process's real memory:
+    Dynamo's fake tensors, a proxy or functionalization mode, or a mode of the caller's; any
+    mode but those of :func:`_real_tensor_modes`."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    global _REAL_TENSOR_MODES
+    if _REAL_TENSOR_MODES is None:
+        _REAL_TENSOR_MODES = _real_tensor_modes()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    # The stack lists the infra modes (fake, proxy, functional) too.
+    return not _REAL_TENSOR_MODES or not all(isinstance(m, _REAL_TENSOR_MODES) for m in _get_current_dispatch_mode_stack())
 
 
 def watch(executor: "Executor", instance: tuple, tensors: list[torch.Tensor]) -> list[weakref.finalize]:

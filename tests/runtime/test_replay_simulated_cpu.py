@@ -608,6 +608,37 @@ def test_host_scalars_that_never_come_back_stop_being_captured(monkeypatch, capl
            "(%arg1_1 = 2, 3, 4, 5, the last one now), and none of them replayed" in warnings[0], warnings[0]
 
 
+def test_releases_wait_for_tracing_modes_but_not_for_the_first_calls_real_tensor_mode():
+    """AOT autograd runs the first call of every compiled function (capturepass's warm-up and
+    capture of its first shape) under a mode that checks custom ops for aliasing, on the
+    call's real tensors: the cache release after that capture must run there. Under Dynamo's
+    fake tensors, a proxy mode or a mode of the caller's, releases wait."""
+    import torch._dynamo  # noqa: F401
+    from torch._functorch._aot_autograd import runtime_wrappers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from capturepass.runtime import lifetime
+
+    analyzer = runtime_wrappers._AnalyzeCustomOpInputOutputMode
+
+    class Callers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    assert lifetime.release_allowed()
+    with analyzer():
+        assert lifetime.release_allowed() and not lifetime.tracing_modes_active()
+    with FakeTensorMode():
+        assert not lifetime.release_allowed()
+        with analyzer():
+            assert not lifetime.release_allowed()
+    with Callers():
+        assert not lifetime.release_allowed()
+    with analyzer(), Callers():
+        assert not lifetime.release_allowed()
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("dies", ["model", "compiled graph"])
 def test_what_dies_while_another_model_is_traced_keeps_its_held_output(simulated, dies, caplog):

@@ -462,3 +462,40 @@ def test_two_models_captured_on_two_threads_stay_equal_to_eager():
         t.join()
     assert errors == [], errors
     assert [ex.num_captures for ex in executors] == [6, 6]  # 16, 12, 8 and 4 captured on the threads
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pick", ["measure", "model"])
+def test_the_first_call_of_a_recompiled_graph_releases_what_its_capture_left_cached(pick):
+    """A shape Dynamo compiles again (the second shape of a frame compiled static) is the first
+    call of a new compiled function, which AOT autograd runs under its custom-op aliasing mode.
+    Its warm-up runs outside the model's pool (the first shape's graph lives there), and what
+    the warm-up and the measured choice's other candidates left in the allocator's caches is
+    released after the capture: no idle segment outside a pool stays reserved (here one of
+    64 MiB made before the call, which a release takes with the rest)."""
+    torch.manual_seed(0)
+    w = torch.randn(2048, 2048, device="cuda") / 45
+
+    def f(x):
+        return torch.relu(x @ w) @ w + x
+
+    fn = torch.compile(f, backend="capturepass", options={"pick": pick, "verify": True})
+    x = torch.randn(64, 2048, device="cuda")
+    torch.testing.assert_close(fn(x), f(x), **TOL)
+    before = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    del before  # an idle 64 MiB segment of the current stream's cache
+    torch.cuda.synchronize()
+    idle = [s for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == (0, 0) and s["allocated_size"] == 0 and s["total_size"] >= 64 * 2**20]
+    assert idle
+    first = last_compiled()[-1]
+    x = torch.randn(32, 2048, device="cuda")
+    got = fn(x)
+    assert last_compiled()[-1] is not first  # compiled again: this call is the new function's first
+    idle = [s["total_size"] / 2**20 for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == (0, 0) and s["allocated_size"] == 0 and s["total_size"] >= 64 * 2**20]
+    assert not idle, idle
+    torch.testing.assert_close(got, f(x), **TOL)
+    for t in (64, 32, 64):
+        x = torch.randn(t, 2048, device="cuda")
+        torch.testing.assert_close(fn(x), f(x), **TOL)
