@@ -10,7 +10,8 @@
 # pickcheck: bench/pick_check.py, the measured choice's figures against each schedule's graph
 # replayed alone (one process per model and shape). Not part of all.
 # memory: bench/memory.py, the MoE block at MEMORY_SIZES (8,32,67 by default) batch sizes: memory held and
-# peak against reduce-overhead, each worker with empty caches. Not part of all.
+# peak against reduce-overhead, each worker with empty caches; MEMORY_SITES=1: where each segment outside a
+# graph pool was made (--sites). Not part of all.
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
@@ -116,7 +117,7 @@ if [ "$what" = pickcheck ]; then
   rc=$?
 fi
 if [ "$what" = memory ]; then
-  python3 bench/memory.py --sizes "${MEMORY_SIZES:-8,32,67}" --out "$out/memory" 2> "$out/memory.log"
+  python3 bench/memory.py --sizes "${MEMORY_SIZES:-8,32,67}" ${MEMORY_SITES:+--sites} --out "$out/memory" 2> "$out/memory.log"
   rc=$?
   echo "bench/memory.py: exit $rc"
 fi
