@@ -105,6 +105,9 @@ def segment_sites(top: int = 10) -> list[str]:
 
     from timing import frame_site
 
+    # capturepass, Inductor's generated code (this worker's cache, else Inductor's default's
+    # folder) and this script.
+    own = ("capturepass/", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or "/torchinductor_", os.path.abspath(__file__))
     snap = torch.cuda.memory._snapshot()
     made = {e["addr"]: e for trace in snap.get("device_traces", []) for e in trace if e["action"] == "segment_alloc"}
     lines = []
@@ -112,9 +115,7 @@ def segment_sites(top: int = 10) -> list[str]:
     for seg in sorted(held, key=lambda s: -s["total_size"])[:top]:
         frames = (made.get(seg["address"]) or {}).get("frames") or []
         inner = frame_site(frames[0]) if frames else "? (made before the history)"
-        ours = next((frame_site(f) for f in frames
-                     if "capturepass/" in f["filename"] or "memory.py" in f["filename"]
-                     or f["filename"].endswith(".py") and "/torchinductor_" in f["filename"]), None)
+        ours = next((frame_site(f) for f in frames if any(p in f["filename"] for p in own)), None)
         lines.append(f"{seg['total_size'] / MIB:.1f} MiB on stream {seg.get('stream', 0):#x}, "
                      f"{seg['allocated_size'] / MIB:.1f} allocated: {inner}" + (f" <- {ours}" if ours and ours != inner else ""))
     return lines

@@ -27,6 +27,7 @@ go with the instance:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -112,6 +113,7 @@ def release_allowed() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
+@functools.cache
 def _real_tensor_modes() -> tuple[type, ...]:
     """Dispatch modes that run every op on real tensors and leave memory to the allocator.
 
@@ -129,22 +131,16 @@ def _real_tensor_modes() -> tuple[type, ...]:
     return (mode,) if isinstance(mode, type) else ()
 
 
-_REAL_TENSOR_MODES: tuple[type, ...] | None = None
-
-
 def tracing_modes_active() -> bool:
     """Whether a dispatch mode is active that may not run on this process's real memory:
     Dynamo's fake tensors, a proxy or functionalization mode, or a mode of the caller's; any
     mode but those of :func:`_real_tensor_modes`."""
     if not torch._C._len_torch_dispatch_stack():
         return False
-    global _REAL_TENSOR_MODES
-    if _REAL_TENSOR_MODES is None:
-        _REAL_TENSOR_MODES = _real_tensor_modes()
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     # The stack lists the infra modes (fake, proxy, functional) too.
-    return not _REAL_TENSOR_MODES or not all(isinstance(m, _REAL_TENSOR_MODES) for m in _get_current_dispatch_mode_stack())
+    return not all(isinstance(m, _real_tensor_modes()) for m in _get_current_dispatch_mode_stack())
 
 
 def watch(executor: "Executor", instance: tuple, tensors: list[torch.Tensor]) -> list[weakref.finalize]:

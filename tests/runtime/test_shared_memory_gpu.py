@@ -485,16 +485,16 @@ def test_the_first_call_of_a_recompiled_graph_releases_what_its_capture_left_cac
     before = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     del before  # an idle 64 MiB segment of the current stream's cache
     torch.cuda.synchronize()
-    idle = [s for s in torch.cuda.memory_snapshot()
-            if tuple(s["segment_pool_id"]) == (0, 0) and s["allocated_size"] == 0 and s["total_size"] >= 64 * 2**20]
-    assert idle
+    def idle() -> list[float]:  # MiB of the idle segments of 64 MiB or more outside any pool
+        return [s["total_size"] / 2**20 for s in torch.cuda.memory_snapshot()
+                if tuple(s["segment_pool_id"]) == (0, 0) and s["allocated_size"] == 0 and s["total_size"] >= 64 * 2**20]
+
+    assert idle()
     first = last_compiled()[-1]
     x = torch.randn(32, 2048, device="cuda")
     got = fn(x)
     assert last_compiled()[-1] is not first  # compiled again: this call is the new function's first
-    idle = [s["total_size"] / 2**20 for s in torch.cuda.memory_snapshot()
-            if tuple(s["segment_pool_id"]) == (0, 0) and s["allocated_size"] == 0 and s["total_size"] >= 64 * 2**20]
-    assert not idle, idle
+    assert not idle(), idle()
     torch.testing.assert_close(got, f(x), **TOL)
     for t in (64, 32, 64):
         x = torch.randn(t, 2048, device="cuda")
