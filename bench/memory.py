@@ -18,7 +18,9 @@ every call is compared with eager. Every process starts from empty Inductor and 
 
 With ``--sites``, each worker records the allocator's history (Python frames) and reports, for
 every segment outside a graph pool that is still reserved at the end, where it was ``cudaMalloc``'d:
-the memory a pool does not account for, by the call that made the allocator grow.
+the memory a pool does not account for, by the call that made the allocator grow; and the blocks
+live at the peak of the history (compile, captures and calls), by where they were allocated and
+by stream.
 
 Run: ``python bench/memory.py --sizes 8,32,67 --out DIR`` (one process per variant and N).
 """
@@ -34,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import fresh_caches, save  # noqa: E402
+from timing import fresh_caches, peak_sites, save  # noqa: E402
 
 VARIANTS = ("reduce-overhead", "capturepass-off", "capturepass")
 MIB = 2**20
@@ -76,6 +78,7 @@ def worker(variant: str, n: int, sites: bool = False) -> dict:
         captured = sum(g.executor.num_captures for g in last_compiled() if g.executor is not None)
     return dict(variant=variant, sizes=n, captured=captured, rel_err=worst, segments=segments(),
                 segment_sites=segment_sites() if sites else [],
+                peak_sites=peak_sites(torch.cuda.memory._snapshot()).splitlines() if sites else [],
                 allocated_mib=(torch.cuda.memory_allocated() - weights_alloc) / MIB,
                 reserved_mib=(torch.cuda.memory_reserved() - weights_res) / MIB,
                 peak_mib=(torch.cuda.max_memory_allocated() - weights_alloc) / MIB)
@@ -171,6 +174,7 @@ def report(rows: list[dict]) -> str:
                           for k, v in sorted(r.get("segments", {}).items()))
         lines.append(f"segments, {r['variant']} N={r['sizes']}: {where}")
         lines += [f"  made by: {line}" for line in r.get("segment_sites", [])]
+        lines += [f"  at the peak: {line}" for line in r.get("peak_sites", [])]
     return "\n".join(lines)
 
 

@@ -122,3 +122,63 @@ def frame_site(frame: dict) -> str:
     else:
         path = os.path.basename(path)
     return f"{path}:{frame['line']} {frame['name']}"
+
+
+def peak_blocks(entries) -> tuple[int, list[dict]]:
+    """The most bytes the allocations among ``entries`` (a memory history's trace entries) held
+    at once, and the blocks live then. A free of a block not among them is passed over."""
+    live: dict[int, dict] = {}
+    now = best = 0
+    best_live: list[dict] = []
+    for entry in entries:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry
+            now += entry["size"]
+        elif entry["action"] == "free_requested" and entry["addr"] in live:
+            now -= live.pop(entry["addr"])["size"]
+        else:
+            continue
+        if now > best:
+            best, best_live = now, list(live.values())
+    return best, best_live
+
+
+def peak_sites(snapshot: dict, top: int = 12) -> str:
+    """The blocks live at the peak of a memory history (``torch.cuda.memory._snapshot()`` after
+    ``_record_memory_history(stacks="python")``), summed by where they were allocated: the
+    innermost frame, and the nearest capturepass frame that led to it. Where a variant's peak
+    differs from another's, the difference shows here; the first line also gives the share of the
+    peak allocated under a capturepass frame."""
+    best, best_live = peak_blocks(e for trace in snapshot.get("device_traces", []) for e in trace)
+
+    def site(entry: dict) -> str:
+        frames = entry.get("frames") or []
+        inner = frame_site(frames[0]) if frames else "?"
+        ours = next((frame_site(f) for f in frames if "capturepass/" in f["filename"]), None)
+        return inner + (f" <- {ours}" if ours and ours != inner else "")
+
+    sums: dict[str, int] = {}
+    ours = 0
+    for entry in best_live:
+        key = site(entry)
+        sums[key] = sums.get(key, 0) + entry["size"]
+        if any("capturepass/" in f["filename"] for f in entry.get("frames") or []):
+            ours += entry["size"]
+    # The variants reach their peaks at different points of the bench's sequence: the blocks
+    # capturepass's own calls made are the share to compare, the rest is the bench's and the model's.
+    lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s), "
+             f"{ours / 2**20:.1f} MiB of them allocated under capturepass"]
+    lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    # Which stream allocated the blocks live at the peak: a graph of lanes whose side streams hold
+    # more than their share there keeps a side lane's results alive past their use (a free held
+    # across lanes) or a workspace per stream (cuBLAS keeps one per stream until cleared).
+    streams: dict[int, list[int]] = {}
+    for entry in best_live:
+        streams.setdefault(entry.get("stream", 0), []).append(entry["size"])
+    if len(streams) > 1:
+        lines.append("by stream: " + ", ".join(
+            f"{stream:#x} {sum(sizes) / 2**20:.1f} MiB in {len(sizes)} block(s)"
+            for stream, sizes in sorted(streams.items(), key=lambda kv: -sum(kv[1]))))
+    largest = sorted(best_live, key=lambda e: -e["size"])[:5]
+    lines.append("largest blocks: " + ", ".join(f"{e['size'] / 2**20:.1f} MiB ({site(e)})" for e in largest))
+    return "\n".join(lines)

@@ -78,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import branch_models  # noqa: E402
 from branch_models import Workload  # noqa: E402
-from timing import fresh_caches, frame_site as where, save, timed  # noqa: E402
+from timing import fresh_caches, peak_blocks, peak_sites, save, timed  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "capturepass", "capturepass-off", "capturepass-uncaptured")
 # Not run unless named: the two routes side by side, whichever is the default; the default with
@@ -405,66 +405,6 @@ def host_time(call, iters: int, device: str) -> float:
     return host
 
 
-def _peak(entries) -> tuple[int, list[dict]]:
-    """The most bytes the allocations among ``entries`` (a memory history's trace entries) held
-    at once, and the blocks live then. A free of a block not among them is passed over."""
-    live: dict[int, dict] = {}
-    now = best = 0
-    best_live: list[dict] = []
-    for entry in entries:
-        if entry["action"] == "alloc":
-            live[entry["addr"]] = entry
-            now += entry["size"]
-        elif entry["action"] == "free_requested" and entry["addr"] in live:
-            now -= live.pop(entry["addr"])["size"]
-        else:
-            continue
-        if now > best:
-            best, best_live = now, list(live.values())
-    return best, best_live
-
-
-def peak_sites(snapshot: dict, top: int = 12) -> str:
-    """The blocks live at the peak of a memory history (``torch.cuda.memory._snapshot()`` after
-    ``_record_memory_history(stacks="python")``), summed by where they were allocated: the
-    innermost frame, and the nearest capturepass frame that led to it. Where a variant's peak
-    differs from another's, the difference shows here; the first line also gives the share of the
-    peak allocated under a capturepass frame."""
-    best, best_live = _peak(e for trace in snapshot.get("device_traces", []) for e in trace)
-
-    def site(entry: dict) -> str:
-        frames = entry.get("frames") or []
-        inner = where(frames[0]) if frames else "?"
-        ours = next((where(f) for f in frames if "capturepass/" in f["filename"]), None)
-        return inner + (f" <- {ours}" if ours and ours != inner else "")
-
-    sums: dict[str, int] = {}
-    ours = 0
-    for entry in best_live:
-        key = site(entry)
-        sums[key] = sums.get(key, 0) + entry["size"]
-        if any("capturepass/" in f["filename"] for f in entry.get("frames") or []):
-            ours += entry["size"]
-    # The variants reach their peaks at different points of the bench's sequence: the blocks
-    # capturepass's own calls made are the share to compare, the rest is the bench's and the model's.
-    lines = [f"peak of the recorded history: {best / 2**20:.1f} MiB in {len(best_live)} block(s), "
-             f"{ours / 2**20:.1f} MiB of them allocated under capturepass"]
-    lines += [f"  {size / 2**20:8.1f} MiB  {where}" for where, size in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
-    # Which stream allocated the blocks live at the peak: a graph of lanes whose side streams hold
-    # more than their share there keeps a side lane's results alive past their use (a free held
-    # across lanes) or a workspace per stream (cuBLAS keeps one per stream until cleared).
-    streams: dict[int, list[int]] = {}
-    for entry in best_live:
-        streams.setdefault(entry.get("stream", 0), []).append(entry["size"])
-    if len(streams) > 1:
-        lines.append("by stream: " + ", ".join(
-            f"{stream:#x} {sum(sizes) / 2**20:.1f} MiB in {len(sizes)} block(s)"
-            for stream, sizes in sorted(streams.items(), key=lambda kv: -sum(kv[1]))))
-    largest = sorted(best_live, key=lambda e: -e["size"])[:5]
-    lines.append("largest blocks: " + ", ".join(f"{e['size'] / 2**20:.1f} MiB ({site(e)})" for e in largest))
-    return "\n".join(lines)
-
-
 def own_peak(snapshot: dict, marker: str = "run_variant") -> int:
     """The most memory the variant itself held at once over a memory history: the blocks
     allocated under a call of ``marker`` (:func:`run_variant`: its compile, captures, calls and
@@ -473,7 +413,7 @@ def own_peak(snapshot: dict, marker: str = "run_variant") -> int:
     The peak above the weights (``peak_mib``) falls wherever the bench's own tensors and the
     variant's meet, which differs between variants (a reference held during one variant's
     capture, during another's warm-up); this is the figure the memory bars compare."""
-    return _peak(e for trace in snapshot.get("device_traces", []) for e in trace
+    return peak_blocks(e for trace in snapshot.get("device_traces", []) for e in trace
                  if e["action"] != "alloc" or any(f["name"] == marker for f in e.get("frames") or []))[0]
 
 

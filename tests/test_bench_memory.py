@@ -22,7 +22,8 @@ def test_memory_report_compares_reserved_memory_with_reduce_overhead_at_each_n()
         dict(row, variant="reduce-overhead", sizes=8, reserved_mib=80.0, segments={"pool (1, 2)": [60.0, 30.0]}),
         dict(row, variant="capturepass", sizes=8, captured=8, reserved_mib=120.0, rel_err=0.2,
              segments={"pool (1, 5)": [64.0, 32.0], "stream 0x0": [56.0, 0.0]}),
-        dict(row, variant="capturepass", sizes=32, captured=32, reserved_mib=100.0),
+        dict(row, variant="capturepass", sizes=32, captured=32, reserved_mib=100.0,
+             peak_sites=["peak of the recorded history: 40.0 MiB in 2 block(s)", "    32.0 MiB  cublas"]),
     ]
     lines = memory.report(rows).splitlines()
     assert lines[2] == "| 8 | reduce-overhead |  | 32 | 80 | 90 | 1.00 |"
@@ -31,6 +32,9 @@ def test_memory_report_compares_reserved_memory_with_reduce_overhead_at_each_n()
     assert "large difference from eager: capturepass N=8 rel 0.2" in lines
     assert ("segments, capturepass N=8: pool (1, 5): 64 reserved / 32 allocated, stream 0x0: 56 reserved / 0 allocated"
             in lines)
+    at = lines.index("segments, capturepass N=32: ")
+    assert lines[at + 1:] == ["  at the peak: peak of the recorded history: 40.0 MiB in 2 block(s)",
+                              "  at the peak:     32.0 MiB  cublas"]
 
 
 
