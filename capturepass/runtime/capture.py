@@ -18,7 +18,9 @@
   ``capturing_`` flag that only ``capture_epilogue`` clears, and every later
   ``torch.randn`` on the device then fails with "Offset increment outside graph
   capture". :func:`_discard_failed` ends the routing, releases the pool's
-  reference and walks the generator through one trivial capture, whose prologue
+  reference (once: where the end failed later, at instantiation, torch counts
+  the capture as ended and its ``reset`` releases the reference itself) and
+  walks the generator through one trivial capture, whose prologue
   and epilogue put it back (newer torch keys capture state by capture id and
   drops it in ``CUDAGraph.reset``; the trivial capture is then harmless).
 - :func:`first_failing_node` probes a segment whose capture failed: it runs the
@@ -215,10 +217,20 @@ def _abort(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream,
 
 
 def _discard_failed(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device) -> None:
-    """Cleans up after ``capture_end`` raised (see the module doc)."""
+    """Cleans up after ``capture_end`` raised (see the module doc).
+
+    NOTE: ``capture_end`` can fail on either side of the point where the graph counts as
+    captured. Before it (``cudaStreamEndCapture`` refused an invalidated capture) the
+    allocator still routes to the pool and the pool's reference is the capture's to give
+    back. After it (``cudaGraphInstantiate`` failed) the routing has ended, and ``reset``
+    gives the reference back itself: a second release would let the allocator free a pool
+    that the model's other graphs still replay from (``releasePool`` counts users, and
+    frees at zero on the next cache release).
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
+    ended = _capture_ended(graph)
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is not None and pool is not None:
+    if not ended and end is not None and pool is not None:
         try:
             end(index, pool)
         except Exception:  # noqa: BLE001 - this torch stopped the routing before it failed
@@ -228,7 +240,7 @@ def _discard_failed(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device
     except Exception:  # noqa: BLE001
         pass
     release = getattr(torch._C, "_cuda_releasePool", None)
-    if release is not None and pool is not None:
+    if not ended and release is not None and pool is not None:
         try:
             release(index, pool)
         except Exception:  # noqa: BLE001 - the pool was already released
@@ -238,6 +250,16 @@ def _discard_failed(graph: torch.cuda.CUDAGraph, pool: Any, device: torch.device
     except Exception as exc:  # noqa: BLE001
         log.error("capturepass: could not take the CUDA generator of %s out of capture mode after a failed "
                   "capture (%s: %s); random ops on it may fail", device, type(exc).__name__, exc)
+
+
+def _capture_ended(graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether torch counts ``graph``'s capture as ended (its pool reference then goes back
+    with ``reset``): ``CUDAGraph.pool`` answers only then."""
+    try:
+        graph.pool()
+    except Exception:  # noqa: BLE001 - "without a preceding successful capture"
+        return False
+    return True
 
 
 def _restore_generator(device: torch.device) -> None:

@@ -5,10 +5,12 @@ The GPU half, with real pools, streams and interleaved replays, is ``test_shared
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import logging
 import threading
+import types
 
 import pytest
 import torch
@@ -193,3 +195,79 @@ def test_captures_on_two_threads_take_turns():
             order.append("mine")
     t.join(5)
     assert order == ["mine", "other"]
+
+
+class _PoolUses:
+    """The caching allocator's count of each private pool's users, as torch keeps it: a
+    capture's ``beginAllocateToPool`` adds one and routes to the pool, ``endAllocateToPool``
+    stops the routing, ``releasePool`` takes one away (and frees the pool at zero)."""
+
+    def __init__(self) -> None:
+        self.uses: dict = {}
+        self.routing: list = []
+
+    def begin(self, pool) -> None:
+        self.uses[pool] = self.uses.get(pool, 0) + 1
+        self.routing.append(pool)
+
+    def end(self, index, pool) -> None:
+        if pool not in self.routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        self.routing.remove(pool)
+
+    def release(self, index, pool) -> None:
+        self.uses[pool] -= 1
+
+
+class _Graph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` (none can be captured without a GPU) that takes
+    ``capture_end``'s steps in torch's order (aten/src/ATen/cuda/CUDAGraph.cpp): end the stream
+    capture, stop routing, count the capture as ended, instantiate; ``fail_at`` names the step
+    that raises."""
+
+    def __init__(self, uses: _PoolUses, fail_at: str) -> None:
+        self.uses, self.fail_at, self.ended, self.pool_id = uses, fail_at, False, None
+
+    def capture_begin(self, pool=None, **kwargs) -> None:
+        self.pool_id = pool
+        self.uses.begin(pool)
+
+    def capture_end(self) -> None:
+        if self.fail_at == "end_capture":
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        self.uses.end(0, self.pool_id)
+        self.ended = True
+        if self.fail_at == "instantiate":
+            raise RuntimeError("CUDA error: cudaGraphInstantiateWithFlags failed")
+
+    def pool(self):
+        if not self.ended:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful capture.")
+        return self.pool_id
+
+    def reset(self) -> None:
+        if self.ended:
+            self.uses.release(0, self.pool_id)
+            self.ended = False
+
+
+@pytest.mark.parametrize("op_raised", [False, True], ids=["capture_end", "op"])
+@pytest.mark.parametrize("fail_at", ["end_capture", "instantiate"])
+def test_a_failed_capture_gives_its_pool_reference_back_once(monkeypatch, fail_at, op_raised):
+    """A capture into a model's shared pool that fails, before or after torch counts it as
+    ended, leaves the pool's count of users as it found it: a second release would let the
+    allocator free the pool under the graphs that still replay from it."""
+    uses = _PoolUses()
+    pool = (0, 7)
+    uses.uses[pool] = 1  # the model's other graphs (its keeper)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", uses.end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", uses.release, raising=False)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(capture, "_restore_generator", lambda device: None)
+    graph = _Graph(uses, fail_at)
+    with pytest.raises(RuntimeError):
+        with capture.segment(graph, pool, types.SimpleNamespace(device=torch.device("cuda", 0))):
+            if op_raised:
+                raise RuntimeError("an op failed under capture")
+    assert uses.uses[pool] == 1
+    assert uses.routing == []
