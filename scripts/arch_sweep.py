@@ -17,6 +17,7 @@ eager for no merit).
     python3 scripts/arch_sweep.py --attn flex_attention   # another attention implementation
     python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
     python3 scripts/arch_sweep.py --regions fused     # every model's code through the lanes' rewrite
+    python3 scripts/arch_sweep.py --backend inductor --models opt   # the same calls under torch's own backend
 
 Prints one line per model (``OK`` with the largest absolute difference, and any frame Dynamo
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
@@ -464,8 +465,20 @@ def _options(capture: bool, regions: str | None) -> dict | None:
     return options or None
 
 
+def _compile(fn: Callable[..., Any], backend: str, options: dict | None) -> Callable[..., Any]:
+    """``fn`` compiled by ``backend``: capturepass with ``options``, or a baseline the same calls
+    run under instead (``reduce-overhead`` is Inductor's cudagraph trees)."""
+    import torch
+
+    if backend == "capturepass":
+        return torch.compile(fn, backend="capturepass", options=options)
+    if backend == "reduce-overhead":
+        return torch.compile(fn, mode="reduce-overhead")
+    return torch.compile(fn, backend=backend)
+
+
 def check(name: str, device: str, refill: bool = False, attn: str | None = None,
-          regions: str | None = None) -> float:
+          regions: str | None = None, backend: str = "capturepass") -> float:
     """The largest absolute difference from eager over the model's three inputs (raises on a failure).
 
     With ``refill`` every input is then passed three times more in buffers refilled in place (a
@@ -479,7 +492,7 @@ def check(name: str, device: str, refill: bool = False, attn: str | None = None,
 
     torch._dynamo.reset()
     head, config, model = _build(name, device, attn)
-    compiled = torch.compile(model, backend="capturepass", options=_options(refill, regions))
+    compiled = _compile(model, backend, _options(refill, regions))
     tol = zoo.TOLERANCE[device]
     worst = 0.0
     seen: list[dict] = []
@@ -541,7 +554,7 @@ NEW_TOKENS = 8
 
 
 def check_generate(name: str, device: str, attn: str | None = None, capture: bool = False,
-                   regions: str | None = None) -> str:
+                   regions: str | None = None, backend: str = "capturepass") -> str:
     """Three greedy generations with the model's ``forward`` compiled (``capture``: as on a GPU,
     ``cudagraphs="monolithic"``), each equal to eager's tokens; returns the cache they used.
     Raises :class:`Mismatch` on other tokens, :class:`Unsupported` for a model that is no decoder."""
@@ -575,7 +588,7 @@ def check_generate(name: str, device: str, attn: str | None = None, capture: boo
             raise Unsupported(f"eager generation fails ({type(exc).__name__}: {str(exc)[:200]})") from exc
         options = _options(capture, regions)
         try:
-            got = generate(torch.compile(eager, backend="capturepass", options=options))
+            got = generate(_compile(eager, backend, options))
         except Exception as exc:
             raise _failure(exc, lambda: generate(torch.compile(eager, backend="inductor"))) from exc
         bad = [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
@@ -660,7 +673,12 @@ def main() -> None:
     p.add_argument("--host-captures", action="store_true",
                    help="on the CPU, capture and replay on the host (the executor's decisions on real inputs); "
                         "each input is then passed three times more in refilled buffers")
+    p.add_argument("--backend", default="capturepass", choices=("capturepass", "inductor", "reduce-overhead"),
+                   help="compile with this instead of capturepass: whether a failure is capturepass's or "
+                        "also happens under torch's own backends (reduce-overhead: Inductor's cudagraph trees)")
     args = p.parse_args()
+    if args.backend != "capturepass" and (args.host_captures or args.regions):
+        p.error("--host-captures and --regions are capturepass's options")
     names = args.models.split(",")
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
@@ -685,14 +703,14 @@ def main() -> None:
             with Fallbacks() as fallbacks:
                 if args.generate:
                     cache = check_generate(name, args.device, attn=args.attn, capture=args.host_captures,
-                                           regions=args.regions)
+                                           regions=args.regions, backend=args.backend)
                     kinds = [k for k, _ in log]
                     what = f"{3 * NEW_TOKENS} tokens equal to eager's ({cache}" + (
                         f"; {kinds.count('capture')} captures, {kinds.count('replay')} replays)"
                         if args.host_captures else ")")
                 else:
                     worst = check(name, args.device, refill=args.host_captures, attn=args.attn,
-                                  regions=args.regions)
+                                  regions=args.regions, backend=args.backend)
                     what = f"largest difference {worst:.2e}"
         except Unsupported as exc:
             skipped += 1

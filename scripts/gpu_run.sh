@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|heap|trace|sweep|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|heap|crash|trace|sweep|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
@@ -22,6 +22,9 @@
 # checking where the machine has it (glibc's message on stderr: LIBC_FATAL_STDERR_, else it goes to
 # the terminal), then once under compute-sanitizer memcheck: an xdist worker that ran them aborted
 # with a corrupted heap (RELIABILITY.md). Not part of all.
+# crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
+# Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
+# after its generations passed: RELIABILITY.md). Not part of all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -81,6 +84,22 @@ if [ "$what" = heap ]; then
   compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
     > "$out/heap-memcheck.log" 2>&1
   echo "compute-sanitizer memcheck (heap tests): exit $?; $(grep -E 'ERROR SUMMARY' "$out/heap-memcheck.log" | tail -1)"
+fi
+if [ "$what" = crash ]; then
+  # The ModernBERT decoder's static-cache generations passed and then the process died collecting
+  # garbage (RELIABILITY.md): under each backend (is it capturepass's?), then capturepass's under
+  # cuda-gdb for the native frames (the machine has no gdb).
+  crash_models=${MODELS:-modernbert-decoder}
+  for backend in capturepass inductor reduce-overhead; do
+    python3 -X faulthandler scripts/arch_sweep.py --device cuda --generate --backend $backend --models "$crash_models" \
+      > "$out/crash-$backend.log" 2>&1
+    echo "generation under $backend: exit $?; $(grep -E '^(OK|FAIL|TORCH|SKIP)|Fatal Python' "$out/crash-$backend.log" | tr '\n' ' ')"
+  done
+  if command -v cuda-gdb >/dev/null; then
+    cuda-gdb -batch -ex run -ex bt -ex "info threads" --args python3 scripts/arch_sweep.py --device cuda --generate \
+      --models "$crash_models" > "$out/crash-cuda-gdb.log" 2>&1
+    echo "cuda-gdb: exit $?"; grep -E -A40 'received signal|SIGSEGV|SIGABRT' "$out/crash-cuda-gdb.log" | head -60
+  fi
 fi
 if [ "$what" = resources ] || [ "$what" = all ]; then
   python3 examples/engine_resources.py --device cuda 2>&1 | grep -v DEBUG | tail -12

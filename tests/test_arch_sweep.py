@@ -55,6 +55,27 @@ def test_an_unknown_architecture_is_named():
     assert run.returncode == 2 and "unknown architecture: nope" in run.stderr
 
 
+def test_another_backend_runs_the_same_calls_and_takes_none_of_capturepasss_options(monkeypatch):
+    """``--backend``: the same calls under torch's own backends, to tell a failure of
+    capturepass's from one of torch's; capturepass's own options are refused with it."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    for backend in ("capturepass", "inductor", "reduce-overhead"):
+        sweep._compile(len, backend, {"regions": "fused"})
+    assert calls == [{"backend": "capturepass", "options": {"regions": "fused"}}, {"backend": "inductor"},
+                     {"mode": "reduce-overhead"}]
+    run = subprocess.run([sys.executable, SCRIPT, "--backend", "inductor", "--regions", "fused", "--models", "opt"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--host-captures and --regions are capturepass's options" in run.stderr
+
+
 def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
     """A model equal to eager whose regions Inductor failed to compile (run eagerly, or as lane
     regions instead of one compile) is reported slow: only capturepass's warnings tell it from a
