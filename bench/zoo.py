@@ -414,7 +414,7 @@ def own_peak(snapshot: dict, marker: str = "run_variant") -> int:
     variant's meet, which differs between variants (a reference held during one variant's
     capture, during another's warm-up); this is the figure the memory bars compare."""
     return peak_blocks(e for trace in snapshot.get("device_traces", []) for e in trace
-                 if e["action"] != "alloc" or any(f["name"] == marker for f in e.get("frames") or []))[0]
+                       if e["action"] != "alloc" or any(f["name"] == marker for f in e.get("frames") or []))[0]
 
 
 def host_profile(call, iters: int, top: int = 30) -> str:
