@@ -96,7 +96,9 @@ if [ "$what" = crash ]; then
     echo "generation under $backend: exit $?; $(grep -E '^(OK|FAIL|TORCH|SKIP)|Fatal Python' "$out/crash-$backend.log" | tr '\n' ' ')"
   done
   if command -v cuda-gdb >/dev/null; then
-    cuda-gdb -batch -ex run -ex bt -ex "info threads" --args python3 scripts/arch_sweep.py --device cuda --generate \
+    # Signals Python and the CUDA runtime use for themselves pass through; a fatal one stops it.
+    timeout "${CRASH_GDB_TIMEOUT:-400}" cuda-gdb -batch -ex "handle SIGUSR1 SIGUSR2 SIGPIPE SIGCHLD nostop noprint pass" \
+      -ex run -ex bt -ex "info threads" --args python3 scripts/arch_sweep.py --device cuda --generate \
       --models "$crash_models" > "$out/crash-cuda-gdb.log" 2>&1
     echo "cuda-gdb: exit $?"; grep -E -A40 'received signal|SIGSEGV|SIGABRT' "$out/crash-cuda-gdb.log" | head -60
   fi
