@@ -137,6 +137,79 @@ def test_assisted_generation_keeps_target_and_draft_apart(monkeypatch: pytest.Mo
     assert kinds.count("capture") >= 4 and kinds.count("replay") >= 1, kinds
 
 
+def _gemma4_with_assistant(device: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Gemma 4 text model and its assistant (a draft that reads the target's last hidden
+    state and its key/value states, shared with it), random weights, float32."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, global_head_dim=16, vocab_size=512, max_position_embeddings=128,
+                  sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    with torch.random.fork_rng(), torch.device(device):
+        torch.manual_seed(0)
+        target = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+            **common, vocab_size_per_layer_input=512, hidden_size_per_layer_input=16)).eval()
+        draft = transformers.Gemma4AssistantForCausalLM(transformers.Gemma4AssistantConfig(
+            text_config=transformers.Gemma4TextConfig(
+                **common, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=2),
+            backbone_hidden_size=64, num_centroids=16, centroid_intermediate_top_k=4)).eval()
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return target, draft
+
+
+def _drafts_of(draft: torch.nn.Module) -> list[torch.Tensor]:
+    """Records the draft's next-token logits at every call of its ``forward`` (as it is then)."""
+    seen: list[torch.Tensor] = []
+    forward = draft.forward
+
+    def recorded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append(out.logits[:, -1].detach().clone())
+        return out
+
+    draft.forward = recorded
+    return seen
+
+
+def _assisted_by_gemma4_assistant(device: str, **options) -> None:
+    """Greedy generation assisted by Gemma 4's assistant, both models compiled with ``options``:
+    the target's tokens and every logit the draft proposed from are eager's (the tokens alone
+    would be the target's greedy ones whatever the draft proposed)."""
+    target, draft = _gemma4_with_assistant(device)
+    ids = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
+    eager = draft.forward
+    want_drafts = _drafts_of(draft)
+    want = _generate(target, ids, assistant_model=draft)
+    draft.forward = eager
+    assert want_drafts, "the draft was never called"
+    _compile_forward(target, **options)
+    _compile_forward(draft, **options)
+    compiled = draft.forward
+    for call in range(2):
+        got_drafts = _drafts_of(draft)
+        got = _generate(target, ids, assistant_model=draft)
+        draft.forward = compiled
+        assert torch.equal(got, want), f"assisted generation {call}: {got.tolist()} != {want.tolist()}"
+        assert len(got_drafts) == len(want_drafts), (len(got_drafts), len(want_drafts))
+        for step, (g, w) in enumerate(zip(got_drafts, want_drafts)):
+            torch.testing.assert_close(g, w, **zoo.TOLERANCE[device],
+                                       msg=lambda m, step=step: f"generation {call}, draft call {step}: {m}")
+
+
+def test_assisted_generation_with_a_draft_that_reads_the_targets_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 4's assistant drafts from the target's last hidden state and reads the target's
+    key/value states, which the target writes in place between the draft's calls: inputs a
+    capture must read where they are, as they are at each call. On host graphs."""
+    from tests.helpers import capture_on_host
+
+    log = capture_on_host(monkeypatch.setattr)
+    _assisted_by_gemma4_assistant("cpu", inner="eager", verify=True, cudagraphs="monolithic")
+    kinds = [k for k, _ in log]
+    assert kinds.count("capture") >= 4 and kinds.count("replay") >= 1, kinds
+
+
 @pytest.mark.parametrize("name", ("llama", "mistral"))
 def test_the_measured_choice_replays_a_static_cache_from_what_the_call_read(
         name: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -175,6 +248,12 @@ def test_the_measured_choice_replays_a_static_cache_from_what_the_call_read(
         }, chosen
     else:  # a decode shape per window length the host int took
         assert len(shapes) >= 4, chosen
+
+
+@pytest.mark.gpu
+def test_assisted_generation_with_a_draft_that_reads_the_targets_states_gpu(no_tf32: None) -> None:
+    """The same on real CUDA graphs, default options."""
+    _assisted_by_gemma4_assistant("cuda")
 
 
 @pytest.mark.gpu
