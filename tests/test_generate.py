@@ -11,6 +11,9 @@ GPU test captures CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -159,8 +162,9 @@ def _gemma4_with_assistant(device: str) -> tuple[torch.nn.Module, torch.nn.Modul
     return target, draft
 
 
-def _drafts_of(draft: torch.nn.Module) -> list[torch.Tensor]:
-    """Records the draft's next-token logits at every call of its ``forward`` (as it is then)."""
+@contextlib.contextmanager
+def _drafts_of(draft: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Records the draft's next-token logits at every call of its ``forward`` inside the block."""
     seen: list[torch.Tensor] = []
     forward = draft.forward
 
@@ -170,7 +174,10 @@ def _drafts_of(draft: torch.nn.Module) -> list[torch.Tensor]:
         return out
 
     draft.forward = recorded
-    return seen
+    try:
+        yield seen
+    finally:
+        draft.forward = forward
 
 
 def _assisted_by_gemma4_assistant(device: str, **options) -> None:
@@ -179,18 +186,14 @@ def _assisted_by_gemma4_assistant(device: str, **options) -> None:
     would be the target's greedy ones whatever the draft proposed)."""
     target, draft = _gemma4_with_assistant(device)
     ids = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(0)).to(device)
-    eager = draft.forward
-    want_drafts = _drafts_of(draft)
-    want = _generate(target, ids, assistant_model=draft)
-    draft.forward = eager
+    with _drafts_of(draft) as want_drafts:
+        want = _generate(target, ids, assistant_model=draft)
     assert want_drafts, "the draft was never called"
     _compile_forward(target, **options)
     _compile_forward(draft, **options)
-    compiled = draft.forward
     for call in range(2):
-        got_drafts = _drafts_of(draft)
-        got = _generate(target, ids, assistant_model=draft)
-        draft.forward = compiled
+        with _drafts_of(draft) as got_drafts:
+            got = _generate(target, ids, assistant_model=draft)
         assert torch.equal(got, want), f"assisted generation {call}: {got.tolist()} != {want.tolist()}"
         assert len(got_drafts) == len(want_drafts), (len(got_drafts), len(want_drafts))
         for step, (g, w) in enumerate(zip(got_drafts, want_drafts)):
