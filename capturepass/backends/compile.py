@@ -194,9 +194,13 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
 
     Args:
         plan: what ``emit`` planned.
-        eager_fallback: a region the inner compiler fails on runs its FX graph eagerly instead,
-            with a logged warning (for a rebuild at run time, where a compile error would end
-            the call; the first compile reports the error instead).
+        eager_fallback: every region the inner compiler fails on runs its FX graph eagerly
+            instead, with a logged warning (for a rebuild at run time, where a compile error
+            would end the call). Without it, a region of a plan of several regions falls back
+            too: a piece cut out of the graph can meet an inner-compiler error the whole graph
+            does not (Inductor's tiling refused the first segment of Inkling2's loop model, a
+            graph it compiles whole); the only region of a plan, the graph the inner compiler
+            would be given without capturepass, reports the error.
         inline: compile each run of a capture segment's lane regions once, its lanes inline
             (``capturepass.backends.inline``); a run that cannot be, or whose compile fails,
             keeps its lane regions, with the reason logged.
@@ -238,9 +242,10 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
         log.warning("capturepass: %s: one compile of %d lane regions %s; compiled as lane regions instead",
                     title, kept, why)
         steps.extend(replaced[region.index])
+    fallback = eager_fallback or sum(step.kind == StepKind.REGION for step in steps) > 1
     for step in steps:
         if step.kind == StepKind.REGION and step.payload.index not in fns:
-            fns[step.payload.index] = _compile_region(step.payload, title, eager_fallback)
+            fns[step.payload.index] = _compile_region(step.payload, title, fallback)
     return Program(Plan(plan.graph, steps), fns)
 
 
@@ -250,12 +255,14 @@ def _compile_region(region: RegionPlan, title: str, eager_fallback: bool) -> Cal
     try:
         fn = inner_compilers.compile_region(region.graph, example, compiler)
     except Exception as exc:
-        if is_dynamo_signal(exc):
+        if is_dynamo_control_flow(exc):
             raise  # Dynamo's own control flow (a restart, a skipped frame): not a failure
         names = ", ".join(f"%{n.name}" for n in region.nodes[:4])
         what = (f"the {compiler} compiler failed on region {region.index} (lane s{region.lane}: "
                 f"{names}...): {type(exc).__name__}: {exc}")
         if not eager_fallback or compiler == "eager":
+            if is_dynamo_signal(exc):
+                raise  # Dynamo formats its own errors (Inductor's InductorError is one)
             raise EmitError(what) from exc
         log.warning("capturepass: %s: %s; the region runs its graph eagerly instead", title, what.splitlines()[0])
         compiler = "eager"

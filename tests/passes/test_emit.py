@@ -9,6 +9,8 @@ freed before the nodes that precede its free point on its allocating lane.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from expecttest import assert_expected_inline
@@ -316,9 +318,24 @@ def test_higher_order_op_subgraphs_reach_the_inner_compiler(hop, inner):
     assert not [n for n in region.inputs if n.op == "get_attr"]  # no module is a runtime argument
 
 
-def test_a_rebuild_runs_a_region_eagerly_where_the_inner_compiler_fails(monkeypatch, caplog):
-    """At run time (a rebuild after a failed capture) a compile error would end the call: the
-    region falls back to its FX graph, logged. The first compile reports the error instead."""
+def _inner_failure(kind: str) -> Exception:
+    if kind == "inductor_error":
+        # How Inductor reports its own failures: one of Dynamo's formatted errors.
+        from torch._inductor.exc import InductorError
+
+        return InductorError(ValueError("simulated: the argument '-((0))' is not comparable."), inspect.currentframe())
+    return RuntimeError("simulated inner compiler failure")
+
+
+@pytest.mark.parametrize("kind", ["runtime_error", "inductor_error"])
+def test_a_region_the_inner_compiler_fails_on_runs_eagerly_unless_it_is_the_whole_graph(monkeypatch, caplog, kind):
+    """A region cut out of the graph (a plan of several regions) can meet an inner-compiler
+    error the whole graph does not: it runs its FX graph eagerly, logged, at the first compile
+    as at a rebuild. The only region of a plan is the graph the inner compiler would see
+    without capturepass: its error is reported (Inductor's own unwrapped, for Dynamo to
+    format), except at a rebuild at run time, where an error would end the call."""
+    from torch._dynamo.exc import ShortenTraceback
+
     from capturepass.backends import compile as driver
     from capturepass.backends import inner
     from capturepass.errors import EmitError
@@ -328,22 +345,30 @@ def test_a_rebuild_runs_a_region_eagerly_where_the_inner_compiler_fails(monkeypa
 
     def flaky(gm, example, compiler):
         if compiler == "inductor":
-            raise RuntimeError("simulated inner compiler failure")
+            raise _inner_failure(kind)
         return real(gm, example, compiler)
 
     monkeypatch.setattr(inner, "compile_region", flaky)
     case = CASES["fork_join"]
     vals = lambda gm: [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]  # noqa: E731
-    gm = case.trace()
-    with pytest.raises(EmitError, match="the inductor compiler failed on region 0"):
-        driver.compile_graph(gm, vals(gm), {"policy": "hints"}, record=False)
-    gm = case.trace()
-    with caplog.at_level("WARNING", logger="capturepass"):
-        compiled = driver.compile_graph(gm, vals(gm), {"policy": "hints"}, not_capturable={"nothing": "test"},
-                                        record=False)
-    assert "the region runs its graph eagerly instead" in caplog.text
     inputs = case.inputs(seed=2)
-    torch.testing.assert_close(Executor(compiled.program)(list(inputs)), case.fn(*inputs))
+
+    gm = case.trace()
+    expected = (ShortenTraceback, "not comparable") if kind == "inductor_error" else \
+        (EmitError, "the inductor compiler failed on region 0")
+    with pytest.raises(expected[0], match=expected[1]):
+        driver.compile_graph(gm, vals(gm), {"policy": "off"}, record=False)
+
+    for options, not_capturable in (({"policy": "hints", "regions": "lanes"}, None),
+                                    ({"policy": "off"}, {"nothing": "test"})):
+        gm = case.trace()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="capturepass"):
+            compiled = driver.compile_graph(gm, vals(gm), options, not_capturable=not_capturable, record=False)
+        regions = compiled.program.regions
+        assert len(regions) == (1 if options["policy"] == "off" else 3)
+        assert caplog.text.count("the region runs its graph eagerly instead") == len(regions), caplog.text
+        torch.testing.assert_close(Executor(compiled.program)(list(inputs)), case.fn(*inputs))
 
 
 def test_a_whole_call_runs_one_generated_function_equal_to_threading_the_pieces():
