@@ -673,6 +673,8 @@ def main() -> None:
     p.add_argument("--host-captures", action="store_true",
                    help="on the CPU, capture and replay on the host (the executor's decisions on real inputs); "
                         "each input is then passed three times more in refilled buffers")
+    p.add_argument("--traceback", action="store_true",
+                   help="print a failure's whole traceback (its last five lines otherwise)")
     p.add_argument("--backend", default="capturepass", choices=("capturepass", "inductor", "reduce-overhead"),
                    help="compile with this instead of capturepass: whether a failure is capturepass's or "
                         "also happens under torch's own backends (reduce-overhead: Inductor's cudagraph trees)")
@@ -726,7 +728,7 @@ def main() -> None:
             continue
         except Exception as exc:  # noqa: BLE001 - one model's failure is a row, not the end of the sweep
             failed += 1
-            frames = traceback.format_exc().strip().splitlines()[-5:]
+            frames = traceback.format_exc().strip().splitlines()[None if args.traceback else -5:]
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:300]}\n     " + "\n     ".join(frames), flush=True)
             continue
         if fallbacks.messages:

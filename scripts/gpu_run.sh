@@ -20,7 +20,7 @@
 # heap: the held-output expiry test (torch without UntypedStorage._swap_data_ptr_) and then the
 # static-cache generation tests in one process, HEAP_REPS times (3 by default) under glibc's malloc
 # checking where the machine has it (glibc's message on stderr: LIBC_FATAL_STDERR_, else it goes to
-# the terminal), then once under compute-sanitizer memcheck: an xdist worker that ran them aborted
+# the terminal), then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0: not; HEAP_TESTS: other tests): an xdist worker that ran them aborted
 # with a corrupted heap (RELIABILITY.md). Not part of all.
 # crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
 # Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
@@ -68,22 +68,32 @@ if [ "$what" = sanitize ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = heap ]; then
-  heap_tests="tests/runtime/test_outputs_gpu.py::test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten tests/test_generate.py::test_generate_with_a_static_cache_gpu"
+  heap_tests=${HEAP_TESTS:-"tests/runtime/test_outputs_gpu.py::test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten tests/test_generate.py::test_generate_with_a_static_cache_gpu"}
   debug=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0
   for i in $(seq "${HEAP_REPS:-3}"); do
     # shellcheck disable=SC2086
     if [ -e "$debug" ]; then
-      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
+      # -s: pytest's capture of fd 2 would take glibc's message with it when the process aborts.
+      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler -m pytest -q -s -p no:cacheprovider -p no:xdist $heap_tests \
         > "$out/heap-$i.log" 2>&1
     else
-      python3 -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
+      python3 -X faulthandler -m pytest -q -s -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
     fi
-    echo "heap run $i: exit $?; $(grep -E 'passed|failed|corrupted|Fatal' "$out/heap-$i.log" | tail -2 | tr '\n' ' ')"
+    echo "heap run $i: exit $?; $(grep -E 'passed|failed|corrupted|Fatal|malloc|free\(\)|terminate' "$out/heap-$i.log" | tail -4 | tr '\n' ' ')"
+    # The generated module the aborting thread was in (Inductor's cache is outside OUTDIR), and its line.
+    where=$(grep -A1 -m1 '^Current thread' "$out/heap-$i.log" | grep -oE '/tmp/torchinductor[^"]*\.py", line [0-9]+')
+    if [ -n "$where" ]; then
+      file=${where%%\"*}; line=${where##* }
+      cp "$file" "$out/heap-$i-module.py"
+      echo "  in $(basename "$file") line $line: $(sed -n "${line}p" "$file" | sed 's/^ *//')"
+    fi
   done
   # shellcheck disable=SC2086
-  compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
-    > "$out/heap-memcheck.log" 2>&1
-  echo "compute-sanitizer memcheck (heap tests): exit $?; $(grep -E 'ERROR SUMMARY' "$out/heap-memcheck.log" | tail -1)"
+  if [ "${HEAP_MEMCHECK:-1}" != 0 ]; then
+    compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
+      > "$out/heap-memcheck.log" 2>&1
+    echo "compute-sanitizer memcheck (heap tests): exit $?; $(grep -E 'ERROR SUMMARY' "$out/heap-memcheck.log" | tail -1)"
+  fi
 fi
 if [ "$what" = crash ]; then
   # The ModernBERT decoder's static-cache generations passed and then the process died collecting
