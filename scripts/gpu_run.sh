@@ -18,10 +18,11 @@
 # sweep: scripts/arch_sweep.py on the GPU: every decoder generating through real captures
 # (--generate), then every model with FlexAttention (--attn flex_attention; MODELS limits both). Not part of all.
 # heap: the held-output expiry test (torch without UntypedStorage._swap_data_ptr_) and then the
-# static-cache generation tests in one process, HEAP_REPS times (3 by default) under glibc's malloc
-# checking where the machine has it (glibc's message on stderr: LIBC_FATAL_STDERR_, else it goes to
-# the terminal), then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0: not; HEAP_TESTS: other tests): an xdist worker that ran them aborted
-# with a corrupted heap (RELIABILITY.md). Not part of all.
+# static-cache generation tests in one process (HEAP_TESTS: other tests), HEAP_REPS times (3 by
+# default; 0: none) under glibc's malloc checking where the machine has it (glibc's message on
+# stderr: LIBC_FATAL_STDERR_, else it goes to the terminal); then HEAP_VARIANTS' generations outside
+# pytest, VARIANT_REPS times each (below); then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0:
+# not). Processes that ran them aborted with a corrupted heap (RELIABILITY.md). Not part of all.
 # crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
 # Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
 # after its generations passed: RELIABILITY.md). Not part of all.
@@ -87,6 +88,24 @@ if [ "$what" = heap ]; then
       cp "$file" "$out/heap-$i-module.py"
       echo "  in $(basename "$file") line $line: $(sed -n "${line}p" "$file" | sed 's/^ *//')"
     fi
+  done
+  # HEAP_VARIANTS: the test's generations by scripts/static_generations.py, fresh processes, each
+  # variant VARIANT_REPS times under the same checking; variants are BACKEND or capturepass|OPTIONS_JSON,
+  # separated by ';' (e.g. 'capturepass|{};capturepass|{"policy":"off"};inductor').
+  IFS=';' read -r -a variants <<< "${HEAP_VARIANTS:-}"
+  for variant in "${variants[@]}"; do
+    backend=${variant%%|*}; options='{}'
+    [ "$backend" != "$variant" ] && options=${variant#*|}
+    for i in $(seq "${VARIANT_REPS:-3}"); do
+      log="$out/heap-variant-$(echo "$variant" | tr -dc 'a-z0-9')-$i.log"
+      if [ -e "$debug" ]; then
+        LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler scripts/static_generations.py \
+          --backend "$backend" --options "$options" > "$log" 2>&1
+      else
+        python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" > "$log" 2>&1
+      fi
+      echo "$variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
+    done
   done
   # shellcheck disable=SC2086
   if [ "${HEAP_MEMCHECK:-1}" != 0 ]; then
