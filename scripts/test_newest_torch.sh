@@ -23,4 +23,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x "$venv/bin/py
 fi
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 export CAPTUREPASS_VERIFY=1
-exec "$venv/bin/python" -m pytest -q "$@"
+exec "$venv/bin/python" -m pytest -q -n "${CAPTUREPASS_TEST_WORKERS:-auto}" --dist loadscope "$@"  # as scripts/test.sh
