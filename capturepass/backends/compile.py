@@ -245,11 +245,15 @@ def compile_regions(plan: Plan, eager_fallback: bool = False, inline: bool = Fal
     fallback = eager_fallback or sum(step.kind == StepKind.REGION for step in steps) > 1
     for step in steps:
         if step.kind == StepKind.REGION and step.payload.index not in fns:
-            fns[step.payload.index] = _compile_region(step.payload, title, fallback)
+            fns[step.payload.index] = _compile_region(step.payload, title, fallback, plan.graph)
     return Program(Plan(plan.graph, steps), fns)
 
 
-def _compile_region(region: RegionPlan, title: str, eager_fallback: bool) -> Callable[..., Sequence[Any]]:
+def _compile_region(region: RegionPlan, title: str, eager_fallback: bool,
+                    graph: fx.GraphModule | None = None) -> Callable[..., Sequence[Any]]:
+    """``region`` compiled with its inner compiler; where that fails and ``eager_fallback``
+    allows, its FX graph run eagerly, logged and (with ``graph``, the annotated graph) written
+    among ``graph``'s decisions, which its dump and ``show`` list."""
     example = [analysis.fake_value(n) for n in region.inputs]
     compiler = region.compiler
     try:
@@ -265,6 +269,9 @@ def _compile_region(region: RegionPlan, title: str, eager_fallback: bool) -> Cal
                 raise  # Dynamo formats its own errors (Inductor's InductorError is one)
             raise EmitError(what) from exc
         log.warning("capturepass: %s: %s; the region runs its graph eagerly instead", title, what.splitlines()[0])
+        if graph is not None:
+            meta.add_decision(graph, f"{what.splitlines()[0][:300]}; the region runs its graph eagerly",
+                              logging.WARNING)
         compiler = "eager"
         fn = inner_compilers.compile_region(region.graph, example, compiler)
     if compiler != "eager":

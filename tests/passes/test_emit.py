@@ -336,6 +336,7 @@ def test_a_region_the_inner_compiler_fails_on_runs_eagerly_unless_it_is_the_whol
     format), except at a rebuild at run time, where an error would end the call."""
     from torch._dynamo.exc import ShortenTraceback
 
+    from capturepass.ir import meta
     from capturepass.backends import compile as driver
     from capturepass.backends import inner
     from capturepass.errors import EmitError
@@ -368,6 +369,9 @@ def test_a_region_the_inner_compiler_fails_on_runs_eagerly_unless_it_is_the_whol
         regions = compiled.program.regions
         assert len(regions) == (1 if options["policy"] == "off" else 3)
         assert caplog.text.count("the region runs its graph eagerly instead") == len(regions), caplog.text
+        # The dump and `show` list it among the graph's decisions.
+        eager = [d for d in meta.graph_info(compiled.graph).decisions if "runs its graph eagerly" in d]
+        assert len(eager) == len(regions) and all("the inductor compiler failed on region" in d for d in eager)
         torch.testing.assert_close(Executor(compiled.program)(list(inputs)), case.fn(*inputs))
 
 
