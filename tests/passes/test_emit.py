@@ -336,10 +336,10 @@ def test_a_region_the_inner_compiler_fails_on_runs_eagerly_unless_it_is_the_whol
     format), except at a rebuild at run time, where an error would end the call."""
     from torch._dynamo.exc import ShortenTraceback
 
-    from capturepass.ir import meta
     from capturepass.backends import compile as driver
     from capturepass.backends import inner
     from capturepass.errors import EmitError
+    from capturepass.ir import meta
     from tests.passes.cases import CASES
 
     real = inner.compile_region
