@@ -47,7 +47,7 @@ from capturepass.backends import candidates
 from capturepass.backends import compile as driver
 from capturepass.backends import inner as inner_compilers
 from capturepass.backends.compile import CompiledGraph
-from capturepass.errors import EmitError, OptionError
+from capturepass.errors import OptionError, is_dynamo_control_flow
 from capturepass.ir import collectives, cost, meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
@@ -330,7 +330,9 @@ def _picker(
         for cand in cands[1:]:
             try:
                 cand.program  # noqa: B018 - compiles its regions
-            except EmitError as e:
+            except Exception as e:  # noqa: BLE001 - EmitError, or Inductor's own error on a one-region plan
+                if is_dynamo_control_flow(e):
+                    raise
                 log.warning("capturepass: %s graph: schedule candidate %s failed to compile (%s); not measured",
                             kind, cand.name, str(e).splitlines()[0][:300])
                 continue

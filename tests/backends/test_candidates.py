@@ -111,3 +111,32 @@ def test_graph_key_is_stable_and_changes_with_graph_and_options():
     assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pc, oc, names)
     _, pd, od, _ = _compile(_chain_tiny, (torch.randn(8, 8), torch.randn(8, 8)))
     assert candidates.graph_key(pa, oa, names) != candidates.graph_key(pd, od, names)
+
+
+def test_a_candidate_inductor_refuses_at_compile_time_is_left_out_not_the_compile(monkeypatch, caplog, tmp_path):
+    """The candidates with programs of their own are compiled inside the compile; one the inner
+    compiler refuses is left out, logged, and the others are measured. ``one_lane`` is one
+    region, whose error comes as the compiler's own (Inductor's ``InductorError``, one of
+    Dynamo's formatted errors), not as capturepass's ``EmitError``."""
+    import inspect
+
+    from torch._inductor.exc import InductorError
+
+    from capturepass.backends import compile as driver
+    from capturepass.backends import dynamo
+    from capturepass.ir import meta
+
+    compiled, pristine, opts, plan_with = _compile(*_moe(), pick_cache_dir=str(tmp_path))
+    real = driver.compile_regions
+
+    def refuses_one_lane(plan, **kwargs):
+        if len(meta.graph_info(plan.graph).lanes) == 1:
+            raise InductorError(ValueError("simulated: the argument '-((0))' is not comparable."),
+                                inspect.currentframe())
+        return real(plan, **kwargs)
+
+    monkeypatch.setattr(driver, "compile_regions", refuses_one_lane)
+    with caplog.at_level("WARNING", logger="capturepass"):
+        picker = dynamo._picker("inference", compiled, pristine, opts, plan_with, None, None, on_cuda=True)
+    assert "schedule candidate one_lane failed to compile (ValueError: simulated" in caplog.text, caplog.text
+    assert [c.name for c in picker.candidates] == ["model", "aux1"]
