@@ -18,6 +18,7 @@ eager for no merit).
     python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
     python3 scripts/arch_sweep.py --regions fused     # every model's code through the lanes' rewrite
     python3 scripts/arch_sweep.py --backend inductor --models opt   # the same calls under torch's own backend
+    python3 scripts/arch_sweep.py --models opt --traceback   # a failure's whole traceback
 
 Prints one line per model (``OK`` with the largest absolute difference, and any frame Dynamo
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
