@@ -71,15 +71,17 @@ fi
 if [ "$what" = heap ]; then
   heap_tests=${HEAP_TESTS:-"tests/runtime/test_outputs_gpu.py::test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten tests/test_generate.py::test_generate_with_a_static_cache_gpu"}
   debug=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0
-  for i in $(seq "${HEAP_REPS:-3}"); do
-    # shellcheck disable=SC2086
+  checked() {  # the command under glibc's malloc checking where the machine has it
     if [ -e "$debug" ]; then
-      # -s: pytest's capture of fd 2 would take glibc's message with it when the process aborts.
-      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler -m pytest -q -s -p no:cacheprovider -p no:xdist $heap_tests \
-        > "$out/heap-$i.log" 2>&1
+      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 "$@"
     else
-      python3 -X faulthandler -m pytest -q -s -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
+      "$@"
     fi
+  }
+  for i in $(seq "${HEAP_REPS:-3}"); do
+    # -s: pytest's capture of fd 2 would take glibc's message with it when the process aborts.
+    # shellcheck disable=SC2086
+    checked python3 -X faulthandler -m pytest -q -s -p no:cacheprovider -p no:xdist $heap_tests > "$out/heap-$i.log" 2>&1
     echo "heap run $i: exit $?; $(grep -E 'passed|failed|corrupted|Fatal|malloc|free\(\)|terminate' "$out/heap-$i.log" | tail -4 | tr '\n' ' ')"
     # The generated module the aborting thread was in (Inductor's cache is outside OUTDIR), and its line.
     where=$(grep -A1 -m1 '^Current thread' "$out/heap-$i.log" | grep -oE '/tmp/torchinductor[^"]*\.py", line [0-9]+')
@@ -98,12 +100,7 @@ if [ "$what" = heap ]; then
     [ "$backend" != "$variant" ] && options=${variant#*|}
     for i in $(seq "${VARIANT_REPS:-3}"); do
       log="$out/heap-variant-$(echo "$variant" | tr -dc 'a-z0-9')-$i.log"
-      if [ -e "$debug" ]; then
-        LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 python3 -X faulthandler scripts/static_generations.py \
-          --backend "$backend" --options "$options" > "$log" 2>&1
-      else
-        python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" > "$log" 2>&1
-      fi
+      checked python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" > "$log" 2>&1
       echo "$variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
     done
   done

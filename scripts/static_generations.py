@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from arch_sweep import _compile  # noqa: E402 - the sweep's backends, the same three names
 from capturepass.testing import zoo  # noqa: E402
 
 NEW_TOKENS = 8
@@ -35,15 +36,6 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                               cache_implementation="static", disable_compile=True)
-
-
-def _compile(model: torch.nn.Module, backend: str, options: dict) -> None:
-    if backend == "reduce-overhead":
-        model.forward = torch.compile(model.forward, mode="reduce-overhead")
-    elif backend == "capturepass":
-        model.forward = torch.compile(model.forward, backend="capturepass", options=options)
-    else:
-        model.forward = torch.compile(model.forward, backend=backend)
 
 
 def main() -> int:
@@ -64,7 +56,7 @@ def main() -> int:
         model, make_inputs = zoo.build(name, device="cuda")
         prompts = [make_inputs(seed)["input_ids"][:, :6] for seed in (0, 0, 1)]
         want = [_generate(model, ids) for ids in prompts]
-        _compile(model, args.backend, options)
+        model.forward = _compile(model.forward, args.backend, options)
         got = [_generate(model, ids) for ids in prompts]
         same = all(torch.equal(g, w) for g, w in zip(got, want))
         failed += not same
