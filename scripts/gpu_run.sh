@@ -92,15 +92,21 @@ if [ "$what" = heap ]; then
     fi
   done
   # HEAP_VARIANTS: the test's generations by scripts/static_generations.py, fresh processes, each
-  # variant VARIANT_REPS times under the same checking; variants are BACKEND or capturepass|OPTIONS_JSON,
-  # separated by ';' (e.g. 'capturepass|{};capturepass|{"policy":"off"};inductor').
+  # variant VARIANT_REPS times under the same checking; variants are BACKEND, capturepass|OPTIONS_JSON
+  # or capturepass|OPTIONS_JSON|MORE_ARGS (the script's --declare, --without), separated by ';'
+  # (e.g. 'capturepass|{};capturepass|{"policy":"off"};capturepass|{}|--without weak-args;inductor').
+  # HEAP_MODELS: the models they generate with (the script's three by default).
   IFS=';' read -r -a variants <<< "${HEAP_VARIANTS:-}"
   for variant in "${variants[@]}"; do
-    backend=${variant%%|*}; options='{}'
-    [ "$backend" != "$variant" ] && options=${variant#*|}
+    IFS='|' read -r backend options more <<< "$variant"
+    options=${options:-'{}'}
+    models=()
+    [ -n "${HEAP_MODELS:-}" ] && models=(--models "$HEAP_MODELS")
     for i in $(seq "${VARIANT_REPS:-3}"); do
       log="$out/heap-variant-$(echo "$variant" | tr -dc 'a-z0-9')-$i.log"
-      checked python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" > "$log" 2>&1
+      # shellcheck disable=SC2086
+      checked python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" \
+        "${models[@]}" $more > "$log" 2>&1
       echo "$variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
     done
   done
