@@ -21,8 +21,9 @@
 # static-cache generation tests in one process (HEAP_TESTS: other tests), HEAP_REPS times (3 by
 # default; 0: none) under glibc's malloc checking where the machine has it (glibc's message on
 # stderr: LIBC_FATAL_STDERR_, else it goes to the terminal); then HEAP_VARIANTS' generations outside
-# pytest, VARIANT_REPS times each (below); then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0:
-# not). Processes that ran them aborted with a corrupted heap (RELIABILITY.md). Not part of all.
+# pytest, VARIANT_REPS times each, and BREAKABLE_VARIANTS' runs of scripts/breakable_replay.py (below);
+# then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0: not). Processes that ran them aborted
+# with a corrupted heap (RELIABILITY.md). Not part of all.
 # crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
 # Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
 # after its generations passed: RELIABILITY.md). Not part of all.
@@ -108,6 +109,18 @@ if [ "$what" = heap ]; then
       checked python3 -X faulthandler scripts/static_generations.py --backend "$backend" --options "$options" \
         "${models[@]}" $more > "$log" 2>&1
       echo "$variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
+    done
+  done
+  # BREAKABLE_VARIANTS: scripts/breakable_replay.py (the pattern, small: segments replayed with an
+  # op run eagerly between them) under the same checking, VARIANT_REPS times each; variants are its
+  # arguments, separated by ';' (e.g. '--mode torch;--mode capturepass;--mode capturepass --without let-go').
+  IFS=';' read -r -a breakable <<< "${BREAKABLE_VARIANTS:-}"
+  for variant in "${breakable[@]}"; do
+    for i in $(seq "${VARIANT_REPS:-3}"); do
+      log="$out/breakable-$(echo "$variant" | tr -dc 'a-z0-9')-$i.log"
+      # shellcheck disable=SC2086
+      checked python3 -X faulthandler scripts/breakable_replay.py --device cuda $variant > "$log" 2>&1
+      echo "breakable $variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
     done
   done
   # shellcheck disable=SC2086
