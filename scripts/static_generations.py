@@ -23,7 +23,9 @@ path one by one, to find the one a fault needs (diagnosis only; each keeps the r
 - ``pool-routing``: nothing routes a thread's allocations into a graph pool (warm-ups run
   outside it, no pool keeper), as on a torch without that call;
 - ``aliases``: replayed outputs are copied out, never handed out as aliases;
-- ``cublas-clears``: cuBLAS's workspace cache is never cleared around captures.
+- ``cublas-clears``: cuBLAS's workspace cache is never cleared around captures;
+- ``finalizers``: no finalizer watches a model's tensors or a captured input's storage (their
+  captures then go with the model or by ``max_captures``).
 
 Prints one line per model and exits 1 if any generation differs from eager's.
 """
@@ -48,7 +50,7 @@ NEW_TOKENS = 8
 
 def _without(names: list[str]) -> None:
     """Turns off the capture-path mechanisms ``names`` (see the module doc) for this process."""
-    from capturepass.runtime import capture, outputs, program, replay
+    from capturepass.runtime import capture, lifetime, outputs, program, replay
 
     def keep_args(run, lanes):
         return run
@@ -59,6 +61,8 @@ def _without(names: list[str]) -> None:
         "pool-routing": lambda: setattr(capture, "POOL_WARM_UP_UNSUPPORTED", "turned off (--without pool-routing)"),
         "aliases": lambda: setattr(outputs, "UNSUPPORTED", "turned off (--without aliases)"),
         "cublas-clears": lambda: setattr(capture, "clear_cublas_workspaces", lambda: None),
+        "finalizers": lambda: (setattr(lifetime, "watch", lambda *a: []),
+                               setattr(lifetime, "watch_capture", lambda *a: [])),
     }
     for name in names:
         if name not in switches:
