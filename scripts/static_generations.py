@@ -22,7 +22,8 @@ path one by one, to find the one a fault needs (diagnosis only; each keeps the r
   no buffers moved into the pool);
 - ``pool-routing``: nothing routes a thread's allocations into a graph pool (warm-ups run
   outside it, no pool keeper), as on a torch without that call;
-- ``aliases``: replayed outputs are copied out, never handed out as aliases;
+- ``aliases``: replayed outputs are copied out, never handed out as aliases (``let-go`` goes
+  with it: it holds only outputs that are handed out);
 - ``cublas-clears``: cuBLAS's workspace cache is never cleared around captures;
 - ``finalizers``: no finalizer watches a model's tensors or a captured input's storage (their
   captures then go with the model or by ``max_captures``).
