@@ -21,8 +21,9 @@
 # static-cache generation tests in one process (HEAP_TESTS: other tests), HEAP_REPS times (3 by
 # default; 0: none) under glibc's malloc checking where the machine has it (glibc's message on
 # stderr: LIBC_FATAL_STDERR_, else it goes to the terminal); then HEAP_VARIANTS' generations outside
-# pytest, VARIANT_REPS times each, and BREAKABLE_VARIANTS' runs of scripts/breakable_replay.py (below);
-# then once under compute-sanitizer memcheck (HEAP_MEMCHECK=0: not). Processes that ran them aborted
+# pytest, VARIANT_REPS times each, BREAKABLE_VARIANTS' runs of scripts/breakable_replay.py and
+# HEAP_GDB's generations under cuda-gdb (below); then once under compute-sanitizer memcheck
+# (HEAP_MEMCHECK=0: not). Processes that ran them aborted
 # with a corrupted heap (RELIABILITY.md). Not part of all.
 # crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
 # Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
@@ -72,9 +73,13 @@ fi
 if [ "$what" = heap ]; then
   heap_tests=${HEAP_TESTS:-"tests/runtime/test_outputs_gpu.py::test_an_output_held_outside_pythons_heap_raises_on_access_instead_of_being_overwritten tests/test_generate.py::test_generate_with_a_static_cache_gpu"}
   debug=/lib/x86_64-linux-gnu/libc_malloc_debug.so.0
+  # HEAP_PERTURB=N: glibc fills freed memory with byte N (and new memory with its complement), so
+  # that a reader of freed memory fails nearer the culprit than the next allocation does.
+  perturb=()
+  [ -n "${HEAP_PERTURB:-}" ] && perturb=(MALLOC_PERTURB_="$HEAP_PERTURB")
   checked() {  # the command under glibc's malloc checking where the machine has it
     if [ -e "$debug" ]; then
-      LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 "$@"
+      env LD_PRELOAD=$debug MALLOC_CHECK_=3 LIBC_FATAL_STDERR_=1 "${perturb[@]}" "$@"
     else
       "$@"
     fi
@@ -123,6 +128,22 @@ if [ "$what" = heap ]; then
       echo "breakable $variant run $i: exit $?; $(grep -E '^(OK|FAIL)|malloc|free\(\)|Fatal' "$log" | tr '\n' ' ' | cut -c1-300)"
     done
   done
+  # HEAP_GDB: arguments of scripts/static_generations.py run under cuda-gdb with the same checking,
+  # GDB_REPS times (2 by default): the native stack where glibc finds the heap corrupted (a later
+  # allocation than the write, but whose: the caching allocator's, the driver's, Python's?).
+  if [ -n "${HEAP_GDB:-}" ] && command -v cuda-gdb >/dev/null; then
+    for i in $(seq "${GDB_REPS:-2}"); do
+      gdb_env=(-ex "set environment MALLOC_CHECK_=3" -ex "set environment LIBC_FATAL_STDERR_=1")
+      [ -e "$debug" ] && gdb_env+=(-ex "set environment LD_PRELOAD=$debug")
+      [ -n "${HEAP_PERTURB:-}" ] && gdb_env+=(-ex "set environment MALLOC_PERTURB_=$HEAP_PERTURB")
+      # shellcheck disable=SC2086
+      timeout "${HEAP_GDB_TIMEOUT:-300}" cuda-gdb -batch "${gdb_env[@]}" \
+        -ex "handle SIGUSR1 SIGUSR2 SIGPIPE SIGCHLD nostop noprint pass" -ex run -ex bt -ex "info threads" \
+        --args python3 scripts/static_generations.py $HEAP_GDB > "$out/heap-gdb-$i.log" 2>&1
+      echo "cuda-gdb run $i: exit $?; $(grep -E '^(OK|FAIL)' "$out/heap-gdb-$i.log" | tr '\n' ' ')"
+      grep -E -A30 'received signal' "$out/heap-gdb-$i.log" | head -40
+    done
+  fi
   # shellcheck disable=SC2086
   if [ "${HEAP_MEMCHECK:-1}" != 0 ]; then
     compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -p no:xdist $heap_tests \
