@@ -217,13 +217,17 @@ class InPlacePlans:
             keep = [(i, args[i].data_ptr() if i in stay else ptr) for i, ptr in zip(places, ptrs)
                     if i not in moved or i in stay]
             self._plans[base] = (tuple(i for i, _ in keep), tuple(p for _, p in keep))
-            # Watched from here as a whole read-only input is: a cache that moved once (a new one
-            # per generation) and then stays put is captured in place again at its new address,
+            # A tensor the caller keeps (a written input, a slice of its buffer) is watched from
+            # here as a whole read-only input is: a cache that moved once (a new one per
+            # generation) and then stays put is captured in place again at its new address,
             # instead of being copied in and back at every call; one that keeps moving is copied
-            # for good after MAX_MOVES.
+            # for good after MAX_MOVES. A whole read-only input, in place only because it stayed
+            # put, is copied for good once it moves: it is made per call after all, and where the
+            # allocator hands it back at one address for a while and then elsewhere, watching it
+            # again would capture twice at every such turn (a copy costs less than a capture).
             steady = self._steady.setdefault(base, {})
             for i in moved:
-                if i not in stay and _plain(args[i]):
+                if i not in stay and _plain(args[i]) and (i in self._written or is_slice(args[i])):
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]

@@ -322,6 +322,31 @@ def test_an_input_captured_in_place_for_staying_put_that_moves_is_copied_for_goo
 
 
 @torch.no_grad()
+def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(host_captures):
+    """A caller that makes its input per call, which the allocator hands back at the address of
+    the last one for a while and then elsewhere (a loop at two shapes, other tensors between),
+    must not pay two captures at every such turn: once an input captured in place for staying
+    put has moved, it is copied for good, however long it then stays at its new address."""
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    rows = torch.randn(16, 4)
+    pos = torch.tensor([0])
+    x, y = torch.randn(1, 4), torch.randn(1, 4)
+    calls = [x] * (STEADY_CALLS + 2) + [y] * (STEADY_CALLS + 3) + [x] * (STEADY_CALLS + 3) + [y] * 3
+    compiled(calls[0], cache, pos, rows[:3])
+    model(calls[0], ref, pos, rows[:3])
+    ex = _executor()
+    for t in calls[1:]:
+        torch.testing.assert_close(compiled(t, cache, pos, rows[:3]), model(t, ref, pos, rows[:3]))
+        torch.testing.assert_close(cache, ref)
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(1,), (3, 4), (8, 4)]  # x's place copied for good; pos stayed
+    # The first (x copied), x in place once it stayed put, copied again once it moved: no more.
+    assert [k for k, _ in host_captures].count("capture") == 3
+    assert ex._places.watching(next(iter(ex._captures))[:2]) is None
+
+
+@torch.no_grad()
 def test_threads_calling_one_model_with_buffers_of_their_own_equal_eager(host_captures):
     """Four threads, each refilling buffers of its own: the shape's plan sees inputs move and stay
     put in every order, and captures are released while other threads look for them. A replay
@@ -440,6 +465,24 @@ def test_a_whole_input_is_steady_only_where_the_call_just_before_had_it():
     for t in ([b, c] * MAX_MOVES)[:MAX_MOVES + 1]:
         assert plans.observe(base, [t]) == ()
     assert plans.watching(base) is None  # moved too often: copied for good, nothing watched
+
+
+def test_a_moved_input_is_watched_again_only_where_the_caller_keeps_it():
+    """A written input (a cache) or a slice of a buffer that moves is watched, to be captured in
+    place again where it then stays (a new cache per generation); a whole read-only input that
+    was in place only because it stayed put is copied for good once it moves."""
+    cache, buf, x = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(2, 8)
+    plans = InPlacePlans(static_inputs=(), written={0})
+    base = (("instance",), ("shapes",))
+    plans.plan(base, [cache, buf[:3], x])
+    assert plans.get(base)[0] == (0, 1)  # the cache (written) and the slice, from the first capture
+    assert plans.observe(base, [cache, buf[:3], x]) == (2,)
+    plans.promote(base, [cache, buf[:3], x], (2,))
+    assert plans.get(base)[0] == (0, 1, 2) and plans.watching(base) is None
+    other_cache, other_buf, other_x = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(2, 8)
+    assert plans.moved(base, [other_cache, other_buf[:3], other_x]) == [0, 1, 2]
+    assert plans.get(base) == ((), ())
+    assert sorted(plans.watching(base)) == [0, 1]  # x: copied for good
 
 
 def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():
