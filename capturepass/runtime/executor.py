@@ -495,13 +495,20 @@ class Executor(Releases):
         if moved:
             plan = self._places.get(base)
             stay = [i for i in moved if plan and i in plan[0]]
-            names = [f"%{self.program.inputs[i].name}" for i in moved if i not in stay]
+            kept = [f"%{self.program.inputs[i].name}" for i in moved
+                    if i not in stay and self._places.kept_by_caller(i, args)]
+            made = [f"%{self.program.inputs[i].name}" for i in moved
+                    if i not in stay and not self._places.kept_by_caller(i, args)]
             released = self._release_base(base)
             said = f"; released {', '.join(released)}, made on the old address" if released else ""
-            if names:
+            if kept:
                 log.info("capturepass: %s: input(s) %s came at another address than at their capture; they are "
                          "copied into buffers while they move (captured in place again once one stays put; a "
-                         "capture per address would spend max_captures)%s", self._what, ", ".join(names), said)
+                         "capture per address would spend max_captures)%s", self._what, ", ".join(kept), said)
+            if made:
+                log.info("capturepass: %s: input(s) %s, captured in place for staying put, came at another address; "
+                         "they are made per call after all and copied into buffers from now on%s", self._what,
+                         ", ".join(made), said)
             if stay:
                 log.info("capturepass: %s: written input(s) %s came at another address than at their capture; "
                          "captured in place there, as the device cannot spare a buffer of their size%s", self._what,

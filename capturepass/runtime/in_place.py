@@ -200,7 +200,12 @@ class InPlacePlans:
         release and capture again at every call, while a capture keyed on a dead address is
         harmless (a replay runs only for a tensor at that address, and the replay writes no
         memory that was the caller's when it was captured)."""
-        return frozenset(i for i in places if i in self._written or is_slice(args[i]))
+        return frozenset(i for i in places if self.kept_by_caller(i, args))
+
+    def kept_by_caller(self, i: int, args: Sequence[Any]) -> bool:
+        """Whether input ``i`` is a tensor its caller keeps across calls (written by the graph, or a
+        slice of a larger buffer) rather than one made per call."""
+        return i in self._written or is_slice(args[i])
 
     def moved(self, base: tuple, args: Sequence[Any]) -> list[int]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
@@ -227,7 +232,7 @@ class InPlacePlans:
             # again would capture twice at every such turn (a copy costs less than a capture).
             steady = self._steady.setdefault(base, {})
             for i in moved:
-                if i not in stay and _plain(args[i]) and (i in self._written or is_slice(args[i])):
+                if i not in stay and _plain(args[i]) and self.kept_by_caller(i, args):
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]

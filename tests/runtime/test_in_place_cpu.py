@@ -322,7 +322,7 @@ def test_an_input_captured_in_place_for_staying_put_that_moves_is_copied_for_goo
 
 
 @torch.no_grad()
-def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(host_captures):
+def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(host_captures, caplog):
     """A caller that makes its input per call, which the allocator hands back at the address of
     the last one for a while and then elsewhere (a loop at two shapes, other tensors between),
     must not pay two captures at every such turn: once an input captured in place for staying
@@ -336,11 +336,15 @@ def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(h
     compiled(calls[0], cache, pos, rows[:3])
     model(calls[0], ref, pos, rows[:3])
     ex = _executor()
-    for t in calls[1:]:
-        torch.testing.assert_close(compiled(t, cache, pos, rows[:3]), model(t, ref, pos, rows[:3]))
-        torch.testing.assert_close(cache, ref)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for t in calls[1:]:
+            torch.testing.assert_close(compiled(t, cache, pos, rows[:3]), model(t, ref, pos, rows[:3]))
+            torch.testing.assert_close(cache, ref)
     (cap,) = ex._captures.values()
     assert _in_place_shapes(ex, cap) == [(1,), (3, 4), (8, 4)]  # x's place copied for good; pos stayed
+    said = [r.getMessage() for r in caplog.records if "came at another address" in r.getMessage()]
+    assert len(said) == 1 and "captured in place for staying put, came at another address; they are made per call " \
+        "after all and copied into buffers from now on" in said[0]
     # The first (x copied), x in place once it stayed put, copied again once it moved: no more.
     assert [k for k, _ in host_captures].count("capture") == 3
     assert ex._places.watching(next(iter(ex._captures))[:2]) is None
