@@ -16,7 +16,9 @@ captures made on the old address, and the input is watched as a whole read-only 
 whose tensors stay put pays no copy, one whose tensors move at every call pays one extra
 capture per shape (at most one per input that moves, as they are found) and a copy per call,
 one whose cache moves once in a while pays two captures per move (one copying, one in place)
-instead of a copy of the cache per call, and captures never multiply per address.
+instead of a copy of the cache per call, and captures never multiply per address. A slice that
+keeps moving soon after each capture in place (a caller taking turns between two buffers) is
+copied for good after :data:`SLICE_TURNS` such turns.
 
 A whole tensor the graph only reads (an input made for the call, or a buffer a caller keeps
 and refills: a benchmark's input, a decoder's token buffer) starts copied, since most callers
@@ -51,6 +53,13 @@ Plan = tuple[tuple[int, ...], tuple[int, ...]]
 STEADY_CALLS = 1
 # Addresses a whole read-only input may take before the plan stops watching it (copied for good).
 MAX_MOVES = 4
+# A slice of a caller's buffer that moves is captured in place again where it then stays (an
+# engine that reallocated its buffers), unless its capture in place served fewer than
+# SLICE_REPLAYS calls before it moved, SLICE_TURNS times: a caller alternating two buffers every few
+# calls would otherwise pay two captures at every turn (a copy of a read-only slice per call costs
+# microseconds; a capture, a warm-up and a capture). From then on it is copied for good.
+SLICE_REPLAYS = 256
+SLICE_TURNS = 2
 # The watch of an input first captured ahead of any call at its shape (``capture_sizes``), on a
 # resized copy of capturepass's own or on the caller's tensor: the caller's first call there is
 # not steady. A copy's address must not count (the allocator hands its freed block to the
@@ -100,6 +109,8 @@ class InPlacePlans:
         self._plans: dict[tuple, Plan] = {}
         # Whole read-only inputs still watched, per base: position -> [address, replays there, moves].
         self._steady: dict[tuple, dict[int, list[int]]] = {}
+        # Slices that moved soon after their capture in place, per base: position -> how often.
+        self._turns: dict[tuple, dict[int, int]] = {}
         # The plan of a base, if it has one: every captured call asks, so it is the dict's own method.
         self.get: Callable[[tuple], Plan | None] = self._plans.get
         # The whole read-only inputs of a base still watched, if any (every replay asks).
@@ -207,12 +218,17 @@ class InPlacePlans:
         slice of a larger buffer) rather than one made per call."""
         return i in self._written or is_slice(args[i])
 
-    def moved(self, base: tuple, args: Sequence[Any]) -> list[int]:
+    def short_turns(self, base: tuple, i: int) -> int:
+        """How often input ``i`` of ``base`` (a slice) moved soon after its capture in place."""
+        return self._turns.get(base, {}).get(i, 0)
+
+    def moved(self, base: tuple, args: Sequence[Any], served: int | None = None) -> list[int]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
         at the first capture; they are copied from now on (dropped from the plan), except a
         written one that its device cannot spare a buffer for (``runtime.aside``), which stays in
         the plan at its new address. An input back at its first address is not moved (its
-        capture was released when the tensor died, and it is captured in place again)."""
+        capture was released when the tensor died, and it is captured in place again).
+        ``served``: the calls the capture on the old addresses ran (see :data:`SLICE_REPLAYS`)."""
         places, ptrs = self._plans[base]
         moved = [i for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr]
         if moved:
@@ -231,8 +247,12 @@ class InPlacePlans:
             # allocator hands it back at one address for a while and then elsewhere, watching it
             # again would capture twice at every such turn (a copy costs less than a capture).
             steady = self._steady.setdefault(base, {})
+            turns = self._turns.setdefault(base, {})
             for i in moved:
-                if i not in stay and _plain(args[i]) and self.kept_by_caller(i, args):
+                if i not in self._written and served is not None and served < SLICE_REPLAYS:
+                    turns[i] = turns.get(i, 0) + 1
+                if i not in stay and _plain(args[i]) and self.kept_by_caller(i, args) \
+                        and (i in self._written or turns.get(i, 0) < SLICE_TURNS):
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]
@@ -242,12 +262,14 @@ class InPlacePlans:
         """Forgets every plan (the captures were released)."""
         self._plans.clear()
         self._steady.clear()
+        self._turns.clear()
 
     def forget(self, match: Callable[[tuple], bool]) -> None:
         """Forgets the plans of the model instances ``match`` accepts."""
         for base in [b for b in self._plans if match(b[0])]:
             del self._plans[base]
             self._steady.pop(base, None)
+            self._turns.pop(base, None)
 
 
 def _plain(t: torch.Tensor) -> bool:

@@ -175,6 +175,7 @@ class Capture:
             torch cannot alias them: outputs are then copied out).
         input_copies: copies of inputs into buffers and back to the caller's tensors, over
             all replays (in-place inputs make none).
+        replays: calls this capture ran.
         in_place_ptrs: the address each in-place input had at capture.
     """
 
@@ -188,6 +189,7 @@ class Capture:
         self.in_place_ptrs: dict[int, int] = {}
         self.outputs: outputs.OutputAliases | None = None
         self.input_copies = 0
+        self.replays = 0
         self.watchers: list[Any] = []  # finalizers of the in-place inputs' storages
         self.eager_lanes = owner.lanes("eager")
         self.eager = program.bind(owner, self.eager_lanes)
@@ -556,6 +558,7 @@ class Capture:
                                 "candidate) cannot run a call")
         if check and self.snapshot is not None:
             self.snapshot.check(self, args)
+        self.replays += 1
         # The copies in and out are this owner's work too (an observer's owner range holds them).
         # The lock: the model's other captures share this one's temporaries (``CaptureMemory``).
         with self.owner.lock, context.running(self.owner):

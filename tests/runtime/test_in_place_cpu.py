@@ -18,7 +18,8 @@ import torch
 
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import executor as executor_module
-from capturepass.runtime.in_place import MAX_MOVES, STEADY_CALLS, InPlacePlans, capture_key, is_slice, owns_memory
+from capturepass.runtime.in_place import (MAX_MOVES, SLICE_REPLAYS, SLICE_TURNS, STEADY_CALLS, InPlacePlans, capture_key,
+                                         is_slice, owns_memory)
 from capturepass.runtime.replay import InPlaceMoved
 from tests.helpers import HostCapture as _HostCapture
 from tests.helpers import compiled_since
@@ -351,6 +352,40 @@ def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(h
 
 
 @torch.no_grad()
+def test_slices_of_two_buffers_taking_turns_every_few_calls_are_copied_after_two_turns(host_captures, caplog):
+    """An engine alternating two input buffers every few calls: the slice goes back in place where
+    it stays, but a capture in place that served only a few calls before the slice moved again is
+    a wasted turn, and after SLICE_TURNS of them the slice is copied for good (it cost two captures
+    at every turn: 39 captures in 60 calls for turns of three calls)."""
+    model, compiled = _compiled()
+    cache, ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    buffers = [torch.randn(16, 4), torch.randn(16, 4)]
+    x, pos = torch.randn(1, 4), torch.tensor([0])
+    compiled(x, cache, pos, buffers[0][:3])
+    model(x, ref, pos, buffers[0][:3])
+    ex = _executor()
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for call in range(1, 30):
+            rows = buffers[(call // 3) % 2][:3]
+            torch.testing.assert_close(compiled(x, cache, pos, rows), model(x, ref, pos, rows))
+            torch.testing.assert_close(cache, ref)
+    (cap,) = ex._captures.values()
+    assert _in_place_shapes(ex, cap) == [(1,), (1, 4), (8, 4)]  # the rows copied for good; x and pos stayed
+    captures = [k for k, _ in host_captures]
+    # The first capture (the rows in place on buffer 0, x and pos copied), x and pos in place once
+    # they stayed put; then at each turn (every third call) a copy capture, and in place again on
+    # the new buffer at the next call, but for the last turn, after which the rows stay copied.
+    assert captures.count("capture") == 2 + 2 * SLICE_TURNS - 1
+    # (the log starts at call 1: call 0 ran before the executor captured)
+    assert captures[3 * SLICE_TURNS - 1] == "capture" and "capture" not in captures[3 * SLICE_TURNS:]
+    assert SLICE_REPLAYS > 30
+    said = [r.getMessage() for r in caplog.records if "came at another address" in r.getMessage()]
+    assert "captured in place again once one stays put" in said[0]
+    assert f"copied into buffers from now on (a capture in place served fewer than {SLICE_REPLAYS} calls before " \
+        f"they moved, {SLICE_TURNS} times" in said[-1]
+
+
+@torch.no_grad()
 def test_threads_calling_one_model_with_buffers_of_their_own_equal_eager(host_captures):
     """Four threads, each refilling buffers of its own: the shape's plan sees inputs move and stay
     put in every order, and captures are released while other threads look for them. A replay
@@ -487,6 +522,25 @@ def test_a_moved_input_is_watched_again_only_where_the_caller_keeps_it():
     assert plans.moved(base, [other_cache, other_buf[:3], other_x]) == [0, 1, 2]
     assert plans.get(base) == ((), ())
     assert sorted(plans.watching(base)) == [0, 1]  # x: copied for good
+
+
+def test_a_slice_is_watched_again_after_a_move_unless_it_moved_soon_after_its_capture_twice():
+    buffers = [torch.zeros(16, 8), torch.zeros(16, 8)]
+    plans = InPlacePlans(static_inputs=(), written=())
+    base = (("instance",), ("shapes",))
+    plans.plan(base, [buffers[0][:3]])
+    # Long in place (an engine that reallocated its buffers once): watched again however often.
+    for turn in range(SLICE_TURNS + 1):
+        assert plans.moved(base, [buffers[(turn + 1) % 2][:3]], served=SLICE_REPLAYS) == [0]
+        assert plans.watching(base) is not None
+        plans.promote(base, [buffers[(turn + 1) % 2][:3]], (0,))
+    # Short turns: copied for good after SLICE_TURNS of them.
+    for turn in range(SLICE_TURNS):
+        assert plans.watching(base) is None
+        assert plans.moved(base, [buffers[turn % 2][:3]], served=SLICE_REPLAYS - 1) == [0]
+        if turn < SLICE_TURNS - 1:
+            plans.promote(base, [buffers[turn % 2][:3]], (0,))
+    assert plans.watching(base) is None and plans.get(base) == ((), ())
 
 
 def test_a_slice_of_a_larger_buffer_is_told_from_a_tensor_made_for_the_call():
