@@ -497,13 +497,13 @@ class Executor(Releases):
             plan = self._places.get(base)
             stay = [i for i in moved if plan and i in plan[0]]
             watched = self._places.watching(base) or {}
-            name = self.program.inputs
-            kept = [f"%{name[i].name}" for i in moved if i not in stay and i in watched]
-            made = [f"%{name[i].name}" for i in moved if i not in stay and i not in watched
+            inputs = self.program.inputs
+            kept = [f"%{inputs[i].name}" for i in moved if i not in stay and i in watched]
+            made = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
                     and not self._places.kept_by_caller(i, args)]
-            short = [f"%{name[i].name}" for i in moved if i not in stay and i not in watched
+            short = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
                      and self._places.kept_by_caller(i, args) and self._places.short_turns(base, i) >= SLICE_TURNS]
-            other = [f"%{name[i].name}" for i in moved if i not in stay and i not in watched
+            other = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
                      and self._places.kept_by_caller(i, args) and self._places.short_turns(base, i) < SLICE_TURNS]
             released = self._release_base(base)
             said = f"; released {', '.join(released)}, made on the old address" if released else ""
