@@ -491,7 +491,9 @@ class Executor(Releases):
         is captured in place again; one at another address is copied from now on, and the
         captures made on it, now unreachable, are released.
         """
-        served = max((c.replays for k, c in self._captures.items() if k[:2] == base), default=0)
+        # What the capture on the old addresses served, if it is still there (one released when its
+        # input's storage died served an unknown while: no short turn is counted for it).
+        served = max((c.replays for k, c in self._captures.items() if k[:2] == base), default=None)
         moved = self._places.moved(base, args, served)
         if moved:
             plan = self._places.get(base)
