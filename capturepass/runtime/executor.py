@@ -88,7 +88,7 @@ from capturepass.ir.capabilities import REGISTRY
 from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import capture, context, lifetime, naming, outputs, pools, profiling, sizes
-from capturepass.runtime.in_place import SLICE_REPLAYS, SLICE_TURNS, STEADY_CALLS, InPlacePlans, capture_key
+from capturepass.runtime.in_place import STEADY_CALLS, InPlacePlans, capture_key
 from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.releases import Releases
@@ -496,40 +496,14 @@ class Executor(Releases):
         served = max((c.replays for k, c in self._captures.items() if k[:2] == base), default=None)
         moved = self._places.moved(base, args, served)
         if moved:
-            plan = self._places.get(base)
-            stay = [i for i in moved if plan and i in plan[0]]
-            watched = self._places.watching(base) or {}
-            inputs = self.program.inputs
-            kept = [f"%{inputs[i].name}" for i in moved if i not in stay and i in watched]
-            made = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
-                    and not self._places.kept_by_caller(i, args)]
-            short = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
-                     and self._places.kept_by_caller(i, args) and self._places.short_turns(base, i) >= SLICE_TURNS]
-            other = [f"%{inputs[i].name}" for i in moved if i not in stay and i not in watched
-                     and self._places.kept_by_caller(i, args) and self._places.short_turns(base, i) < SLICE_TURNS]
+            by_rule: dict[str, list[str]] = {}
+            for i, rule in moved.items():
+                by_rule.setdefault(rule, []).append(f"%{self.program.inputs[i].name}")
             released = self._release_base(base)
             said = f"; released {', '.join(released)}, made on the old address" if released else ""
-            if kept:
-                log.info("capturepass: %s: input(s) %s came at another address than at their capture; they are "
-                         "copied into buffers while they move (captured in place again once one stays put; a "
-                         "capture per address would spend max_captures)%s", self._what, ", ".join(kept), said)
-            if made:
-                log.info("capturepass: %s: input(s) %s, captured in place for staying put, came at another address; "
-                         "they are made per call after all and copied into buffers from now on%s", self._what,
-                         ", ".join(made), said)
-            if short:
-                log.info("capturepass: %s: input(s) %s came at another address than at their capture; copied into "
-                         "buffers from now on (a capture in place served fewer than %d calls before they moved, %d "
-                         "times: a caller taking turns between buffers, where a capture at every turn costs more than "
-                         "their copies)%s", self._what, ", ".join(short), SLICE_REPLAYS, SLICE_TURNS, said)
-            if other:
-                log.info("capturepass: %s: input(s) %s came at another address than at their capture; copied into "
-                         "buffers from now on (not a plain tensor with elements that a capture may read in place)%s",
-                         self._what, ", ".join(other), said)
-            if stay:
-                log.info("capturepass: %s: written input(s) %s came at another address than at their capture; "
-                         "captured in place there, as the device cannot spare a buffer of their size%s", self._what,
-                         ", ".join(f"%{self.program.inputs[i].name}" for i in stay), said)
+            for rule, names in by_rule.items():
+                log.info("capturepass: %s: input(s) %s came at another address than at their capture; %s%s",
+                         self._what, ", ".join(names), rule, said)
         return capture_key(base, self._places.get(base), args)
 
     def capture(self, args: Sequence[Any], key: tuple | None = None) -> Capture | None:

@@ -60,6 +60,17 @@ MAX_MOVES = 4
 # microseconds; a capture, a warm-up and a capture). From then on it is copied for good.
 SLICE_REPLAYS = 256
 SLICE_TURNS = 2
+# What becomes of inputs captured in place that came at another address (:meth:`InPlacePlans.moved`),
+# in the log's words.
+STAYS = "captured in place there, as the device cannot spare a buffer of their size"
+WATCHED = ("copied into buffers while they move (captured in place again once one stays put; a capture per "
+           "address would spend max_captures)")
+MADE_PER_CALL = ("in place only while they stayed put, they are made per call after all: copied into buffers "
+                 "from now on")
+SHORT_TURNS = (f"copied into buffers from now on (a capture in place served fewer than {SLICE_REPLAYS} calls "
+               f"before they moved, {SLICE_TURNS} times: a caller taking turns between buffers, where a capture "
+               "at every turn costs more than their copies)")
+NOT_PLAIN = "copied into buffers from now on (not a plain tensor with elements that a capture may read in place)"
 # The watch of an input first captured ahead of any call at its shape (``capture_sizes``), on a
 # resized copy of capturepass's own or on the caller's tensor: the caller's first call there is
 # not steady. A copy's address must not count (the allocator hands its freed block to the
@@ -218,19 +229,16 @@ class InPlacePlans:
         slice of a larger buffer) rather than one made per call."""
         return i in self._written or is_slice(args[i])
 
-    def short_turns(self, base: tuple, i: int) -> int:
-        """How often input ``i`` of ``base`` (a slice) moved soon after its capture in place."""
-        return self._turns.get(base, {}).get(i, 0)
-
-    def moved(self, base: tuple, args: Sequence[Any], served: int | None = None) -> list[int]:
+    def moved(self, base: tuple, args: Sequence[Any], served: int | None = None) -> dict[int, str]:
         """The in-place positions of ``base`` whose tensor ``args`` bring at another address than
-        at the first capture; they are copied from now on (dropped from the plan), except a
-        written one that its device cannot spare a buffer for (``runtime.aside``), which stays in
-        the plan at its new address. An input back at its first address is not moved (its
-        capture was released when the tensor died, and it is captured in place again).
-        ``served``: the calls the capture on the old addresses ran (see :data:`SLICE_REPLAYS`)."""
+        at the first capture, each with what becomes of it (:data:`WATCHED` and the others, in
+        order). They are copied from now on (dropped from the plan), except a written one that
+        its device cannot spare a buffer for (``runtime.aside``), which stays in the plan at its
+        new address. An input back at its first address is not moved (its capture was released
+        when the tensor died, and it is captured in place again). ``served``: the calls the
+        capture on the old addresses ran, if it is still there (see :data:`SLICE_REPLAYS`)."""
         places, ptrs = self._plans[base]
-        moved = [i for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr]
+        moved: dict[int, str] = {i: "" for i, ptr in zip(places, ptrs) if args[i].data_ptr() != ptr}
         if moved:
             # A written input whose device cannot spare a buffer of its size (a cache sized to the
             # memory left) stays in place, at its new address: a capture per address it takes.
@@ -249,10 +257,19 @@ class InPlacePlans:
             steady = self._steady.setdefault(base, {})
             turns = self._turns.setdefault(base, {})
             for i in moved:
-                if i not in self._written and served is not None and served < SLICE_REPLAYS:
+                written, kept = i in self._written, self.kept_by_caller(i, args)
+                if kept and not written and served is not None and served < SLICE_REPLAYS:
                     turns[i] = turns.get(i, 0) + 1
-                if i not in stay and _plain(args[i]) and self.kept_by_caller(i, args) \
-                        and (i in self._written or turns.get(i, 0) < SLICE_TURNS):
+                if i in stay:
+                    moved[i] = STAYS
+                elif not kept:
+                    moved[i] = MADE_PER_CALL
+                elif not _plain(args[i]):
+                    moved[i] = NOT_PLAIN
+                elif not written and turns.get(i, 0) >= SLICE_TURNS:
+                    moved[i] = SHORT_TURNS
+                else:
+                    moved[i] = WATCHED
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]

@@ -18,8 +18,8 @@ import torch
 
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime import executor as executor_module
-from capturepass.runtime.in_place import (MAX_MOVES, SLICE_REPLAYS, SLICE_TURNS, STEADY_CALLS, InPlacePlans, capture_key,
-                                         is_slice, owns_memory)
+from capturepass.runtime.in_place import (MADE_PER_CALL, MAX_MOVES, SHORT_TURNS, SLICE_REPLAYS, SLICE_TURNS, STEADY_CALLS,
+                                         WATCHED, InPlacePlans, capture_key, is_slice, owns_memory)
 from capturepass.runtime.replay import InPlaceMoved
 from tests.helpers import HostCapture as _HostCapture
 from tests.helpers import compiled_since
@@ -344,8 +344,7 @@ def test_a_promoted_input_that_moves_is_not_promoted_again_where_it_then_stays(h
     (cap,) = ex._captures.values()
     assert _in_place_shapes(ex, cap) == [(1,), (3, 4), (8, 4)]  # x's place copied for good; pos stayed
     said = [r.getMessage() for r in caplog.records if "came at another address" in r.getMessage()]
-    assert len(said) == 1 and "captured in place for staying put, came at another address; they are made per call " \
-        "after all and copied into buffers from now on" in said[0]
+    assert len(said) == 1 and f"came at another address than at their capture; {MADE_PER_CALL};" in said[0]
     # The first (x copied), x in place once it stayed put, copied again once it moved: no more.
     assert [k for k, _ in host_captures].count("capture") == 3
     assert ex._places.watching(next(iter(ex._captures))[:2]) is None
@@ -380,9 +379,8 @@ def test_slices_of_two_buffers_taking_turns_every_few_calls_are_copied_after_two
     assert captures[3 * SLICE_TURNS - 1] == "capture" and "capture" not in captures[3 * SLICE_TURNS:]
     assert SLICE_REPLAYS > 30
     said = [r.getMessage() for r in caplog.records if "came at another address" in r.getMessage()]
-    assert "captured in place again once one stays put" in said[0]
-    assert f"copied into buffers from now on (a capture in place served fewer than {SLICE_REPLAYS} calls before " \
-        f"they moved, {SLICE_TURNS} times" in said[-1]
+    assert WATCHED in said[0] and "captured in place again once one stays put" in WATCHED
+    assert SHORT_TURNS in said[-1] and f"served fewer than {SLICE_REPLAYS} calls before they moved" in SHORT_TURNS
 
 
 @torch.no_grad()
@@ -519,7 +517,7 @@ def test_a_moved_input_is_watched_again_only_where_the_caller_keeps_it():
     plans.promote(base, [cache, buf[:3], x], (2,))
     assert plans.get(base)[0] == (0, 1, 2) and plans.watching(base) is None
     other_cache, other_buf, other_x = torch.zeros(4, 8), torch.zeros(16, 8), torch.zeros(2, 8)
-    assert plans.moved(base, [other_cache, other_buf[:3], other_x]) == [0, 1, 2]
+    assert plans.moved(base, [other_cache, other_buf[:3], other_x]) == {0: WATCHED, 1: WATCHED, 2: MADE_PER_CALL}
     assert plans.get(base) == ((), ())
     assert sorted(plans.watching(base)) == [0, 1]  # x: copied for good
 
@@ -533,13 +531,14 @@ def test_a_slice_is_watched_again_after_a_move_unless_it_moved_soon_after_its_ca
     # capture went with the old buffer's storage): watched again however often.
     for turn in range(2 * SLICE_TURNS + 1):
         served = SLICE_REPLAYS if turn % 2 else None
-        assert plans.moved(base, [buffers[(turn + 1) % 2][:3]], served=served) == [0]
+        assert plans.moved(base, [buffers[(turn + 1) % 2][:3]], served=served) == {0: WATCHED}
         assert plans.watching(base) is not None
         plans.promote(base, [buffers[(turn + 1) % 2][:3]], (0,))
     # Short turns: copied for good after SLICE_TURNS of them.
     for turn in range(SLICE_TURNS):
         assert plans.watching(base) is None
-        assert plans.moved(base, [buffers[turn % 2][:3]], served=SLICE_REPLAYS - 1) == [0]
+        last = turn == SLICE_TURNS - 1
+        assert plans.moved(base, [buffers[turn % 2][:3]], served=SLICE_REPLAYS - 1) == {0: SHORT_TURNS if last else WATCHED}
         if turn < SLICE_TURNS - 1:
             plans.promote(base, [buffers[turn % 2][:3]], (0,))
     assert plans.watching(base) is None and plans.get(base) == ((), ())
@@ -568,9 +567,9 @@ def test_a_plan_is_decided_at_the_first_capture_and_a_moved_input_leaves_it():
     plan = plans.plan(base, [cache, x, w])
     assert plan == ((0,), (cache.data_ptr(),))  # written; x is made for the call; w is static
     assert plans.plan(base, [torch.zeros(4, 8), x, w]) == plan  # decided once
-    assert plans.moved(base, [cache, x, w]) == [] and plans.get(base) == plan
+    assert plans.moved(base, [cache, x, w]) == {} and plans.get(base) == plan
     other = torch.zeros(4, 8)
-    assert plans.moved(base, [other, x, w]) == [0]
+    assert plans.moved(base, [other, x, w]) == {0: WATCHED}
     assert plans.get(base) == ((), ())  # copied from now on
     assert capture_key(base, plans.get(base), [other, x, w]) == (*base, ())
     plans.forget(lambda instance: instance == ("instance",))
