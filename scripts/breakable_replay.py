@@ -130,6 +130,15 @@ def _groups(model: Experts) -> list[tuple[bool, list[Callable[[dict[str, torch.T
     return groups
 
 
+def _run(groups: list[tuple[bool, list[Callable[[dict[str, torch.Tensor]], None]]]],
+         st: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Runs every step of ``groups`` eagerly on the state ``st``; returns it."""
+    for _, steps in groups:
+        for step in steps:
+            step(st)
+    return st
+
+
 class Segments:
     """The model run as its segments and breaks, each segment captured in a CUDA graph (``capture``)
     or run eagerly; one graph pool for every segment of every shape."""
@@ -142,17 +151,12 @@ class Segments:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.capture:
-            st = {"x": x}
-            for _, steps in self.groups:
-                for step in steps:
-                    step(st)
-            return st["x"]
+            return _run(self.groups, {"x": x})["x"]
         plan = self.shapes.get(tuple(x.shape))
         if plan is None:
             plan = self.shapes[tuple(x.shape)] = self._capture(x)
         static_x, parts = plan
         static_x.copy_(x)
-        st: dict[str, torch.Tensor] = {}
         for brk, thing in parts:
             if brk:
                 # thing: (steps, the state the graph captured, the next graph's buffers by name)
@@ -172,10 +176,7 @@ class Segments:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                st = {"x": x.clone()}
-                for _, steps in self.groups:
-                    for step in steps:
-                        step(st)
+                _run(self.groups, {"x": x.clone()})
         torch.cuda.current_stream().wait_stream(side)
         static_x = x.clone()
         st = {"x": static_x}  # the values the next segment reads: graph outputs or buffers
