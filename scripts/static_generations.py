@@ -26,7 +26,11 @@ path one by one, to find the one a fault needs (diagnosis only; each keeps the r
   with it: it holds only outputs that are handed out);
 - ``cublas-clears``: cuBLAS's workspace cache is never cleared around captures;
 - ``finalizers``: no finalizer watches a model's tensors or a captured input's storage (their
-  captures then go with the model or by ``max_captures``).
+  captures then go with the model or by ``max_captures``);
+- ``heap-search``: a held output's views the caller derived are never searched for on the heap
+  (torch without ``UntypedStorage._swap_data_ptr_``): they are expired instead, and raise if read.
+
+Each model's line also says how many times a rescue searched the heap.
 
 Prints one line per model and exits 1 if any generation differs from eager's.
 """
@@ -50,8 +54,11 @@ NEW_TOKENS = 8
 
 
 def _without(names: list[str]) -> None:
-    """Turns off the capture-path mechanisms ``names`` (see the module doc) for this process."""
+    """Turns off the capture-path mechanisms ``names`` (see the module doc) for this process,
+    and counts the heap searches of those left on."""
     from capturepass.runtime import capture, lifetime, outputs, program, replay
+
+    outputs.gc = _HEAP
 
     def keep_args(run, lanes):
         return run
@@ -64,11 +71,30 @@ def _without(names: list[str]) -> None:
         "cublas-clears": lambda: setattr(capture, "clear_cublas_workspaces", lambda: None),
         "finalizers": lambda: (setattr(lifetime, "watch", lambda *a: []),
                                setattr(lifetime, "watch_capture", lambda *a: [])),
+        "heap-search": lambda: setattr(_HEAP, "search", False),
     }
     for name in names:
         if name not in switches:
             raise SystemExit(f"--without {name}: not one of {', '.join(switches)}")
         switches[name]()
+
+
+class _Heap:
+    """Stands in for ``gc`` in :mod:`capturepass.runtime.outputs`: counts its heap searches, and
+    finds nothing once ``search`` is off."""
+
+    def __init__(self) -> None:
+        self.search = True
+        self.searches = 0
+
+    def get_objects(self) -> list:
+        import gc
+
+        self.searches += 1
+        return gc.get_objects() if self.search else []
+
+
+_HEAP = _Heap()
 
 
 def _generate(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -107,9 +133,10 @@ def main() -> int:
         got = [_generate(model, ids) for ids in prompts]
         same = all(torch.equal(g, w) for g, w in zip(got, want))
         failed += not same
+        searches, _HEAP.searches = _HEAP.searches, 0
         extra = "".join(f" --{k} {v}" for k, v in (("declare", args.declare), ("without", args.without)) if v)
         print(f"{'OK  ' if same else 'FAIL'} {name}: {args.backend} {json.dumps(options)}{extra}: "
-              f"{3 * NEW_TOKENS} tokens {'equal to' if same else 'unlike'} eager's", flush=True)
+              f"{3 * NEW_TOKENS} tokens {'equal to' if same else 'unlike'} eager's; heap searches {searches}", flush=True)
         torch._dynamo.reset()
     return 1 if failed else 0
 

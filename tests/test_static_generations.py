@@ -27,7 +27,8 @@ CHECK = textwrap.dedent("""
     print(program._weak_args(run, None) is run, replay.Capture._lets_go(None) is False,
           capture.POOL_WARM_UP_UNSUPPORTED is not None, outputs.supported() is False,
           capture.clear_cublas_workspaces is not before[4],
-          lifetime.watch is not before[5] and lifetime.watch_capture is not before[6])
+          lifetime.watch is not before[5] and lifetime.watch_capture is not before[6],
+          outputs.gc is static_generations._HEAP and static_generations._HEAP.search is False)
 """)
 
 
@@ -37,20 +38,20 @@ def _run(names: str) -> subprocess.CompletedProcess:
 
 
 def test_every_switch_turns_its_mechanism_off():
-    done = _run("weak-args,let-go,pool-routing,aliases,cublas-clears,finalizers")
+    done = _run("weak-args,let-go,pool-routing,aliases,cublas-clears,finalizers,heap-search")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True"] * 6
+    assert done.stdout.split() == ["True"] * 7
 
 
 def test_one_switch_leaves_the_others_on():
     done = _run("let-go")
     assert done.returncode == 0, done.stderr
     # On a torch without CUDA the pool routing and the aliases are off already (no such calls).
-    weak, let_go, _, _, clears, finalizers = done.stdout.split()
-    assert (weak, let_go, clears, finalizers) == ("False", "True", "False", "False")
+    weak, let_go, _, _, clears, finalizers, heap = done.stdout.split()
+    assert (weak, let_go, clears, finalizers, heap) == ("False", "True", "False", "False", "False")
 
 
 def test_an_unknown_switch_is_refused_by_name():
     done = _run("let-go,weak-refs")
     assert done.returncode != 0
-    assert "--without weak-refs: not one of weak-args, let-go, pool-routing, aliases, cublas-clears, finalizers" in done.stderr
+    assert "--without weak-refs: not one of weak-args, let-go, pool-routing, aliases, cublas-clears, finalizers, heap-search" in done.stderr
