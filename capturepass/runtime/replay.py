@@ -153,6 +153,16 @@ def before_call(positions: Iterable[int], args: Sequence[Any]) -> dict[int, torc
             and args[i].numel() * args[i].element_size() <= BEFORE_CALL_BYTES}
 
 
+def _in_pool_memory(t: torch.Tensor, shared: Any) -> bool:
+    """Whether ``t`` is memory of the device whose graph pool ``shared`` holds.
+
+    Only that pool keeps a block once no tensor owns it: host memory (a break's CPU result, a
+    per-call CPU input's buffer) or another device's would go back to its allocator, which hands
+    it to anything while the graphs and the copy in still write it.
+    """
+    return t.device == shared.capture_stream.device
+
+
 def _storages(values: Iterable[Any]) -> set[int]:
     """The storages (``_cdata``) of the strided tensors among ``values``."""
     return {v.untyped_storage()._cdata for v in values if isinstance(v, torch.Tensor) and v.layout == torch.strided}
@@ -395,6 +405,8 @@ class Capture:
         moved: dict[int, torch.Tensor] = {}
         with capture.in_pool(self.owner.pool, shared.capture_stream, after=(shared.last_stream,)):
             for i, buf in self.inputs.items():
+                if not _in_pool_memory(buf, shared):
+                    continue  # a buffer of the host (or of another device) cannot go into the pool
                 new = torch.empty_strided(buf.size(), buf.stride(), dtype=buf.dtype, device=buf.device)
                 fill(new, buf, i in self.spans)
                 moved[id(buf)] = new
@@ -419,7 +431,8 @@ class Capture:
         passed back as an input is rescued first, so it is never the buffer itself); (3) outputs
         the caller still holds are rescued before the replay of any capture of the model
         (``CaptureMemory.held_outputs``) and before a capture moves its buffers into the pool.
-        Objects retained for the lanes keep their storages, and with them their blocks.
+        Objects retained for the lanes keep their storages, and with them their blocks, and so
+        does memory outside the pool's device (:func:`_in_pool_memory`).
         """
         theirs = _storages([*args, *self.program.constants.values()])
         theirs |= _storages(buf for staged in self.seg_in.values() for _, buf in staged)
@@ -428,7 +441,7 @@ class Capture:
             mine += list(self.inputs.values())
         else:
             theirs |= _storages(self.inputs.values())  # outside the pool: their blocks are anyone's
-        weak = outputs.non_owning(t for t in mine if t.layout == torch.strided
+        weak = outputs.non_owning(t for t in mine if t.layout == torch.strided and _in_pool_memory(t, self.owner.shared)
                                   and t.untyped_storage()._cdata not in theirs)
         for p, outs in self.seg_out.items():
             self.seg_out[p] = [weak.get(id(t), t) for t in outs]

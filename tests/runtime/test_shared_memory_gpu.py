@@ -400,6 +400,46 @@ def test_captured_outputs_and_input_buffers_go_back_to_the_pool():
     assert sum(c.outputs.rescues for c in caps.values()) >= len(calls) - 1
 
 
+@torch.library.custom_op("cptest_shared::shift_by", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _shift_by(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return x + int(n)  # n: a number on the host, read by the break at every call
+
+
+@_shift_by.register_fake
+def _(x, n):
+    return torch.empty_like(x)
+
+
+@torch.no_grad()
+def test_a_host_input_buffer_keeps_its_memory_when_the_capture_lets_go():
+    """Only the pool keeps a block once no tensor owns it. A per-call number on the host (a 0-d
+    CPU tensor, read by a break, as transformers' generation passes one) gets a host buffer that
+    the copy in writes at every call: held over a non-owning storage, its memory went back to
+    malloc while every call still wrote it, corrupting the host heap. It keeps its memory; the
+    device's buffers still go back to the pool; every call, with host allocations churning in
+    between, equals eager."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, device="cuda") / 8
+
+    def f(x, n):
+        return torch.relu(torch.ops.cptest_shared.shift_by(x @ w, n)) * 2
+
+    fn = torch.compile(f, backend="capturepass", options={"verify": True})
+    for k in range(6):
+        x, n = torch.randn(16, 64, device="cuda"), torch.tensor(k)
+        torch.testing.assert_close(fn(x, n), f(x, n), **TOL)
+        churn = [torch.full((), -1, dtype=torch.int64) for _ in range(256)]  # blocks of n's size
+        assert all(int(c) == -1 for c in churn)
+    (cap,) = _captures(_executor()).values()
+    assert cap.let_go and cap.uncaptured
+    host = [b for b in cap.inputs.values() if b.device.type == "cpu"]
+    device = [b for b in cap.inputs.values() if b.device.type == "cuda"]
+    assert len(host) == 1 and device
+    # A storage made over an address (non-owning) cannot be resized; the allocator's own can.
+    assert host[0].untyped_storage().resizable()
+    assert not any(b.untyped_storage().resizable() for b in device)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["auto", "off"])
 def test_an_output_held_while_another_shape_is_captured_keeps_its_values(policy):
