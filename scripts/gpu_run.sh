@@ -23,8 +23,8 @@
 # stderr: LIBC_FATAL_STDERR_, else it goes to the terminal); then HEAP_VARIANTS' generations outside
 # pytest, VARIANT_REPS times each, BREAKABLE_VARIANTS' runs of scripts/breakable_replay.py and
 # HEAP_GDB's generations under cuda-gdb (below); then once under compute-sanitizer memcheck
-# (HEAP_MEMCHECK=0: not). Processes that ran them aborted
-# with a corrupted heap (RELIABILITY.md). Not part of all.
+# (HEAP_MEMCHECK=0: not). Processes that ran them aborted with a corrupted heap until a capture
+# stopped letting go of host input buffers (RELIABILITY.md). Not part of all.
 # crash: the static-cache generations of MODELS (modernbert-decoder by default) under capturepass,
 # Inductor and reduce-overhead, then capturepass's under cuda-gdb (a process that died collecting garbage
 # after its generations passed: RELIABILITY.md). Not part of all.
