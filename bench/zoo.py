@@ -10,9 +10,11 @@ models whose branches are wide (``bench/branch_models.py``: torchvision's GoogLe
 v3, diffusers' Flux and SD3 transformers), each at two shapes of its own.
 
 Variants, each in its own process (so that no compile cache or pool of one variant helps
-another; compiles run in parallel, timings one process at a time under a file lock, which
-capturepass's measured choice also takes, through ``CAPTUREPASS_PICK_LOCK``, while it times its
-candidates):
+another; processes start together, and on a GPU their compiles and first calls run one process
+at a time under a file lock, as their timings do: capturepass's measured choice takes the same
+lock, through ``CAPTUREPASS_PICK_LOCK``, while it times its candidates inside the first call, and
+another process's compile on the GPU at that time (Inductor's tuning, reduce-overhead's warm-up
+and recording) slows the candidates it times, unevenly, so that processes chose unlike schedules):
 
 - ``eager``;
 - ``inductor``: ``torch.compile(model)``;
@@ -165,10 +167,21 @@ def compiled(model, variant: str):
     return torch.compile(model, backend="capturepass", options=opts)
 
 
+def compile_turn(cuda: bool) -> contextlib.AbstractContextManager:
+    """A worker's turn for its compiles and first calls: on a GPU the lock its timings and
+    capturepass's measured choice take (see the module doc); on the CPU none, where compiles
+    overlap (no choice is measured there)."""
+    if not cuda:
+        return contextlib.nullcontext()
+    from capturepass.runtime.pick import measuring_turn
+
+    return measuring_turn()
+
+
 @contextlib.contextmanager
 def turn(lock_path: str):
-    """Holds the GPU timing lock once every process has compiled: compiles overlap, timings
-    neither overlap each other nor a compile (CPU contention slows the host side of a call)."""
+    """Holds the GPU timing lock once every process has compiled: timings neither overlap each
+    other nor a compile (CPU contention slows the host side of a call)."""
     from capturepass.runtime.pick import measuring_turn
 
     # The same turn as capturepass's measured choice (``CAPTUREPASS_PICK_LOCK`` names this file
@@ -239,6 +252,8 @@ def worker(args: argparse.Namespace) -> None:
     fn = compiled(model, args.variant)
     results, timed_calls, same_inputs, steady, owners = {}, {}, {}, {}, {}
     replays = [] if cuda and args.variant.startswith("capturepass") else None
+    gpu_turn = contextlib.ExitStack()  # closed before the timed turn, which takes the lock again
+    gpu_turn.enter_context(compile_turn(cuda))
     with torch.no_grad():
         for label, make in shapes.items():
             inputs = [make(seed) for seed in range(4)]
@@ -282,6 +297,7 @@ def worker(args: argparse.Namespace) -> None:
             owners[label] = serving(made, owners[label])
         if cuda:
             torch.cuda.synchronize()
+        gpu_turn.close()
         peak = (torch.cuda.max_memory_allocated() - weights) / 2**20 if cuda else 0.0
         own = None
         if cuda and args.memory_sites:
@@ -505,7 +521,7 @@ def main() -> None:
     p.add_argument("--inputs", type=int, default=8,
                    help="token sets the timed calls take turns over (the same for every variant; the first "
                         "two are the warm-up calls' own)")
-    p.add_argument("--jobs", type=int, default=4, help="processes at once (they compile together, then time one by one)")
+    p.add_argument("--jobs", type=int, default=4, help="processes at once (they start together; on a GPU they compile one by one; they time one by one)")
     p.add_argument("--procs", type=int, default=3,
                    help="processes per model and variant (median of medians; each cell also shows their range)")
     p.add_argument("--timeout", type=int, default=600)
@@ -550,12 +566,13 @@ def main() -> None:
 
 
 def wave(jobs: list[tuple[str, str]], args: argparse.Namespace) -> tuple[list[dict], list[str]]:
-    """Runs ``jobs`` at once: they compile together, then time one at a time once all are ready."""
+    """Runs ``jobs`` at once: they start together (on a GPU each compiles in its turn of the lock), then
+    time one at a time once all are ready."""
     lock = tempfile.NamedTemporaryFile(prefix="zoo-bench-lock-", delete=False).name
     procs = []
     for m, v in jobs:
-        # capturepass's measured choice times its candidates under the timing lock too: the
-        # workers' compiles overlap, and a choice timed beside another worker's replays is noise.
+        # capturepass's measured choice times its candidates under the timing lock too: a choice
+        # timed beside another worker's kernels is noise.
         env = fresh_caches(CAPTUREPASS_PICK_LOCK=lock)
         cmd = [sys.executable, __file__, "--worker", "--model", m, "--variant", v, "--lock", lock,
                "--device", args.device, "--sizes", args.sizes,

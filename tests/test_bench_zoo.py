@@ -278,6 +278,32 @@ def test_a_capture_measured_inside_the_timing_turn_does_not_wait_on_it(tmp_path,
             pass
 
 
+def test_compiles_on_a_gpu_take_the_timing_lock_and_on_the_cpu_do_not(tmp_path, monkeypatch):
+    # Another worker's compile on the GPU (Inductor's tuning, reduce-overhead's recording) beside
+    # capturepass's measured choice slowed its candidates unevenly: three processes of one model
+    # chose three schedules. A worker compiles in the turn its pickers and timings take.
+    import fcntl
+
+    zoo = _load("zoo")
+    lock = str(tmp_path / "lock")
+    monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", lock)
+
+    def free() -> bool:  # what another worker finds: can it take the lock now?
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return True
+
+    with zoo.compile_turn(True):
+        assert not free()
+    assert free()
+    with zoo.compile_turn(False):
+        assert free()
+
+
 def test_replay_alone_times_the_captures_a_shapes_calls_run(monkeypatch):
     # A DiT's first shape, once its second made Dynamo compile a dynamic graph, runs through that
     # graph's capture: the replay alone is of the captures named for the shape, whichever graph
