@@ -282,26 +282,16 @@ def test_compiles_on_a_gpu_take_the_timing_lock_and_on_the_cpu_do_not(tmp_path, 
     # Another worker's compile on the GPU (Inductor's tuning, reduce-overhead's recording) beside
     # capturepass's measured choice slowed its candidates unevenly: three processes of one model
     # chose three schedules. A worker compiles in the turn its pickers and timings take.
-    import fcntl
+    from tests.runtime.test_pick_lock import _locked_elsewhere
 
     zoo = _load("zoo")
     lock = str(tmp_path / "lock")
     monkeypatch.setenv("CAPTUREPASS_PICK_LOCK", lock)
-
-    def free() -> bool:  # what another worker finds: can it take the lock now?
-        with open(lock, "a") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
-            fcntl.flock(f, fcntl.LOCK_UN)
-            return True
-
     with zoo.compile_turn(True):
-        assert not free()
-    assert free()
+        assert _locked_elsewhere(lock)  # another worker waits
+    assert not _locked_elsewhere(lock)
     with zoo.compile_turn(False):
-        assert free()
+        assert not _locked_elsewhere(lock)
 
 
 def test_replay_alone_times_the_captures_a_shapes_calls_run(monkeypatch):
