@@ -521,7 +521,8 @@ def main() -> None:
     p.add_argument("--inputs", type=int, default=8,
                    help="token sets the timed calls take turns over (the same for every variant; the first "
                         "two are the warm-up calls' own)")
-    p.add_argument("--jobs", type=int, default=4, help="processes at once (they start together; on a GPU they compile one by one; they time one by one)")
+    p.add_argument("--jobs", type=int, default=4,
+                   help="processes at once (they start together; on a GPU they compile one by one; they time one by one)")
     p.add_argument("--procs", type=int, default=3,
                    help="processes per model and variant (median of medians; each cell also shows their range)")
     p.add_argument("--timeout", type=int, default=600)
