@@ -54,10 +54,13 @@ def _storages_of(nbytes: int) -> int:
             # Plain tensors only: fake and functional ones (Dynamo's, Inductor's) have no memory.
             if type(o) not in (torch.Tensor, torch.nn.Parameter) or o.layout != torch.strided or o.is_meta:
                 continue
+            storage = o.untyped_storage()
         except ReferenceError:  # a weak proxy whose referent is gone
             continue
-        if o.untyped_storage().nbytes() == nbytes:
-            found.add(o.untyped_storage().data_ptr())
+        except NotImplementedError:  # a plain tensor over no memory of its own: vmap's, an earlier test's
+            continue
+        if storage.nbytes() == nbytes:
+            found.add(storage.data_ptr())
     return len(found)
 
 
