@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHECK = textwrap.dedent("""
     import sys
+    import torch
     sys.path.insert(0, "scripts")
     import static_generations
     from capturepass.runtime import capture, lifetime, outputs, program, replay
@@ -24,7 +25,7 @@ CHECK = textwrap.dedent("""
               outputs.UNSUPPORTED, capture.clear_cublas_workspaces, lifetime.watch, lifetime.watch_capture)
     static_generations._without(sys.argv[1].split(","))
     run = object()
-    print(program._weak_args(run, None) is run, replay.Capture._lets_go(None) is False,
+    print(program._weak_args(run, None, torch.device("cuda", 0)) is run, replay.Capture._lets_go(None) is False,
           capture.POOL_WARM_UP_UNSUPPORTED is not None, outputs.supported() is False,
           capture.clear_cublas_workspaces is not before[4],
           lifetime.watch is not before[5] and lifetime.watch_capture is not before[6],

@@ -12,10 +12,13 @@ drops every value right after its last use, which is where ``insert_syncs``
 put a ``release`` when the default free would have raced another lane.
 
 A break of a captured owner (a non-capturable op run eagerly between
-segments) gets its tensor arguments as weak references
+segments) gets its tensor arguments on the owner's device as weak references
 (:func:`capturepass.runtime.resources.weak_ref`): the arguments are graph
 activations in the owner's pool or the caller's inputs, and an op that keeps
-one (a cache, a deferred check) must not pin it past the call. What the break
+one (a cache, a deferred check) must not pin it past the call. Arguments in
+host memory (a per-call number on the CPU) or on another device go in as they
+are: no pool keeps their memory once its owner lets go, and a view an op kept
+would read, or write, what the allocator put there since. What the break
 returns is copied by the runtime into the next segment's static input buffers
 (the caller-provided outputs); an output that aliases an argument is turned
 back into a strong view before anything else sees it.
@@ -336,8 +339,8 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
             if spec.groups:
                 spec = dataclasses.replace(spec, fn=comms.redirected(spec.graph, spec.groups, naming.model_of(owner.name), spec.lane))
             runner = inline_runner(spec, owner, lanes) if spec.inline is not None else lanes.region_runner(spec.lane)
-            if spec.eager and owner.captured:
-                runner = _weak_args(runner, lanes)
+            if spec.eager and owner.captured and owner.device is not None:
+                runner = _weak_args(runner, lanes, owner.device)
             if code_lanes_of is not None:
                 runner = _on_code_lanes(runner, *code_lanes_of)
             call = graph.call_function(RegionCall(spec, runner), tuple(env[n] for n in spec.inputs))
@@ -380,18 +383,23 @@ def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[...
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassCall").forward
 
 
-def _weak_args(run: "Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]", lanes: "Lanes") -> Any:
-    """Wraps a break's runner: tensor arguments go in as weak references (see the module doc)."""
+def _weak_args(run: "Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]", lanes: "Lanes",
+               device: torch.device) -> Any:
+    """Wraps a break's runner: tensor arguments on ``device``, whose graph pool holds their
+    memory, go in as weak references; any other as it is (see the module doc)."""
     from capturepass.runtime.resources import weak_ref
 
     if getattr(torch._C, "_construct_storage_from_data_pointer", None) is None:
         return run  # this torch cannot make non-owning storage: arguments stay strong
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
 
     def call(fn: Callable[..., Sequence[Any]], args: tuple) -> Sequence[Any]:
         strong: dict[int, torch.Tensor] = {}
         weak_args = []
         for a in args:
-            if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.requires_grad and a.numel():
+            if isinstance(a, torch.Tensor) and a.layout == torch.strided and not a.requires_grad and a.numel() \
+                    and a.device == device:
                 w = weak_ref(a)
                 strong[w.untyped_storage()._cdata] = a
                 weak_args.append(w)

@@ -333,3 +333,42 @@ def test_a_moved_parameter_gets_its_own_capture():
     model.w.data = torch.randn(64, 64, device="cuda")  # the parameter now lives elsewhere
     torch.testing.assert_close(compiled(x), 3 * (x @ model.w), atol=1e-3, rtol=1e-3)
     assert _executor().num_captures == 2
+
+
+# -- weak arguments of breaks -----------------------------------------------------------------------
+
+STASHED: list[torch.Tensor] = []
+
+
+@torch.library.custom_op("cptest_res_gpu::stash_scaled", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _stash_scaled(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    STASHED[:] = [x, n]  # an op that keeps its arguments (a cache)
+    return x * int(n)
+
+
+@_stash_scaled.register_fake
+def _(x, n):
+    return torch.empty_like(x)
+
+
+@torch.no_grad()
+def test_a_breaks_device_arguments_go_in_weak_and_its_host_arguments_as_they_are():
+    """The activation a break reads lives in the owner's pool: the op gets a weak view of it and
+    does not pin its block. A number on the host (a 0-d CPU tensor, the capture's host input
+    buffer) goes in as it is: no pool keeps host memory, and a kept weak view of it would read
+    or write what malloc put there since."""
+    w = torch.randn(16, 16, device="cuda")
+
+    def f(x, n):
+        return torch.ops.cptest_res_gpu.stash_scaled(x @ w, n).relu()
+
+    fn = torch.compile(f, backend="capturepass", options={"verify": True})
+    for k in range(3):  # the first call captures; the others replay, the break between segments
+        x, n = torch.randn(4, 16, device="cuda"), torch.tensor(k + 1)
+        want = f(x, n)
+        torch.testing.assert_close(fn(x, n), want, atol=1e-4, rtol=1e-4)
+    kept_x, kept_n = STASHED
+    assert kept_x.is_cuda and kept_n.device.type == "cpu"
+    # A storage made over an address (a weak view) cannot be resized; an allocator's own can.
+    assert not kept_x.untyped_storage().resizable()
+    assert kept_n.untyped_storage().resizable() and int(kept_n) == 3
