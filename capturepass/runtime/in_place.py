@@ -273,6 +273,8 @@ class InPlacePlans:
                     steady[i] = [args[i].data_ptr(), 0, 1]
             if not steady:
                 del self._steady[base]
+            if not turns:
+                del self._turns[base]
         return moved
 
     def clear(self) -> None:
