@@ -93,10 +93,14 @@ class PickRecord:
         replays: replays run in all (warm-up rounds included).
         candidates: per candidate, ``name``, ``lanes``, ``estimate_us`` (the cost model's
             makespan), ``measured_us`` (the median; ``None`` when it was not measured),
+            ``fastest_us`` (its fastest sample; absent from records of an older format),
             ``workspace_mib`` (the cuBLAS workspaces its capture allocated, one per stream that
             ran a matrix product; ``None`` when not known) and ``note`` (why not measured).
         scale: the one-lane candidate's measured time over its estimate (how far the cost
             model's absolute times are off on this device), or ``None``.
+        unsteady: the candidates whose median was far above their fastest sample
+            (``pick.UNSTEADY``): other work shared the GPU with the timed replays, and the
+            choice was neither cached nor used to calibrate the cost model.
     """
 
     graph: str
@@ -109,6 +113,7 @@ class PickRecord:
     replays: int
     candidates: list[dict[str, Any]]
     scale: float | None = None
+    unsteady: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the entry of :data:`PICKS_FILE` and the cache)."""
@@ -133,7 +138,15 @@ class PickRecord:
         line = head + "; " + "; ".join(parts)
         if self.scale is not None:
             line += f"; cost model scale (one lane, measured/estimate) {self.scale:.2f}"
+        if self.unsteady:
+            line += f"; unsteady timings ({self.unsteady_text()}): not cached"
         return line
+
+    def unsteady_text(self) -> str:
+        """Each unsteady candidate's median against its fastest sample."""
+        by_name = {c["name"]: c for c in self.candidates}
+        return "; ".join(f"{n}: median {by_name[n]['measured_us']} us, fastest {by_name[n].get('fastest_us')} us"
+                         for n in self.unsteady if n in by_name)
 
 
 def append_record(dump_dir: str | None, record: PickRecord) -> None:

@@ -48,7 +48,8 @@ The choice is kept in a JSON file per key (device name, a hash of the graph befo
 lane assignment with the options that change its schedule, the shapes), under
 ``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
 torch's cache directory): another process that compiles the same graph captures
-only the chosen candidate (``capturepass.runtime.choices``: the records and the cache). Each
+only the chosen candidate (``capturepass.runtime.choices``: the records and the cache), unless the timings were unsteady
+(:func:`unsteady_timing`: other work shared the GPU, and the choice holds for this process only). Each
 choice is also added to the graph's summary (every shape's choice, keyed by the graph's hash
 before its schedule: ``ScheduleCache.add_shape``), which the graph's next compile reads before
 compiling anything (``backends.dynamo``), and each shape where the cost model's lanes and one
@@ -103,6 +104,14 @@ REPEATS = 4
 # decode graph's three lanes timed 1.1% faster than one lane on the call's tokens and 2.7% slower
 # on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
 TIE = 0.02
+# A candidate whose median is more than this fraction above its fastest sample was timed beside
+# other work on the GPU for at least half its rounds (another process's kernels, Inductor's tuning
+# or a capture of a neighbour): replays of one captured graph on one input do not vary so on their
+# own. Such a choice holds for this process but is not cached, and its times calibrate nothing, so
+# that a quiet process later measures the shape again. Fewer rounds than UNSTEADY_ROUNDS cannot
+# tell a disturbance from a candidate's pace.
+UNSTEADY = 0.10
+UNSTEADY_ROUNDS = 3
 
 # Before the timed replays of a graph that writes its inputs, the GPU spins this many cycles (about
 # 0.5 ms on an H200) while the host launches the sample's restores and replays: each replay is
@@ -194,6 +203,14 @@ def time_rounds(
             samples[i].append(t)
         replays += n * per_sample
     return samples, replays
+
+
+def unsteady_timing(median: float | None, fastest: float | None, rounds: int) -> bool:
+    """Whether a candidate's samples show other work on the GPU: at least :data:`UNSTEADY_ROUNDS`
+    timed rounds and a median more than :data:`UNSTEADY` above the fastest sample."""
+    if median is None or fastest is None or rounds < UNSTEADY_ROUNDS or fastest <= 0:
+        return False
+    return median > fastest * (1.0 + UNSTEADY)
 
 
 def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = TIE,
@@ -480,14 +497,16 @@ class Picker:
                 failure.outputs = first.outputs
                 raise
             return cap, first.outputs
-        measured = {c.get("name"): c.get("measured_us") for c in entry["record"].get("candidates", [])
-                    if isinstance(c, dict)}
-        held = {c.get("name"): c.get("workspace_mib") for c in entry["record"].get("candidates", [])
-                if isinstance(c, dict)}
+        earlier = {c.get("name"): c for c in entry["record"].get("candidates", []) if isinstance(c, dict)}
+
+        def number(name: str, field: str) -> float | None:
+            # What the earlier process measured of each candidate (absent from an older record).
+            value = earlier.get(name, {}).get(field)
+            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
-                  "measured_us": measured.get(c.name) if isinstance(measured.get(c.name), (int, float)) else None,
-                  "workspace_mib": held.get(c.name) if isinstance(held.get(c.name), (int, float)) else None,
-                  "note": None} for c in self.candidates]
+                  "measured_us": number(c.name, "measured_us"), "fastest_us": number(c.name, "fastest_us"),
+                  "workspace_mib": number(c.name, "workspace_mib"), "note": None} for c in self.candidates]
         record = PickRecord(self.graph, shape, dev, cand.name, True, self.budget_ms, 0, 0, cands,
                             entry["record"].get("scale") if isinstance(entry["record"].get("scale"), float) else None)
         log.info("capturepass: %s graph, shape %s: schedule %s (%d lane(s)) from the schedule cache; nothing measured",
@@ -579,8 +598,12 @@ class Picker:
                 c.owner.close()
             return self._recaptured_for_call(executor, args, caps[0], 0, prior, out), out
         medians: list[float | None] = [None] * len(self.candidates)
+        fastest: list[float | None] = [None] * len(self.candidates)
         for j, i in enumerate(kept):
             medians[i] = statistics.median(samples[j]) * 1e6
+            fastest[i] = min(samples[j]) * 1e6
+        rounds = len(samples[0])
+        unsteady = [c.name for i, c in enumerate(self.candidates) if unsteady_timing(medians[i], fastest[i], rounds)]
         lanes = [c.lanes for c in self.candidates]
         chosen = choose(medians, lanes, mapped=[not _own(c) and getattr(c, "lane_map", None) is not None
                                                 for c in self.candidates])
@@ -589,16 +612,16 @@ class Picker:
                 caps[j].owner.close()
         held = {i: workspace_mib(caps[j]) for j, i in enumerate(kept)}
         cands = [{"name": c.name, "lanes": c.lanes, "estimate_us": round_us(c.estimate_us),
-                  "measured_us": round_us(medians[i]), "workspace_mib": held.get(i), "note": notes.get(i)}
+                  "measured_us": round_us(medians[i]), "fastest_us": round_us(fastest[i]),
+                  "workspace_mib": held.get(i), "note": notes.get(i)}
                  for i, c in enumerate(self.candidates)]
         # One lane's own program (a lane map onto one stream runs the lanes' program).
         one = next((i for i, c in enumerate(self.candidates) if _own(c) and medians[i] is not None), None)
         scale = None
         if one is not None and self.candidates[one].estimate_us > 0:
             scale = round(medians[one] / self.candidates[one].estimate_us, 4)  # type: ignore[operator]
-        rounds = len(samples[0])
         record = PickRecord(self.graph, shape, dev, self.candidates[chosen].name, False, self.budget_ms, rounds,
-                            replays, cands, scale)
+                            replays, cands, scale, unsteady)
         for c in cands:
             log.info("capturepass: %s graph, shape %s: schedule candidate %s (%d lane(s)): estimate %s us, %s%s",
                      self.graph, shape, c["name"], c["lanes"], c["estimate_us"],
@@ -606,10 +629,14 @@ class Picker:
                      workspace_text(c.get("workspace_mib")))
         log.info("capturepass: %s graph, shape %s: chose schedule %s (%d lane(s)), measured %s us over %d round(s)",
                  self.graph, shape, record.choice, self.candidates[chosen].lanes, round_us(medians[chosen]), rounds)
-        if self.cache is not None:
+        if unsteady:
+            log.warning("capturepass: %s graph, shape %s: the timings were unsteady (%s): other work shared the GPU "
+                        "with the timed replays; the choice holds for this process only, is not cached and "
+                        "calibrates nothing", self.graph, shape, record.unsteady_text())
+        elif self.cache is not None:
             self.cache.put(key, record)
             self._summarize(dev, args, record.choice)
-        if self.calibration is not None and one is not None and self.rooflines:
+        if not unsteady and self.calibration is not None and one is not None and self.rooflines:
             # One lane's replay is the graph's kernels back to back: a measurement of what the
             # cost model estimates node by node, for the unmeasured schedules compiled from now on.
             try:

@@ -126,8 +126,8 @@ def _number(value: Any) -> bool:
 def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
     """The measured schedule choices of a graph's folder (``schedules.json``), one per shape:
     ``kind`` ``pick``, the record's fields (``shape``, ``device``, ``choice``, ``cached``,
-    ``rounds``, ``replays``, ``candidates`` with ``estimate_us``, ``measured_us`` and
-    ``workspace_mib``, ``scale``)
+    ``rounds``, ``replays``, ``candidates`` with ``estimate_us``, ``measured_us``, ``fastest_us`` and
+    ``workspace_mib``, ``scale``, ``unsteady``)
     and its ``text``.
 
     Raises:
@@ -148,15 +148,18 @@ def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
             where = f"picks[{k}].candidates[{j}]"
             if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not isinstance(c.get("lanes"), int):
                 raise DumpError(path, where, "expected an object with a name and a lane count")
-            for key in ("estimate_us", "measured_us", "workspace_mib"):
+            for key in ("estimate_us", "measured_us", "fastest_us", "workspace_mib"):
                 if c.get(key) is not None and not _number(c[key]):
                     raise DumpError(path, f"{where}.{key}", f"expected a finite number or null, got {c[key]!r}")
         if e["choice"] not in [c["name"] for c in e["candidates"]]:
             raise DumpError(path, f"picks[{k}].choice", f"{e['choice']!r} is not one of the candidates")
         scale = e.get("scale")
+        unsteady = e.get("unsteady", [])
+        if not isinstance(unsteady, list) or not all(isinstance(n, str) for n in unsteady):
+            raise DumpError(path, f"picks[{k}].unsteady", f"expected a list of candidate names, got {unsteady!r}")
         record = PickRecord(e["graph"], e["shape"], e["device"], e["choice"], e["cached"],
                             e.get("budget_ms") if _number(e.get("budget_ms")) else 0.0, e["rounds"], e["replays"],
-                            e["candidates"], scale if _number(scale) else None)
+                            e["candidates"], scale if _number(scale) else None, unsteady)
         out.append(dict(record.to_json(), kind="pick", text=f"pick: {record.text()}"))
     return out
 

@@ -89,14 +89,14 @@ def test_picker_measures_keeps_the_fastest_and_releases_the_others(tmp_path, cap
     (record,) = picked
     assert record.to_json() == {
         "graph": "inference", "shape": "(float32[4, 8])", "device": "FakeGPU sm90", "choice": "one_lane",
-        "cached": False, "budget_ms": 2.0, "rounds": 6, "replays": 24, "scale": 1.7647,
+        "cached": False, "budget_ms": 2.0, "rounds": 6, "replays": 24, "scale": 1.7647, "unsteady": [],
         "candidates": [
-            {"name": "model", "lanes": 3, "estimate_us": 20.0, "measured_us": 100.0, "workspace_mib": 96.0,
-             "note": None},
-            {"name": "one_lane", "lanes": 1, "estimate_us": 34.0, "measured_us": 60.0, "workspace_mib": 32.0,
-             "note": None},
-            {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": 80.0, "workspace_mib": 64.3,
-             "note": None},
+            {"name": "model", "lanes": 3, "estimate_us": 20.0, "measured_us": 100.0, "fastest_us": 100.0,
+             "workspace_mib": 96.0, "note": None},
+            {"name": "one_lane", "lanes": 1, "estimate_us": 34.0, "measured_us": 60.0, "fastest_us": 60.0,
+             "workspace_mib": 32.0, "note": None},
+            {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": 80.0, "fastest_us": 80.0,
+             "workspace_mib": 64.3, "note": None},
         ]}
     assert record.text() == (
         "schedule for (float32[4, 8]) on FakeGPU sm90: one_lane (1 lane(s)), measured fastest (6 round(s), 24 "
@@ -230,6 +230,72 @@ def test_second_picker_reads_the_cache_and_captures_only_the_choice(tmp_path, ca
             "nothing measured") in [r.getMessage() for r in caplog.records]
 
 
+class _DisturbedTimer:
+    """Each candidate's replay takes a fixed time, except in the rounds another process's kernels
+    share the GPU: from ``since`` on, every sample takes ``slower`` times as long."""
+
+    def __init__(self, us, since, slower):
+        self.us, self.since, self.slower, self.rounds = us, since, slower, 0
+
+    def __call__(self, caps, order):
+        self.rounds += 1
+        factor = self.slower if self.rounds > self.since else 1.0
+        return [self.us[caps[i].name] * factor / 1e6 for i in order]
+
+
+@pytest.mark.parametrize("since, slower, rounds, steady", [
+    (2 + 3, 1.5, 6, False),   # three quiet rounds of six, then the rest 1.5x: the median is the disturbed pace
+    (2 + 3, 1.09, 6, True),   # 9% slower for half the rounds: within what one graph's replays may vary
+    (2 + 4, 1.5, 6, True),    # four quiet rounds of six: the median is the quiet pace
+    (0, 3.0, 1, True),        # disturbed from the first warm-up round on: the budget's one round shows nothing
+    (0, 1.2, 4, True),        # evenly disturbed in every round: nothing shows it
+])
+def test_unsteady_timings_choose_for_this_process_but_are_not_cached(tmp_path, caplog, since, slower, rounds,
+                                                                     steady):
+    from capturepass.runtime.calibration import CalibrationStore
+
+    us = {"model": 100.0, "one_lane": 60.0, "aux1": 80.0}
+    store = CalibrationStore(tmp_path / "cache")
+    p, _, picked, cands = fake_picker(tmp_path, us, calibration=store, rooflines=[(1e-6, 20), (1e-5, 2)])
+    p.measure_round = _DisturbedTimer(us, since, slower)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        cap, _ = p.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
+    (record,) = picked
+    assert cap.program is cands[1].program and record.choice == "one_lane" and record.rounds == rounds
+    cached = sorted(f.name for f in (tmp_path / "cache").iterdir()) if (tmp_path / "cache").exists() else []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if steady:
+        assert record.unsteady == [] and "unsteady" not in record.text()
+        assert len([f for f in cached if f.endswith(".json")]) >= 1 and store.model("FakeGPU sm90").samples == 1
+        assert warned == []
+        return
+    assert record.unsteady == ["model", "one_lane", "aux1"]
+    assert [(c["measured_us"], c["fastest_us"]) for c in record.candidates] == [(125.0, 100.0), (75.0, 60.0),
+                                                                                (100.0, 80.0)]
+    assert record.text().endswith(
+        "; unsteady timings (model: median 125.0 us, fastest 100.0 us; one_lane: median 75.0 us, fastest 60.0 us; "
+        "aux1: median 100.0 us, fastest 80.0 us): not cached")
+    assert warned == [
+        "capturepass: inference graph, shape (float32[4, 8]): the timings were unsteady (model: median 125.0 us, "
+        "fastest 100.0 us; one_lane: median 75.0 us, fastest 60.0 us; aux1: median 100.0 us, fastest 80.0 us): "
+        "other work shared the GPU with the timed replays; the choice holds for this process only, is not cached "
+        "and calibrates nothing"]
+    # Nothing kept for another process: neither the choice, nor the graph's summary, nor a calibration.
+    assert ScheduleCache(tmp_path / "cache").get(ScheduleCache.key("FakeGPU sm90", "g0", "(float32[4, 8])")) is None
+    assert store.model("FakeGPU sm90") is None
+    # So the next process measures the shape again.
+    again, timer, _, _ = fake_picker(tmp_path, us)
+    again.capture(FakeExecutor(), [torch.randn(4, 8)], real=True)
+    assert timer.replays > 0
+
+
+def test_too_few_rounds_cannot_show_unsteady_timings():
+    assert not pick.unsteady_timing(200.0, 100.0, pick.UNSTEADY_ROUNDS - 1)
+    assert pick.unsteady_timing(200.0, 100.0, pick.UNSTEADY_ROUNDS)
+    assert not pick.unsteady_timing(None, 100.0, 25)
+    assert not pick.unsteady_timing(110.0, 100.0, 25) and pick.unsteady_timing(110.1, 100.0, 25)
+
+
 @pytest.mark.parametrize("change", ["device", "shape", "graph"])
 def test_cache_key_includes_device_shape_and_graph(tmp_path, change):
     us = {"model": 100.0, "one_lane": 120.0, "aux1": 70.0}
@@ -302,7 +368,7 @@ def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
         p.capture(FakeExecutor(), [torch.randn(2)], real=True)
     assert picked[0].choice == "model"
     assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
-                                       "workspace_mib": None, "note": "compile failed: RuntimeError"}
+                                       "fastest_us": None, "workspace_mib": None, "note": "compile failed: RuntimeError"}
     assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
 
 
@@ -560,6 +626,22 @@ def test_malformed_schedules_file_names_the_field(tmp_path):
                                                                    "rounds": 1, "replays": 2, "candidates": [cand]}]}))
     with pytest.raises(DumpError, match=r"picks\[0\]\.candidates\[0\]\.workspace_mib: expected a finite number"):
         show_summary.pick_decisions(str(tmp_path))
+    cand = {"name": "a", "lanes": 1, "estimate_us": 1.0, "measured_us": 2.0}
+    for field, value, message in (("fastest_us", None, r"candidates\[0\]\.fastest_us: expected a finite number"),
+                                  ("unsteady", "a", r"picks\[0\]\.unsteady: expected a list of candidate names")):
+        entry = {"graph": "inference", "shape": "()", "device": "x", "choice": "a", "cached": False, "rounds": 3,
+                 "replays": 9, "candidates": [dict(cand, fastest_us="fast") if value is None else cand]}
+        if value is not None:
+            entry[field] = value
+        (tmp_path / choices.PICKS_FILE).write_text(json.dumps({"picks": [entry]}))
+        with pytest.raises(DumpError, match=message):
+            show_summary.pick_decisions(str(tmp_path))
+    # A record of an older format (no fastest sample, no unsteady list) still reads.
+    (tmp_path / choices.PICKS_FILE).write_text(json.dumps({"picks": [{
+        "graph": "inference", "shape": "()", "device": "x", "choice": "a", "cached": False, "rounds": 3,
+        "replays": 9, "candidates": [cand]}]}))
+    (read,) = show_summary.pick_decisions(str(tmp_path))
+    assert read["unsteady"] == [] and read["text"].endswith("a 1 lane(s): estimate 1.0 us, measured 2.0 us")
     (tmp_path / choices.PICKS_FILE).write_text("[1]")
     with pytest.raises(DumpError, match="cannot be read"):
         show_summary.pick_decisions(str(tmp_path))
