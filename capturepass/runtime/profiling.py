@@ -142,6 +142,12 @@ def profiling_capture(device: Any = None) -> Iterator[ProfilingCapture]:
         try:
             prof._release()
         finally:
+            # A pool first made inside the block (capturepass's communicators are made at a
+            # model's first call) had no channel before it: every channel it holds is the block's.
+            # Its engine state is left as it is, having none from before the block.
+            before = {id(pool) for pool, _ in checkpoints}
+            checkpoints += [(pool, pools.Checkpoint(pool.name, frozenset(), pool.checkpoint().user))
+                            for pool in pools.registered_pools() if id(pool) not in before]
             for pool, cp in checkpoints:
                 dropped = pool.rollback(cp)
                 if dropped:

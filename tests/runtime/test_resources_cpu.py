@@ -255,6 +255,22 @@ def test_profiling_capture_releases_owners_and_rolls_back(comm):
     assert len(comm.channels()) == 2 and executor._profile_owners == {}
 
 
+def test_a_pool_made_inside_a_profiling_capture_gives_back_the_channels_made_in_it():
+    """A pool first made inside the block (capturepass's communicators are made at a model's first
+    call, which may be inside one) had no channel before it: the block releases them all."""
+    released = []
+    try:
+        with capturepass.profiling_capture() as prof:
+            pool = capturepass.resource_pool("test_born", lambda key: types.SimpleNamespace(key=key),
+                                             release=lambda ch: released.append(str(ch.key)))
+            pool.channel(owner="engine")
+            pool.channel(owner="draft", lane=1)
+        assert pool.channels() == {} and sorted(released) == ["draft/s1", "engine/s0"]
+        assert prof.rolled_back == {"test_born": ["draft/s1", "engine/s0"]}
+    finally:
+        pools.unregister_pool("test_born")
+
+
 def test_profiling_captures_do_not_nest():
     with capturepass.profiling_capture():
         with pytest.raises(ResourceError, match="already in progress"):
