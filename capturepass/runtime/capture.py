@@ -150,6 +150,55 @@ def clear_cublas_workspaces() -> None:
         clear()
 
 
+# A capture on several streams divides the process's cuBLAS workspace among them, but gives no
+# stream less than this (or the whole size, where that is smaller): 8 MiB per stream made no
+# schedule candidate slower on an H200 (BENCHMARKS.md, the twenty-ninth run).
+MIN_SPLIT_WORKSPACE = 8 << 20
+
+
+def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """torch's run-time cuBLAS workspace size (get, set), where it has one (2.13 has, 2.11 not);
+    ``None`` where the size is read once from ``CUBLAS_WORKSPACE_CONFIG``."""
+    get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
+    put = getattr(torch._C, "_cuda_setCublasWorkspaceSize", None)
+    return None if get is None or put is None else (get, put)
+
+
+@contextlib.contextmanager
+def split_cublas_workspace(streams: int) -> Iterator[int | None]:
+    """While a capture runs matrix products on ``streams`` streams, each stream's cuBLAS workspace
+    is the process's size divided among them (at least :data:`MIN_SPLIT_WORKSPACE`); yields the
+    size each gets, or ``None`` where nothing is divided (one stream, or a torch that reads the
+    size once: there every stream's capture holds a whole workspace).
+
+    cuBLAS keeps one workspace per handle and stream, and two streams cannot share one while
+    their kernels may run at once; a captured graph keeps the workspace it was captured with
+    and writes it at every replay. A capture on three streams thus held three 32 MiB workspaces
+    on an H100 or H200 where one lane's held one. Divided, they hold what one lane's does: a
+    smaller workspace only narrows the algorithms cuBLAS may pick, and the measured choice
+    times the candidates with the workspaces they will replay with. The size is set back
+    afterwards; the caller clears cuBLAS's workspace cache before and after (so that the
+    capture allocates its own, and the next eager product takes the process's size again), and
+    holds :func:`exclusive`, since the size is the process's.
+    """
+    api = workspace_size_setter() if streams > 1 else None
+    if api is None:
+        yield None
+        return
+    get, put = api
+    whole = int(get())
+    share = max(whole // streams, min(whole, MIN_SPLIT_WORKSPACE))
+    if share >= whole:
+        yield None
+        return
+    share -= share % (1 << 20)  # whole MiB: 32 MiB over three streams is 10 MiB each
+    put(share)
+    try:
+        yield share
+    finally:
+        put(whole)
+
+
 _exclusive = threading.RLock()
 
 

@@ -67,7 +67,10 @@ cost model's makespan) against its measured median, and the cuBLAS workspaces it
 allocated. Each stream that runs a matrix product in a capture holds a workspace of its own
 (two streams cannot share one while their kernels may run at once; PyTorch sizes it by
 ``CUBLAS_WORKSPACE_CONFIG``, 32 MiB on an H100 or H200): at a decode shape these are most of
-what a schedule with side lanes holds beyond one lane's.
+what a schedule with side lanes holds beyond one lane's. Where torch can set the size at run
+time (torch 2.13 has it, 2.11 not), a capture on several streams divides it among them
+(``capture.split_cublas_workspace``), and the candidates are timed with the workspaces they
+replay with.
 """
 
 from __future__ import annotations

@@ -362,7 +362,8 @@ class Capture:
     @contextlib.contextmanager
     def _capturing(self, device: torch.device) -> Iterator[None]:
         """The scope of capturing every segment of this capture."""
-        with capture.exclusive():  # cuBLAS's cache is the process's: one capture at a time
+        streams = 1 + len({id(s) for s in self.owner.streams if s is not None})
+        with capture.exclusive(), capture.split_cublas_workspace(streams):  # cuBLAS's cache is the process's
             torch.cuda.synchronize(device)
             capture.clear_cublas_workspaces()  # so that the graphs allocate and own theirs
             try:
@@ -374,7 +375,8 @@ class Capture:
                 # in cuBLAS's cache they stay allocated, and the next capture's warm-up, outside
                 # the pool, peaks with them beside its own (cudagraph trees clear before and after).
                 # What the clear gives back is what they held: one per stream that ran a matrix
-                # product in the capture, the lanes' memory beyond one lane's (``Picker`` reports it).
+                # product in the capture (``Picker`` reports it), each a share of the process's
+                # size where torch can set it at run time (``capture.split_cublas_workspace``).
                 held = torch.cuda.memory_allocated(device)
                 capture.clear_cublas_workspaces()
                 self.workspace_bytes = max(0, held - torch.cuda.memory_allocated(device))

@@ -175,6 +175,56 @@ def test_closing_an_owner_leaves_cublas_cache_alone_while_a_capture_is_in_progre
     assert clears == [1]
 
 
+@pytest.fixture
+def workspace_size(monkeypatch):
+    """torch's run-time cuBLAS workspace size (a CUDA build of torch 2.13 or later has it; this
+    CPU build does not, so a stand-in keeps the size): the sizes set, in order."""
+    size = [32 << 20]
+    sets = []
+    monkeypatch.setattr(torch._C, "_cuda_getCublasWorkspaceSize", lambda: size[0], raising=False)
+
+    def put(n):
+        sets.append(n)
+        size[0] = n
+
+    monkeypatch.setattr(torch._C, "_cuda_setCublasWorkspaceSize", put, raising=False)
+    return size, sets
+
+
+@pytest.mark.parametrize("whole_mib, streams, share_mib", [
+    (32, 3, 10),    # PyTorch's size on an H100 or H200, three lanes: 10 MiB each, 30 in all
+    (32, 2, 16),
+    (32, 5, 8),     # never below 8 MiB a stream
+    (8, 3, None),   # 8 MiB already (a CUBLAS_WORKSPACE_CONFIG of :4096:2): nothing to divide
+    (4, 2, None),   # below the floor: each stream keeps the whole size
+    (32, 1, None),  # one stream: nothing to divide
+])
+def test_a_capture_on_several_streams_divides_the_cublas_workspace(workspace_size, whole_mib, streams, share_mib):
+    size, sets = workspace_size
+    size[0] = whole_mib << 20
+    with capture.split_cublas_workspace(streams) as share:
+        assert share == (None if share_mib is None else share_mib << 20)
+        assert size[0] == (whole_mib << 20 if share_mib is None else share_mib << 20)
+    assert size[0] == whole_mib << 20
+    assert sets == ([] if share_mib is None else [share_mib << 20, whole_mib << 20])
+
+
+def test_the_divided_cublas_workspace_is_set_back_when_the_capture_fails(workspace_size):
+    size, sets = workspace_size
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with capture.split_cublas_workspace(3):
+            raise RuntimeError("capture failed")
+    assert size[0] == 32 << 20 and sets == [10 << 20, 32 << 20]
+
+
+def test_a_torch_that_reads_the_workspace_size_once_divides_nothing(monkeypatch):
+    for name in ("_cuda_getCublasWorkspaceSize", "_cuda_setCublasWorkspaceSize"):
+        monkeypatch.delattr(torch._C, name, raising=False)
+    assert capture.workspace_size_setter() is None
+    with capture.split_cublas_workspace(3) as share:
+        assert share is None
+
+
 def test_captures_on_two_threads_take_turns():
     """``capture.exclusive``: one thread at a time clears cuBLAS's cache and captures; re-entrant
     on the thread that holds it (a probe inside a capture's failure handling)."""

@@ -164,6 +164,54 @@ def test_no_cublas_workspace_stays_allocated_after_a_capture(policy):
     torch.testing.assert_close(fn(x), want, **TOL)  # the graph replays over the workspace it was given
 
 
+class _ThreeProducts(torch.nn.Module):
+    """A matrix product on each of three hinted lanes."""
+
+    def __init__(self, d: int = 512) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, d, d, device="cuda") * d**-0.5, requires_grad=False)
+
+    def forward(self, x):
+        import capturepass
+
+        with capturepass.lane("a"):
+            a = torch.relu(x @ self.w[1])
+        with capturepass.lane("b"):
+            b = torch.tanh(x @ self.w[2])
+        return torch.sigmoid(x @ self.w[0]) + a + b
+
+
+@torch.no_grad()
+def test_a_capture_on_three_streams_holds_a_divided_cublas_workspace_where_torch_can_set_its_size(tmp_path):
+    """Each stream that runs a matrix product in a capture holds a cuBLAS workspace. Where torch can
+    set the size at run time, a capture on three streams divides the process's size among them
+    (``capture.split_cublas_workspace``); where it reads the size once, each holds a whole one.
+    One lane's capture holds one whole workspace either way."""
+    from capturepass.runtime import capture
+
+    torch.manual_seed(0)
+    model = _ThreeProducts()
+    x = torch.randn(64, 512, device="cuda")
+    held = {}
+    for policy in ("off", "hints"):
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend="capturepass",
+                           options={"policy": policy, "pick": "model", "pick_cache_dir": str(tmp_path)})
+        torch.testing.assert_close(fn(x), model(x), **TOL)
+        torch.testing.assert_close(fn(x + 1), model(x + 1), **TOL)  # replayed over its workspaces
+        (cap,) = _executor()._captures.values()
+        held[policy] = (1 + len({id(s) for s in cap.owner.streams if s is not None}), cap.workspace_bytes)
+    (one, whole), (three, divided) = held["off"], held["hints"]
+    assert (one, three) == (1, 3) and whole > 0
+    api = capture.workspace_size_setter()
+    if api is None:
+        assert divided == 3 * whole, (divided, whole)
+    else:
+        share = max(whole // 3, min(whole, capture.MIN_SPLIT_WORKSPACE))
+        share -= share % (1 << 20)
+        assert divided == 3 * min(share, whole) and api[0]() == whole, (divided, whole)
+
+
 def _trace() -> list[dict]:
     return torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
 
