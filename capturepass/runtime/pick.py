@@ -48,9 +48,9 @@ The choice is kept in a JSON file per key (device name, a hash of the graph befo
 lane assignment with the options that change its schedule, the shapes), under
 ``pick_cache_dir`` (or ``CAPTUREPASS_CACHE_DIR``, or ``capturepass/schedules`` under
 torch's cache directory): another process that compiles the same graph captures
-only the chosen candidate (``capturepass.runtime.choices``: the records and the cache), unless the timings were unsteady
-(:func:`unsteady_timing`: other work shared the GPU, and the choice holds for this process only). Each
-choice is also added to the graph's summary (every shape's choice, keyed by the graph's hash
+only the chosen candidate (``capturepass.runtime.choices``: the records and the cache), unless
+the timings were unsteady (:func:`unsteady_timing`: other work shared the GPU, and the choice
+holds for this process only). Each choice is also added to the graph's summary (every shape's choice, keyed by the graph's hash
 before its schedule: ``ScheduleCache.add_shape``), which the graph's next compile reads before
 compiling anything (``backends.dynamo``), and each shape where the cost model's lanes and one
 lane were both measured leaves a lane sample of the device (``runtime.calibration``). A cache file that cannot be read or written is reported

@@ -368,7 +368,8 @@ def test_candidate_that_fails_to_compile_is_left_out(tmp_path, caplog):
         p.capture(FakeExecutor(), [torch.randn(2)], real=True)
     assert picked[0].choice == "model"
     assert picked[0].candidates[2] == {"name": "aux1", "lanes": 2, "estimate_us": 22.0, "measured_us": None,
-                                       "fastest_us": None, "workspace_mib": None, "note": "compile failed: RuntimeError"}
+                                       "fastest_us": None, "workspace_mib": None,
+                                       "note": "compile failed: RuntimeError"}
     assert timer.replays == 2 * (2 + 16)  # 110 us a round: (2000 - 220) // 110 = 16 timed rounds
 
 
