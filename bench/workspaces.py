@@ -7,13 +7,18 @@ default (the measured choice: each schedule candidate's time and the workspaces 
 allocated, from the choice's record) and with ``policy="off"``; three calls with new inputs,
 then the whole call timed (CUDA events, ``bench/timing.py``) and the peak memory allocated above
 the model over the compile and the calls. Run it once per workspace size, in a process of its
-own (torch reads the variable once)::
+own (the variable is the size of every workspace torch allocates from the start)::
 
     python3 bench/workspaces.py
     CUBLAS_WORKSPACE_CONFIG=:4096:2 python3 bench/workspaces.py   # 8 MiB per stream
 
 Each variant prints one line: whole-call milliseconds, peak MiB, the largest difference from
 eager, and per candidate its measured microseconds and workspaces.
+
+``--cache`` instead shows what torch's workspace cache does when the variable changes while the
+process runs (why capturepass never sets it): a workspace allocated under ``:4096:2`` on a new
+stream, then a matrix product on the same stream under ``:4096:8``. A torch whose cache records
+no size (2.11) allocates nothing the second time, handing cuBLAS the 8 MiB workspace as 32 MiB.
 """
 
 from __future__ import annotations
@@ -39,16 +44,55 @@ def candidate_lines(record: Any) -> list[str]:
     return out
 
 
+def cache_probe(torch: Any) -> None:
+    """Prints the workspace torch allocates on a new stream under ``:4096:2``, then what it
+    allocates for the next product on that stream under ``:4096:8`` (the variable is restored)."""
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    grown = []
+    try:
+        for config in (":4096:2", ":4096:8"):
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = config
+            if not grown:
+                torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated()
+            with torch.cuda.stream(stream):
+                a @ a
+            torch.cuda.synchronize()
+            grown.append((torch.cuda.memory_allocated() - held) / 2**20)
+    finally:
+        if before is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before
+        torch._C._cuda_clearCublasWorkspaces()
+    if grown[0] != 8:
+        verdict = "this torch did not size the workspace by the variable's new value"
+    elif grown[1] == 0:
+        verdict = "the cached 8 MiB workspace is handed to cuBLAS at the larger size"
+    else:
+        verdict = "the cache allocated a larger workspace for the larger size"
+    print(f"torch {torch.__version__}: under :4096:2 a new stream's workspace took {grown[0]:g} MiB; "
+          f"under :4096:8 the next product on it allocated {grown[1]:g} MiB more: {verdict}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--cache", action="store_true",
+                   help="show how torch's workspace cache follows CUBLAS_WORKSPACE_CONFIG set at run time")
     args = p.parse_args()
 
     import torch
 
     if not torch.cuda.is_available():
         sys.exit("workspaces.py measures CUDA captures: it needs a GPU")
+    if args.cache:
+        cache_probe(torch)
+        return
     import capturepass
     from capturepass.backends.compile import last_compiled
     from capturepass.testing.models import MoEBlock

@@ -45,6 +45,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -158,7 +159,16 @@ MIN_SPLIT_WORKSPACE = 8 << 20
 
 def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] | None:
     """torch's run-time cuBLAS workspace size (get, set), where it has one (2.13 has, 2.11 not);
-    ``None`` where the size is read once from ``CUBLAS_WORKSPACE_CONFIG``."""
+    ``None`` elsewhere.
+
+    torch 2.11 reads ``CUBLAS_WORKSPACE_CONFIG`` at each workspace it allocates, but its cache
+    keeps no size: a workspace allocated while the variable was small is handed to cuBLAS at the
+    size the variable says later (measured on an H100: 8 MiB allocated, then given as 32 MiB
+    once the variable was set back). Set around a capture, the variable would let a matrix
+    product another thread runs between the restore and the cache's clear write past its
+    workspace, so capturepass never sets it; with the API, torch 2.13 records each workspace's
+    size and allocates a larger one when the size grows.
+    """
     get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
     put = getattr(torch._C, "_cuda_setCublasWorkspaceSize", None)
     return None if get is None or put is None else (get, put)
@@ -168,8 +178,9 @@ def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] |
 def split_cublas_workspace(streams: int) -> Iterator[int | None]:
     """While a capture runs matrix products on ``streams`` streams, each stream's cuBLAS workspace
     is the process's size divided among them (at least :data:`MIN_SPLIT_WORKSPACE`); yields the
-    size each gets, or ``None`` where nothing is divided (one stream, or a torch that reads the
-    size once: there every stream's capture holds a whole workspace).
+    size each gets, or ``None`` where nothing is divided (one stream, or a torch without
+    :func:`workspace_size_setter`: there every stream's capture holds a whole workspace, and the
+    first such capture of the process logs why, unless ``CUBLAS_WORKSPACE_CONFIG`` chose the size).
 
     cuBLAS keeps one workspace per handle and stream, and two streams cannot share one while
     their kernels may run at once; a captured graph keeps the workspace it was captured with
@@ -183,6 +194,8 @@ def split_cublas_workspace(streams: int) -> Iterator[int | None]:
     """
     api = workspace_size_setter() if streams > 1 else None
     if api is None:
+        if streams > 1:
+            _undivided_once()
         yield None
         return
     get, put = api
@@ -197,6 +210,21 @@ def split_cublas_workspace(streams: int) -> Iterator[int | None]:
         yield share
     finally:
         put(whole)
+
+
+_told_undivided = False
+
+
+def _undivided_once() -> None:
+    """Logs, once per process, that captures on several streams hold a whole cuBLAS workspace each."""
+    global _told_undivided
+    if _told_undivided or os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+        return
+    _told_undivided = True
+    log.info("capturepass: this torch cannot set the cuBLAS workspace size at run time "
+             "(torch.backends.cuda.cublas_workspace_size), so each stream of a capture on several "
+             "streams holds a whole workspace (by default 32 MiB on Hopper GPUs); "
+             "CUBLAS_WORKSPACE_CONFIG=:4096:2, set before the process starts, gives every stream 8 MiB")
 
 
 _exclusive = threading.RLock()

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import itertools
 import logging
+import os
 import threading
 import types
 
@@ -217,12 +218,27 @@ def test_the_divided_cublas_workspace_is_set_back_when_the_capture_fails(workspa
     assert size[0] == 32 << 20 and sets == [10 << 20, 32 << 20]
 
 
-def test_a_torch_that_reads_the_workspace_size_once_divides_nothing(monkeypatch):
+@pytest.mark.parametrize("config", [None, ":4096:2"])
+def test_a_torch_without_a_run_time_workspace_size_divides_nothing_and_says_so_once(monkeypatch, caplog, config):
+    """torch 2.11: nothing is divided and ``CUBLAS_WORKSPACE_CONFIG`` is left as it is (2.11's
+    cache would hand a workspace allocated under a smaller setting to cuBLAS at the larger one);
+    the first capture on several streams logs the remedy, unless the variable already set a size."""
     for name in ("_cuda_getCublasWorkspaceSize", "_cuda_setCublasWorkspaceSize"):
         monkeypatch.delattr(torch._C, name, raising=False)
+    if config is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", config)
+    monkeypatch.setattr(capture, "_told_undivided", False)
     assert capture.workspace_size_setter() is None
-    with capture.split_cublas_workspace(3) as share:
-        assert share is None
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for streams in (1, 3, 2):
+            with capture.split_cublas_workspace(streams) as share:
+                assert share is None
+                assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == config
+    told = [r.getMessage() for r in caplog.records if "cuBLAS workspace size" in r.getMessage()]
+    assert len(told) == (1 if config is None else 0), told
+    assert all("CUBLAS_WORKSPACE_CONFIG=:4096:2" in m for m in told)
 
 
 def test_captures_on_two_threads_take_turns():
