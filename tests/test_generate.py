@@ -115,6 +115,23 @@ def test_generate_compiles_its_decode_steps_with_capturepass(monkeypatch: pytest
         assert (kinds.count("capture"), kinds.count("replay")) == (1, NEW_TOKENS - 2), kinds
 
 
+def test_generate_with_hugging_faces_default_compile_config() -> None:
+    """``CompileConfig(backend="capturepass")`` as it comes: its default ``mode="reduce-overhead"``
+    reaches the backend, which takes it for its own default options (Inductor inside; on the CPU
+    nothing is captured)."""
+    import transformers
+
+    model, make_inputs = zoo.build("llama")
+    config = transformers.CompileConfig(backend="capturepass")
+    assert config.mode == "reduce-overhead"
+    config._compile_all_devices = True  # Hugging Face compiles on accelerators only, unless told
+    for call, seed in enumerate((0, 1)):
+        ids = make_inputs(seed)["input_ids"][:, :6]
+        want = _generate(model, ids, cache_implementation="static")
+        got = _generate(model, ids, cache_implementation="static", compile_config=config)
+        assert torch.equal(got, want), f"generation {call}: {got.tolist()} != {want.tolist()}"
+
+
 def test_assisted_generation_keeps_target_and_draft_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """A target and a draft Llama (one class, other weights) both compiled: Dynamo gives both one
     graph, and a draft's capture replayed for the target would verify the draft's own tokens.

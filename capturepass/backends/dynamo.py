@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -487,6 +488,12 @@ def _decompositions(inner: str) -> dict | None:
     return select()
 
 
+@functools.cache
+def _reduce_overhead_once() -> None:
+    log.info("capturepass: mode='reduce-overhead' is capturepass's default: it captures CUDA graphs itself "
+             "(Inductor's CUDA graphs stay off); options={'cudagraphs': ...} chooses how")
+
+
 def capturepass_backend(
     gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None
 ) -> Callable:
@@ -496,17 +503,26 @@ def capturepass_backend(
         gm: Dynamo's graph.
         example_inputs: its example inputs.
         options: capturepass options (see :class:`~capturepass.ir.options.Options`).
-        mode: not supported; capture is chosen with ``options={"cudagraphs": ...}``.
+        mode: ``torch.compile``'s mode. ``"reduce-overhead"`` asks for what capturepass does by
+            default (capture CUDA graphs; it captures them itself) and compiles with the default
+            options: code written for Inductor's mode (Hugging Face's ``CompileConfig`` has it
+            by default) runs unchanged. Inductor's other modes are refused: capture is chosen
+            with ``options={"cudagraphs": ...}``, and the Inductor compiles inside capturepass
+            follow the process's ``torch._inductor.config`` (``max_autotune`` among it).
 
     Raises:
-        OptionError: invalid options, or a ``mode``.
+        OptionError: invalid options, or a mode other than ``"reduce-overhead"``.
     """
     from torch._dynamo.backends.common import aot_autograd
 
-    if mode is not None:
+    if mode == "reduce-overhead":
+        _reduce_overhead_once()
+    elif mode is not None:
         raise OptionError(
-            f"backend='capturepass' takes no mode (got mode={mode!r}); choose capture with "
-            "options={'cudagraphs': 'monolithic' | 'breakable' | 'none'}"
+            f"backend='capturepass' takes no mode={mode!r}: choose capture with "
+            "options={'cudagraphs': 'monolithic' | 'breakable' | 'none'}, and Inductor's autotuning with "
+            "torch._inductor.config.max_autotune = True (capturepass's Inductor compiles follow it); "
+            "mode='reduce-overhead' is accepted and means the default options"
         )
     opts = Options.from_mapping(options)
     inner_compilers.check_available(opts.inner)

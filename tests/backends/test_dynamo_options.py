@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 
@@ -12,6 +13,7 @@ import torch
 from backends.e2e_util import new_compiles, unwrap
 
 import capturepass
+from capturepass.backends import dynamo
 from capturepass.backends.dynamo import capturepass_backend
 from capturepass.ir import meta
 from capturepass.ir.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
@@ -76,13 +78,26 @@ def test_torch_compile_reports_the_option_error(options, words):
     assert "OptionError" in str(info.value)
 
 
-def test_mode_is_refused():
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs", "fast"])
+def test_a_mode_other_than_reduce_overhead_is_refused(mode):
     with pytest.raises(capturepass.OptionError) as info:
-        capturepass_backend(_graph(), [torch.randn(3)], mode="reduce-overhead")
-    _assert_message(info.value, ("'reduce-overhead'", "cudagraphs", "'monolithic'", "'breakable'", "'none'"))
+        capturepass_backend(_graph(), [torch.randn(3)], mode=mode)
+    _assert_message(info.value, (repr(mode), "cudagraphs", "'monolithic'", "'breakable'", "'none'", "max_autotune"))
     with pytest.raises(Exception) as info:
-        torch.compile(lambda x: x.sin(), backend="capturepass", mode="max-autotune")(torch.randn(3))
-    _assert_message(unwrap(info.value), ("'max-autotune'", "'monolithic'", "'breakable'", "'none'"))
+        torch.compile(lambda x: x.sin(), backend="capturepass", mode=mode)(torch.randn(3))
+    _assert_message(unwrap(info.value), (repr(mode), "'monolithic'", "'breakable'", "'none'"))
+
+
+def test_reduce_overhead_mode_compiles_with_the_default_options(caplog):
+    """Code written for Inductor's ``mode="reduce-overhead"`` (Hugging Face's ``CompileConfig``
+    passes it by default) runs unchanged: the mode asks for what capturepass does by default."""
+    dynamo._reduce_overhead_once.cache_clear()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        got = torch.compile(lambda t: (t.sin() @ t.T).relu(), backend="capturepass", mode="reduce-overhead")(x)
+    torch.testing.assert_close(got, (x.sin() @ x.T).relu())
+    told = [r.getMessage() for r in caplog.records if "mode='reduce-overhead'" in r.getMessage()]
+    assert len(told) == 1 and "captures CUDA graphs itself" in told[0], told
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_tensorrt") is not None, reason="torch_tensorrt is installed")
