@@ -4,14 +4,15 @@ Every entry of :data:`ZOO` is a builder: ``ZOO[name](device=..., dtype=...,
 attn=...)`` (or :func:`build`) returns ``(model, make_inputs)``, where ``model`` is an ``eval()`` module
 built from a tiny random config (no hub download; the weights come from
 ``torch.manual_seed(0)``) and ``make_inputs(seed)`` returns the keyword
-arguments of one call, new random token ids or pixel values per seed, always
+arguments of one call, new random token ids, pixel values or audio per seed, always
 of the same shapes (so that a compiled model does not recompile between
 calls). Each builder's docstring says what its config exercises (GQA, MoE
 routing with shared experts, parallel residual, rotary variants, sliding
 windows, soft-capping, tied embeddings, ...).
 
 Sizes: 1 layer (2 where the architecture alternates layer kinds), hidden 64,
-4 heads, vocabulary 128, batch 2, sequence 16 (images 32x32 in patches of 8).
+4 heads, vocabulary 128, batch 2, sequence 16 (images 32x32 in patches of 8; Whisper's
+32 frames of 16 mel bins, Wav2Vec2's 800 samples).
 
 Choices that hold for the whole zoo:
 
@@ -32,7 +33,7 @@ Choices that hold for the whole zoo:
   engines' path through these models; a region seam once returned that
   concatenation at another layout than its consumer was compiled for). The
   cache object among the outputs is not a tensor and is not compared; the
-  logits read it. Encoders (BERT, RoBERTa) have no cache.
+  logits read it. So does Whisper's decoder. Encoders (BERT, RoBERTa, CLIP, Wav2Vec2) have no cache.
 - Models are built on the CPU in float32 and then moved, so that the weights
   are the same on every device.
 
@@ -57,6 +58,8 @@ BATCH = 2
 SEQ = 16
 IMAGE = 32
 MAX_POSITIONS = 64
+MEL_BINS = 16
+AUDIO_SAMPLES = 800  # 79 frames after Wav2Vec2's two strided convolutions
 
 TOLERANCE: dict[str, dict[str, float]] = {
     # torch.testing's float32 defaults. Measured on this zoo (8 seeds a model, torch 2.13,
@@ -516,6 +519,86 @@ def _t5(
         dec = torch.randint(1, VOCAB, (BATCH, SEQ), generator=_generator(seed + 1_000_003))
         out["decoder_input_ids"] = dec.to(device)
         return out
+
+    return model, make_inputs
+
+
+@_register("whisper", "encoder-decoder")
+def _whisper(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, attn: str = "eager"
+) -> tuple[nn.Module, InputMaker]:
+    """Whisper (speech to text): log-mel features through two Conv1d layers with GELU (the second
+    strided), fixed sinusoidal positions in the encoder, learned ones in the decoder, pre-LayerNorm
+    blocks, cross-attention over the encoder's frames without a mask, an output projection tied to
+    the token embedding."""
+    tf = _transformers()
+    frames = 2 * SEQ  # the encoder takes exactly 2 * max_source_positions frames
+    config = tf.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=MEL_BINS, d_model=HIDDEN, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=INTERMEDIATE,
+        decoder_ffn_dim=INTERMEDIATE, max_source_positions=SEQ, max_target_positions=MAX_POSITIONS,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None,
+    )
+    model = _instantiate("AutoModelForSpeechSeq2Seq", config, device, dtype, attn)
+
+    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
+        g = _generator(seed)
+        features = torch.randn(BATCH, MEL_BINS, frames, generator=g)
+        dec = torch.randint(3, VOCAB, (BATCH, SEQ // 2), generator=g)
+        return {"input_features": features.to(device=device, dtype=dtype), "decoder_input_ids": dec.to(device)}
+
+    return model, make_inputs
+
+
+@_register("clip", "encoder")
+def _clip(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, attn: str = "eager"
+) -> tuple[nn.Module, InputMaker]:
+    """CLIP (two towers): a text transformer under a causal mask and the padding mask, pooled at
+    each row's end-of-text token (an argmax over the ids, a gather), and a ViT (pre-LayerNorm,
+    a CLS token); both projected, L2-normalized and compared under a learned temperature: eight
+    outputs, among them both towers' hidden states and the two similarity matrices."""
+    tf = _transformers()
+    config = tf.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=1, num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
+                         eos_token_id=2),
+        vision_config=dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1,
+                           num_attention_heads=HEADS, image_size=IMAGE, patch_size=8),
+        projection_dim=32,
+    )
+    model = _instantiate("AutoModel", config, device, dtype, attn)
+    text = _padded_inputs(device, pad_id=0)
+
+    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
+        out = text(seed)
+        pixels = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=_generator(seed + 1_000_003))
+        out["pixel_values"] = pixels.to(device=device, dtype=dtype)
+        return out
+
+    return model, make_inputs
+
+
+@_register("wav2vec2", "encoder")
+def _wav2vec2(
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, attn: str = "eager"
+) -> tuple[nn.Module, InputMaker]:
+    """Wav2Vec2 (speech, CTC head): raw samples through strided Conv1d feature layers (GroupNorm
+    on the first), a grouped convolutional position embedding under weight normalization
+    (a parametrization recomputed at every call), post-LayerNorm blocks, a linear CTC head."""
+    tf = _transformers()
+    config = tf.Wav2Vec2Config(
+        vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
+        intermediate_size=INTERMEDIATE, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, feat_extract_norm="group",
+        do_stable_layer_norm=False, mask_time_prob=0.0,
+    )
+    model = _instantiate("AutoModelForCTC", config, device, dtype, attn)
+
+    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
+        samples = torch.randn(BATCH, AUDIO_SAMPLES, generator=_generator(seed))
+        return {"input_values": samples.to(device=device, dtype=dtype)}
 
     return model, make_inputs
 

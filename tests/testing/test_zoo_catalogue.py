@@ -29,8 +29,8 @@ def test_model_and_inputs(name: str):
     model, make_inputs = zoo.build(name)
     assert not model.training
     assert model.config._attn_implementation == "eager"
-    # Decoders and T5 fill a KV cache (transformers' default, the path engines take); encoders have none.
-    assert getattr(model.config, "use_cache", False) == (name not in ("bert", "roberta", "vit", "resnet"))
+    # Decoders, T5 and Whisper fill a KV cache (transformers' default, the path engines take); encoders have none.
+    assert getattr(model.config, "use_cache", False) == (zoo.FAMILIES[name] in ("decoder", "encoder-decoder"))
     if name in MOE:
         assert model.config._experts_implementation == "grouped_mm"
     a, b, c = make_inputs(1), make_inputs(1), make_inputs(2)
