@@ -164,7 +164,7 @@ def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] |
     torch 2.11 reads ``CUBLAS_WORKSPACE_CONFIG`` at each workspace it allocates, but its cache
     keeps no size: a workspace allocated while the variable was small is handed to cuBLAS at the
     size the variable says later (measured on an H100: 8 MiB allocated, then given as 32 MiB
-    once the variable was set back). Set around a capture, the variable would let a matrix
+    once the variable said 32 MiB, without a new allocation). Set around a capture, the variable would let a matrix
     product another thread runs between the restore and the cache's clear write past its
     workspace, so capturepass never sets it; with the API, torch 2.13 records each workspace's
     size and allocates a larger one when the size grows.
