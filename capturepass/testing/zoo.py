@@ -160,6 +160,17 @@ def _padded_inputs(
     return make_inputs
 
 
+def _and_input(first: InputMaker, key: str, make: Callable[[torch.Generator], torch.Tensor]) -> InputMaker:
+    """``first``'s inputs and one more, ``key``, drawn by ``make`` from a generator of its own per seed."""
+
+    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
+        out = first(seed)
+        out[key] = make(_generator(seed + 1_000_003))
+        return out
+
+    return make_inputs
+
+
 def _causal_lm(
     config: Any, device: torch.device | str | None, dtype: torch.dtype, attn: str, moe: bool = False
 ) -> tuple[nn.Module, InputMaker]:
@@ -512,15 +523,8 @@ def _t5(
         pad_token_id=0, decoder_start_token_id=0,
     )
     model = _instantiate("AutoModelForSeq2SeqLM", config, device, dtype, attn)
-    encoder_inputs = _padded_inputs(device, pad_id=0)
-
-    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
-        out = encoder_inputs(seed)
-        dec = torch.randint(1, VOCAB, (BATCH, SEQ), generator=_generator(seed + 1_000_003))
-        out["decoder_input_ids"] = dec.to(device)
-        return out
-
-    return model, make_inputs
+    decoder_ids = lambda g: torch.randint(1, VOCAB, (BATCH, SEQ), generator=g).to(device)  # noqa: E731
+    return model, _and_input(_padded_inputs(device, pad_id=0), "decoder_input_ids", decoder_ids)
 
 
 @_register("whisper", "encoder-decoder")
@@ -563,21 +567,14 @@ def _clip(
     config = tf.CLIPConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                          num_hidden_layers=1, num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
-                         eos_token_id=2),
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
         vision_config=dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=1,
                            num_attention_heads=HEADS, image_size=IMAGE, patch_size=8),
         projection_dim=32,
     )
     model = _instantiate("AutoModel", config, device, dtype, attn)
-    text = _padded_inputs(device, pad_id=0)
-
-    def make_inputs(seed: int) -> dict[str, torch.Tensor]:
-        out = text(seed)
-        pixels = torch.randn(BATCH, 3, IMAGE, IMAGE, generator=_generator(seed + 1_000_003))
-        out["pixel_values"] = pixels.to(device=device, dtype=dtype)
-        return out
-
-    return model, make_inputs
+    pixels = lambda g: torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return model, _and_input(_padded_inputs(device, pad_id=0), "pixel_values", pixels)
 
 
 @_register("wav2vec2", "encoder")
