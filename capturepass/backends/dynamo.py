@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -52,7 +51,7 @@ from capturepass.errors import OptionError, is_dynamo_control_flow
 from capturepass.ir import collectives, cost, meta
 from capturepass.ir.meta import Break, BreakSource, CaptureMode
 from capturepass.ir.options import Options
-from capturepass.runtime import calibration, choices
+from capturepass.runtime import calibration, choices, files
 from capturepass.runtime.calibration import CalibrationStore
 from capturepass.runtime.executor import Executor
 from capturepass.runtime.choices import PickRecord, ScheduleCache, append_record, default_cache_dir
@@ -488,12 +487,6 @@ def _decompositions(inner: str) -> dict | None:
     return select()
 
 
-@functools.cache
-def _reduce_overhead_once() -> None:
-    log.info("capturepass: mode='reduce-overhead' is capturepass's default: it captures CUDA graphs itself "
-             "(Inductor's CUDA graphs stay off); options={'cudagraphs': ...} chooses how")
-
-
 def capturepass_backend(
     gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None, mode: str | None = None
 ) -> Callable:
@@ -516,7 +509,9 @@ def capturepass_backend(
     from torch._dynamo.backends.common import aot_autograd
 
     if mode == "reduce-overhead":
-        _reduce_overhead_once()
+        files.warn_once("mode:reduce-overhead", "capturepass: mode='reduce-overhead' is capturepass's default: it "
+                        "captures CUDA graphs itself (Inductor's CUDA graphs stay off); options={'cudagraphs': ...} "
+                        "chooses how", level=logging.INFO)
     elif mode is not None:
         raise OptionError(
             f"backend='capturepass' takes no mode={mode!r}: choose capture with "

@@ -58,6 +58,7 @@ from capturepass.ir.capabilities import op_of
 from capturepass.ir import analysis
 from capturepass.ir.plan import StepKind
 from capturepass.runtime import inline as _registers_inline_step  # noqa: F401  (the op the probe passes over)
+from capturepass.runtime import files
 
 if TYPE_CHECKING:
     from capturepass.runtime.program import Program, RegionSpec
@@ -157,6 +158,13 @@ def clear_cublas_workspaces() -> None:
 MIN_SPLIT_WORKSPACE = 8 << 20
 
 
+UNDIVIDED = ("capturepass: this torch cannot set the cuBLAS workspace size at run time "
+             "(torch.backends.cuda.cublas_workspace_size), so each stream of a capture on several "
+             "streams holds a whole workspace (by default 32 MiB on Hopper GPUs); "
+             "CUBLAS_WORKSPACE_CONFIG=:4096:2, set before the process starts, gives every stream 8 MiB")
+"""What the first capture on several streams logs where torch cannot divide the workspace."""
+
+
 def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] | None:
     """torch's run-time cuBLAS workspace size (get, set), where it has one (2.13 has, 2.11 not);
     ``None`` elsewhere.
@@ -164,10 +172,10 @@ def workspace_size_setter() -> tuple[Callable[[], int], Callable[[int], None]] |
     torch 2.11 reads ``CUBLAS_WORKSPACE_CONFIG`` at each workspace it allocates, but its cache
     keeps no size: a workspace allocated while the variable was small is handed to cuBLAS at the
     size the variable says later (measured on an H100: 8 MiB allocated, then given as 32 MiB
-    once the variable said 32 MiB, without a new allocation). Set around a capture, the variable would let a matrix
-    product another thread runs between the restore and the cache's clear write past its
-    workspace, so capturepass never sets it; with the API, torch 2.13 records each workspace's
-    size and allocates a larger one when the size grows.
+    once the variable said 32 MiB, without a new allocation). Set around a capture, the
+    variable would let a matrix product another thread runs between the restore and the
+    cache's clear write past its workspace, so capturepass never sets it; with the API, torch
+    2.13 records each workspace's size and allocates a larger one when the size grows.
     """
     get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
     put = getattr(torch._C, "_cuda_setCublasWorkspaceSize", None)
@@ -194,8 +202,8 @@ def split_cublas_workspace(streams: int) -> Iterator[int | None]:
     """
     api = workspace_size_setter() if streams > 1 else None
     if api is None:
-        if streams > 1:
-            _undivided_once()
+        if streams > 1 and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+            files.warn_once("undivided-workspace", UNDIVIDED, level=logging.INFO)
         yield None
         return
     get, put = api
@@ -210,21 +218,6 @@ def split_cublas_workspace(streams: int) -> Iterator[int | None]:
         yield share
     finally:
         put(whole)
-
-
-_told_undivided = False
-
-
-def _undivided_once() -> None:
-    """Logs, once per process, that captures on several streams hold a whole cuBLAS workspace each."""
-    global _told_undivided
-    if _told_undivided or os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
-        return
-    _told_undivided = True
-    log.info("capturepass: this torch cannot set the cuBLAS workspace size at run time "
-             "(torch.backends.cuda.cublas_workspace_size), so each stream of a capture on several "
-             "streams holds a whole workspace (by default 32 MiB on Hopper GPUs); "
-             "CUBLAS_WORKSPACE_CONFIG=:4096:2, set before the process starts, gives every stream 8 MiB")
 
 
 _exclusive = threading.RLock()

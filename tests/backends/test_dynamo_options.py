@@ -13,11 +13,11 @@ import torch
 from backends.e2e_util import new_compiles, unwrap
 
 import capturepass
-from capturepass.backends import dynamo
 from capturepass.backends.dynamo import capturepass_backend
 from capturepass.ir import meta
 from capturepass.ir.options import CUDAGRAPH_MODES, DUMP_DIR_ENV, INNER_COMPILERS, POLICIES, Options
 from capturepass.passes.pipeline import PIPELINE
+from capturepass.runtime import files
 
 OPTION_NAMES = ("policy", "max_aux_lanes", "inner", "cudagraphs", "dump_dir", "verify")
 
@@ -88,10 +88,10 @@ def test_a_mode_other_than_reduce_overhead_is_refused(mode):
     _assert_message(unwrap(info.value), (repr(mode), "'monolithic'", "'breakable'", "'none'"))
 
 
-def test_reduce_overhead_mode_compiles_with_the_default_options(caplog):
+def test_reduce_overhead_mode_compiles_with_the_default_options(caplog, monkeypatch):
     """Code written for Inductor's ``mode="reduce-overhead"`` (Hugging Face's ``CompileConfig``
     passes it by default) runs unchanged: the mode asks for what capturepass does by default."""
-    dynamo._reduce_overhead_once.cache_clear()
+    monkeypatch.setattr(files, "_warned", set())
     x = torch.randn(4, 8)
     with caplog.at_level(logging.INFO, logger="capturepass"):
         got = torch.compile(lambda t: (t.sin() @ t.T).relu(), backend="capturepass", mode="reduce-overhead")(x)
