@@ -46,10 +46,10 @@ def candidate_lines(record: Any) -> list[str]:
 
 def cache_probe(torch: Any) -> None:
     """Prints the workspace torch allocates on a new stream under ``:4096:2``, then what it
-    allocates for the next product on that stream under ``:4096:8`` (the variable is restored)."""
+    allocates for the next product on that stream under ``:4096:8`` (the variable, unset before, is
+    unset again)."""
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
-    before = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     grown = []
     try:
         for config in (":4096:2", ":4096:8"):
@@ -63,10 +63,7 @@ def cache_probe(torch: Any) -> None:
             torch.cuda.synchronize()
             grown.append((torch.cuda.memory_allocated() - held) / 2**20)
     finally:
-        if before is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = before
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         torch._C._cuda_clearCublasWorkspaces()
     if grown[0] != 8:
         verdict = "this torch did not size the workspace by the variable's new value"
@@ -91,6 +88,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("workspaces.py measures CUDA captures: it needs a GPU")
     if args.cache:
+        if os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
+            # A torch that reads the variable once would read this one, and the probe could not tell it apart.
+            sys.exit("--cache sets CUBLAS_WORKSPACE_CONFIG itself: run it with the variable unset")
         cache_probe(torch)
         return
     import capturepass
