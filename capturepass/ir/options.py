@@ -121,7 +121,7 @@ class Options:
         pick: ``"measure"`` (the default): when a CUDA graph is captured for a new
             shape, the cost model's schedule and the cheaper ones derived from it (one
             lane, fewer lanes, short lanes merged back) are each captured and replayed,
-            and the fastest is kept, or one with fewer lanes within 2% of it (the choice is
+            and the fastest is kept, or one lane within 2% of it (the choice is
             cached per device, graph and shape).
             ``"model"``: the cost model's schedule, unmeasured (reproducible schedules).
             Uncaptured graphs, graphs captured breakable and graphs that post collectives

@@ -12,8 +12,8 @@ own owner, replays each a few times
 interleaved (a sample is a lead-in replay, then a few replays back to back between CUDA
 events: the steady pace of one graph replayed again and again, as a served model runs it;
 warm-up rounds first, then as many timed rounds as ``pick_budget_ms`` allows, at least one), keeps
-the one with the lowest median (a candidate within :data:`TIE` of the fastest with
-fewer lanes wins the tie: fewer streams, fewer events, less memory), and closes the
+the one with the lowest median (one lane within :data:`TIE` of the fastest wins the tie: no
+side streams, no events, less memory), and closes the
 others' owners.
 
 Measuring holds the memory of about one capture, not one per candidate: a warm-up
@@ -101,11 +101,14 @@ MAX_ROUNDS = 25
 # Replays per sample (``replay_round``): untimed lead-in replays, then timed replays back to back.
 LEAD_IN = 1
 REPEATS = 4
-# A candidate with fewer lanes within this fraction of the fastest median wins. The candidates
-# are timed on one input; where a graph's work depends on its input's values (an MoE's routing)
-# a schedule's time moves by a few percent from one input to the next (on an H200, a Qwen2-MoE
+# A one-lane candidate within this fraction of the fastest median wins. The candidates are timed
+# on one input; where a graph's work depends on its input's values (an MoE's routing) a
+# schedule's time moves by a few percent from one input to the next (on an H200, a Qwen2-MoE
 # decode graph's three lanes timed 1.1% faster than one lane on the call's tokens and 2.7% slower
-# on the next call's), so a smaller gain is not one to pay more streams, events and memory for.
+# on the next call's), so a smaller gain is not one to pay side streams, events and memory for.
+# Between schedules with side lanes it does not apply: on an H100 the same graph's three lanes
+# timed 1.8-2.6% faster than its two-lane candidate in five processes, and held that gain on the
+# bench's calls, while the two-lane choice cost the whole call 2.4%.
 TIE = 0.02
 # A candidate whose median is more than this fraction above its fastest sample was timed beside
 # other work on the GPU for at least half its rounds (another process's kernels, Inductor's tuning
@@ -218,10 +221,11 @@ def unsteady_timing(median: float | None, fastest: float | None, rounds: int) ->
 
 def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = TIE,
            mapped: Sequence[bool] = ()) -> int:
-    """The index of the chosen candidate: the fastest median, except that a candidate with fewer
-    lanes within ``tie`` (a fraction) of it wins (fewer lanes, then a program of its own over a
-    lane map of another's (``mapped``: its buffers are reused across lanes, so it holds less
-    memory), then the faster, then the first).
+    """The index of the chosen candidate: the fastest median, except that a one-lane candidate
+    within ``tie`` (a fraction) of it wins (then a program of its own over a lane map of
+    another's (``mapped``: its buffers are reused across lanes, so it holds less memory), then
+    the faster, then the first). Between candidates with several lanes the faster wins: both
+    pay for streams and events, and the measured gain is the only evidence either has.
 
     Raises:
         ValueError: no candidate has a median.
@@ -230,8 +234,10 @@ def choose(medians: Sequence[float | None], lanes: Sequence[int], tie: float = T
     if not valid:
         raise ValueError("no candidate was measured")
     best = min(medians[i] for i in valid)  # type: ignore[type-var]
-    close = [i for i in valid if medians[i] <= best * (1.0 + tie)]  # type: ignore[operator]
-    return min(close, key=lambda i: (lanes[i], bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
+    close = [i for i in valid if medians[i] <= best * (1.0 + tie) and lanes[i] <= 1]  # type: ignore[operator]
+    if close:
+        return min(close, key=lambda i: (bool(mapped[i]) if i < len(mapped) else False, medians[i], i))
+    return min(valid, key=lambda i: (medians[i], lanes[i], i))
 
 
 def replay_round(caps: Sequence[Any], order: Sequence[int], repeats: int = REPEATS,
