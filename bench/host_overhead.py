@@ -81,10 +81,13 @@ def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int) -> di
         record = [r for r in last_compiled() if r.executor is not None][-1]
         executor = record.executor
         seen: list = []
-        call = executor._call
-        executor._call = lambda args: seen.append(list(args)) or call(args)  # the arguments AOT passes
-        ours(input_ids=ids, use_cache=False)
-        del executor._call
+        kind = type(executor)
+        call = kind.__call__
+        kind.__call__ = lambda self, args: seen.append(list(args)) or call(self, args)  # the arguments AOT passes
+        try:
+            ours(input_ids=ids, use_cache=False)
+        finally:
+            kind.__call__ = call
         args = seen[-1]
         bound = executor._eager_program(args)
         program = record.program

@@ -90,6 +90,15 @@ def current_owner() -> "GraphOwner | None":
     return _state.owner
 
 
+def swap_owner(owner: "GraphOwner | None") -> "GraphOwner | None":
+    """Makes ``owner`` this thread's executing owner and returns the one it replaces (for a
+    call without instrumentation, which puts that one back when it ends; :func:`running` is the
+    general form)."""
+    prev = _state.owner
+    _state.owner = owner
+    return prev
+
+
 def current_segment() -> int | None:
     """The segment being captured by the current owner, if a capture is in progress."""
     owner = current_owner()

@@ -277,6 +277,8 @@ class Executor(Releases):
         share this callable. Owners are therefore kept per instance, so that two models
         never share graphs, pools, channels or workspaces.
         """
+        if not self._static_positions:
+            return ()
         last = self._last_instance
         if (
             last is not None and _ptrs_equal is not None and len(self._last_ptrs) == len(args)
@@ -367,7 +369,21 @@ class Executor(Releases):
     # -- calls -----------------------------------------------------------------------------------
     def __call__(self, args: list[Any]) -> Any:
         inst = context.instrumentation()
-        if inst is None or inst.graph is None:
+        if inst is None:
+            # An uncaptured call of a model instance run before, in one frame: on a small graph
+            # the general path's layers cost as much as Inductor's own call of its code.
+            if not (self.captured or self._uncaptured_depth or self.closed or lifetime.PENDING or lifetime.DEFERRED):
+                rec = self._eager_owners.get(self._instance(args))
+                if (rec is not None and rec.program.direct is not None and len(args) == rec.program.arity
+                        and profiling.active() is None
+                        and not (self._on_cuda and torch.cuda.is_current_stream_capturing())):
+                    prev = context.swap_owner(rec.owner)
+                    try:
+                        return rec.program.direct(*args)
+                    finally:
+                        context.swap_owner(prev)
+            return self._call(args)
+        if inst.graph is None:
             return self._call(args)
         with inst.graph(self):
             return self._call(args)
@@ -733,7 +749,9 @@ class Executor(Releases):
             return self._run_profiled_on_host(args, prof)
         rec = self._eager_owner_for(args)
         with context.running(rec.owner):
-            return rec.program(*args)
+            out = rec.program(*args)
+        rec.program.settle()
+        return out
 
     def _run_profiled_on_host(self, args: Sequence[Any], prof: "profiling.ProfilingCapture") -> Any:
         # A host graph's first run stands for its capture: inside a profiling capture it

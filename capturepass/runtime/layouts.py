@@ -138,6 +138,12 @@ class ExactLayouts:
         """Whether any output has a layout to keep."""
         return bool(self._expected)
 
+    @property
+    def settled(self) -> Callable[..., Sequence[Any]] | None:
+        """The compiled region alone once its calls are known to return the expected layouts
+        (static strides, all as expected at the first call), else ``None``."""
+        return self.fn if self._checked and not self._expected else None
+
     def __call__(self, *args: Any) -> Sequence[Any]:
         outs = self.fn(*args)
         if self._checked and not self._expected:

@@ -275,8 +275,26 @@ class BoundProgram:
         self.program = program
         self.modules = modules
         self._whole = _whole_call(program, modules)
+        # Without instrumentation a region on the current stream needs no call of its own:
+        # the whole call then invokes its compiled function directly.
+        self._direct = _whole_call(program, modules, direct=True)
         self._constants = tuple(program.constants.values())
         self._arity = len(program.inputs)
+        #: The whole call without instrumentation as a function of the inputs alone, for a call
+        #: with ``arity`` arguments (``None`` where the program has constants to pass too).
+        self.direct = None if self._constants else self._direct
+        self.arity = self._arity
+        # Regions whose layout check may settle (``ExactLayouts.settled``): the direct call is
+        # generated again without the check once they all have.
+        self._unsettled = [spec.fn for spec in program.regions if hasattr(spec.fn, "settled")]
+
+    def settle(self) -> None:
+        """Generates the direct call again without the layout checks of its regions, once every
+        one has settled (after a call)."""
+        if self._unsettled and all(fn.settled is not None for fn in self._unsettled):
+            self._unsettled = []
+            self._direct = _whole_call(self.program, self.modules, direct=True)
+            self.direct = None if self._constants else self._direct
 
     def run_piece(self, index: int, env: dict[fx.Node, Any]) -> None:
         """Runs piece ``index`` reading and extending ``env``."""
@@ -297,7 +315,9 @@ class BoundProgram:
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == self._arity:
-            return self._whole(*args, *self._constants)
+            inst = context.instrumentation()
+            whole = self._direct if inst is None or inst.region is None else self._whole
+            return whole(*args, *self._constants) if self._constants else whole(*args)
         env = self.initial_env(args)
         for i in range(len(self.modules)):
             self.run_piece(i, env)
@@ -365,8 +385,11 @@ def _piece_module(piece: Piece, owner: "GraphOwner", lanes: "Lanes", externals: 
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassPiece")
 
 
-def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[..., Any]:
-    """The generated function of a whole call: ``f(*inputs, *constants)`` -> the outputs."""
+def _whole_call(program: Program, modules: list[fx.GraphModule], direct: bool = False) -> Callable[..., Any]:
+    """The generated function of a whole call: ``f(*inputs, *constants)`` -> the outputs.
+
+    With ``direct``, a region run on the current stream is called as its compiled function, not
+    through its :class:`RegionCall` (for calls without instrumentation)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in program.inputs:
@@ -376,11 +399,27 @@ def _whole_call(program: Program, modules: list[fx.GraphModule]) -> Callable[...
     for piece, module in zip(program.pieces, modules):
         # Each piece's code is copied in: one function for the whole call, no call per piece.
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        first = len(graph.nodes)
         outs = graph.graph_copy(module.graph, {p: env[n] for p, n in zip(placeholders, piece.live_in, strict=True)})
+        if direct:
+            for node in list(graph.nodes)[first:]:
+                if isinstance(node.target, RegionCall) and node.target._direct:
+                    fn = node.target._fn
+                    node.target = _nameable(getattr(fn, "settled", None) or fn) or node.target
         for node, value in zip(piece.live_out, outs, strict=True):
             env[node] = value
     graph.output(fx.node.map_arg(program.output, lambda n: env[n]))
     return fx.GraphModule(torch.nn.Module(), graph, class_name="CapturePassCall").forward
+
+
+def _nameable(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``fn`` (a callable object by its ``__call__``) where generated code can name it: FX
+    names a call's target by its module and qualified name. ``None`` otherwise (a generated
+    module's ``forward`` has no module)."""
+    for f in (fn, getattr(fn, "__call__", None)):
+        if f is not None and getattr(f, "__module__", None) and hasattr(f, "__qualname__") and hasattr(f, "__name__"):
+            return f
+    return None
 
 
 def _weak_args(run: "Callable[[Callable[..., Sequence[Any]], tuple], Sequence[Any]]", lanes: "Lanes",
