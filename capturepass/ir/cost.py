@@ -81,8 +81,12 @@ def _numeric(x: Any) -> tuple[float, str | None]:
         expr = node.expr
         hint = node.hint
         if hint is None:
+            env = node.shape_env
+            # The same hint-or-raise (an unbacked symbol has none); torch 2.13 deprecates size_hint
+            # for it, with a FutureWarning the user would see.
+            hint_of = getattr(env, "guarding_hint_or_throw", None) or env.size_hint
             try:
-                hint = node.shape_env.size_hint(expr)
+                hint = hint_of(expr)
             except Exception:
                 hint = None
         if isinstance(expr, sympy.Expr) and expr.free_symbols:

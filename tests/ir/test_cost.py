@@ -264,3 +264,20 @@ def test_one_graph_fits_the_scale_alone_and_the_nominal_model_wins_ties():
 def test_a_fit_without_a_usable_measurement_says_so():
     with pytest.raises(ValueError, match="no measured graph"):
         cost.fit([(_GRAPHS[0], 0.0), ([], 1e-3)], "dev")
+
+
+def test_an_unbacked_size_costs_nan_with_its_formula_and_warns_nothing():
+    """A size only known at run time (``.item()`` into a slice) has no hint: its cost is NaN with
+    the symbol's formula. Reading the hint raises no deprecation warning a user would see (torch
+    2.13 deprecates ``ShapeEnv.size_hint`` with a ``FutureWarning``)."""
+    import warnings
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    unbacked = env.create_unbacked_symint()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value, formula = cost._numeric(unbacked)
+    assert math.isnan(value) and formula == str(unbacked.node.expr)
+    assert [str(w.message) for w in caught] == []
