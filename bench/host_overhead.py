@@ -18,6 +18,12 @@ microseconds between layers can be read. ``capturepass / inductor`` is the uncap
 ratio (at most 1.10).
 
 Run: ``python bench/host_overhead.py --model qwen2_moe`` (``--decode B``, ``--prefill B,S``).
+
+``--small``: instead, whole calls of small plain modules, where a fixed cost per call weighs
+most (``x + 1`` on four floats, ``nn.Linear(8, 8)``, a KV-cache write with attention, a
+64-256-64 MLP), Inductor and capturepass in alternation; each line is the median over
+``--rounds`` of the ratio of the two rounds taken side by side (a pair shares the machine's
+state, which on a shared 2-core CPU moves by more than the difference read).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", default=None, help="B,S: a prefill shape instead of the decode one")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--small", action="store_true", help="small plain modules, paired rounds")
     return p
 
 
@@ -109,6 +116,74 @@ def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int) -> di
         }, iters, rounds)
 
 
+def small_modules() -> dict[str, tuple]:
+    """Name -> (module, arguments, calls per round) of the ``--small`` cases."""
+    import torch
+    from torch import nn
+
+    class Add(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class KVAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("k", torch.zeros(2, 16, 8))
+            self.register_buffer("v", torch.zeros(2, 16, 8))
+            self.q, self.kp, self.vp = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, pos):
+            self.k.index_copy_(1, pos, self.kp(x))
+            self.v[:, pos] = self.vp(x)
+            return (self.q(x) @ self.k.transpose(1, 2)).softmax(-1) @ self.v
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+        def forward(self, x):
+            return self.b(nn.functional.gelu(self.a(x)))
+
+    torch.manual_seed(0)
+    return {
+        "x + 1": (Add(), (torch.randn(4),), 1000),
+        "nn.Linear(8, 8)": (nn.Linear(8, 8), (torch.randn(2, 8),), 1000),
+        "KV-cache write + attention": (KVAttention(), (torch.randn(2, 3, 8), torch.arange(3)), 300),
+        "MLP 64-256-64 on [32, 64]": (MLP(), (torch.randn(32, 64),), 300),
+    }
+
+
+def paired(rounds: int) -> dict[str, tuple[float, float, float]]:
+    """Name -> (Inductor's median us per call, capturepass's, the median paired ratio)."""
+    import copy
+    import statistics
+
+    import torch
+
+    import capturepass  # noqa: F401 - registers the backend where no entry point is installed
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, (module, args, calls) in small_modules().items():
+        fns = {b: torch.compile(copy.deepcopy(module), backend=b) for b in ("inductor", "capturepass")}
+        times: dict[str, list[float]] = {b: [] for b in fns}
+        with torch.no_grad():
+            for fn in fns.values():
+                for _ in range(300):
+                    fn(*args)
+            for _ in range(rounds):
+                for b, fn in fns.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn(*args)
+                    times[b].append((time.perf_counter() - start) / calls * 1e6)
+        ratios = [c / i for c, i in zip(times["capturepass"], times["inductor"])]
+        out[name] = (statistics.median(times["inductor"]), statistics.median(times["capturepass"]),
+                     statistics.median(ratios))
+    return out
+
+
 def _region_specs(program) -> list:
     from capturepass.ir.plan import StepKind
 
@@ -117,6 +192,11 @@ def _region_specs(program) -> list:
 
 def main() -> None:
     args = parser().parse_args()
+    if args.small:
+        print(f"small modules, one thread, medians of {args.rounds} paired rounds:")
+        for name, (ind, ours, ratio) in paired(args.rounds).items():
+            print(f"  {name:28s} inductor {ind:7.2f} us, capturepass {ours:7.2f} us, capturepass / inductor {ratio:.3f}")
+        return
     batch, seq = (int(v) for v in args.prefill.split(",")) if args.prefill else (args.decode, 1)
     times = layers(args.model, batch, seq, args.iters, args.rounds)
     print(f"{args.model} [{batch}, {seq}], one thread, fastest of {args.rounds} rounds of {args.iters} calls:")

@@ -121,6 +121,15 @@ def test_host_overhead_bench_times_every_layer():
     assert {"llama", "qwen2_moe", "mamba"} <= set(bench.decoders()) and "bert" not in bench.decoders()
 
 
+def test_host_overhead_bench_pairs_rounds_of_small_modules(monkeypatch):
+    bench = _load("host_overhead")
+    cases = bench.small_modules()
+    assert list(cases) == ["x + 1", "nn.Linear(8, 8)", "KV-cache write + attention", "MLP 64-256-64 on [32, 64]"]
+    monkeypatch.setattr(bench, "small_modules", lambda: {"x + 1": cases["x + 1"][:2] + (3,)})
+    ((name, (inductor, ours, ratio)),) = bench.paired(rounds=3).items()
+    assert name == "x + 1" and inductor > 0 and ours > 0 and ratio > 0
+
+
 def test_host_profile_names_where_the_calls_spend_their_time():
     zoo = _load("zoo")
 
