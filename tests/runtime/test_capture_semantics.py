@@ -20,7 +20,7 @@ import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.ir.capabilities import REGISTRY
 from capturepass.ir import meta
-from capturepass.runtime import capture, executor as executor_module
+from capturepass.runtime import capture, capture_failures
 from capturepass.runtime.events import POOL
 from capturepass.testing.models import MoEBlock
 
@@ -32,7 +32,7 @@ NS = "cptest_sem_gpu"
 @pytest.fixture(autouse=True)
 def _fresh_learning():
     REGISTRY.forget_learned()
-    executor_module._warned_ops.clear()
+    capture_failures._warned_ops.clear()
     yield
     REGISTRY.forget_learned()
 
