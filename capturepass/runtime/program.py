@@ -275,26 +275,28 @@ class BoundProgram:
         self.program = program
         self.modules = modules
         self._whole = _whole_call(program, modules)
-        # Without instrumentation a region on the current stream needs no call of its own:
-        # the whole call then invokes its compiled function directly.
-        self._direct = _whole_call(program, modules, direct=True)
         self._constants = tuple(program.constants.values())
-        self._arity = len(program.inputs)
-        #: The whole call without instrumentation as a function of the inputs alone, for a call
-        #: with ``arity`` arguments (``None`` where the program has constants to pass too).
-        self.direct = None if self._constants else self._direct
-        self.arity = self._arity
+        #: How many arguments a whole call takes (the program's inputs).
+        self.arity = len(program.inputs)
         # Regions whose layout check may settle (``ExactLayouts.settled``): the direct call is
         # generated again without the check once they all have.
         self._unsettled = [spec.fn for spec in program.regions if hasattr(spec.fn, "settled")]
+        self._generate_direct()
+
+    def _generate_direct(self) -> None:
+        # Without instrumentation a region on the current stream needs no call of its own: the
+        # direct call invokes its compiled function.
+        self._direct = _whole_call(self.program, self.modules, direct=True)
+        #: The direct call as a function of the inputs alone (``None`` where the program has
+        #: constants to pass too).
+        self.direct = None if self._constants else self._direct
 
     def settle(self) -> None:
         """Generates the direct call again without the layout checks of its regions, once every
         one has settled (after a call)."""
         if self._unsettled and all(fn.settled is not None for fn in self._unsettled):
             self._unsettled = []
-            self._direct = _whole_call(self.program, self.modules, direct=True)
-            self.direct = None if self._constants else self._direct
+            self._generate_direct()
 
     def run_piece(self, index: int, env: dict[fx.Node, Any]) -> None:
         """Runs piece ``index`` reading and extending ``env``."""
@@ -314,7 +316,7 @@ class BoundProgram:
         return fx.node.map_arg(self.program.output, lambda n: env[n])
 
     def __call__(self, *args: Any) -> Any:
-        if len(args) == self._arity:
+        if len(args) == self.arity:
             inst = context.instrumentation()
             whole = self._direct if inst is None or inst.region is None else self._whole
             return whole(*args, *self._constants) if self._constants else whole(*args)
