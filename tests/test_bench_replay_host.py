@@ -36,6 +36,9 @@ def test_on_the_host_it_times_capturepass_replay_path():
     assert [l.split(":")[0] for l in lines] == ["llama decode[8,1] cpu capturepass",
                                                  "llama decode[8,1] cpu capturepass-environment"], proc.stdout
     for line in lines:
-        whole, executor, launch = (float(re.search(rf"{k} ([0-9.]+)", line).group(1))
-                                   for k in ("whole", "executor", "launch"))
-        assert 0 < launch < executor < whole, line
+        whole, timed, executor, launch = (float(re.search(rf"{k} ([0-9.]+)", line).group(1))
+                                          for k in ("whole", "with the timers", "executor", "launch"))
+        # The launches and the executor are timed inside the run "with the timers": their sum
+        # belongs to that run's time, not to the untimed runs' median beside it (a busy machine
+        # once made the one timed run 2.5x the median).
+        assert 0 < launch < executor < timed and whole > 0, line
