@@ -34,6 +34,11 @@ class _State(threading.local):
 
 _state = _State()
 
+#: This thread's state (``instrumentation``, ``owner``), for the one caller that cannot afford a
+#: function call to read and set them: an uncaptured call of a small graph (``Executor.__call__``),
+#: where each Python call costs about a tenth of a microsecond. Anything else uses the functions.
+state = _state
+
 
 class Instrumentation:
     """What an observer wraps around calls (each a callable returning a context manager).
@@ -88,15 +93,6 @@ def instrumented(inst: Instrumentation) -> contextlib.AbstractContextManager:
 def current_owner() -> "GraphOwner | None":
     """The owner whose graph this thread is running, if any."""
     return _state.owner
-
-
-def swap_owner(owner: "GraphOwner | None") -> "GraphOwner | None":
-    """Makes ``owner`` this thread's executing owner and returns the one it replaces (for a
-    call without instrumentation, which puts that one back when it ends; :func:`running` is the
-    general form)."""
-    prev = _state.owner
-    _state.owner = owner
-    return prev
 
 
 def current_segment() -> int | None:

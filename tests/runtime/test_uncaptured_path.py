@@ -75,16 +75,58 @@ def test_the_short_path_calls_each_compiled_region_itself(regions):
     compiled(x, w)
     executor = last_compiled()[-1].executor
     bound = executor._eager_owners[executor._instance([x, w])].program
+    # Once the first call found every output as compiled for, no layout check is left either.
+    checked = [spec.fn for spec in executor.program.regions if hasattr(spec.fn, "settled")]
+    assert len(checked) == len(executor.program.regions) and all(fn.settled is not None for fn in checked)
+    if regions == "auto":
+        # On the host the lanes are one region: the direct call is its compiled function.
+        assert len(checked) == 1 and bound.direct is checked[0].settled
+        return
     direct = bound.direct.__self__.code
     # Every region runs on the current stream on the host: none goes through its RegionCall.
-    regions = len(executor.program.regions)
-    assert regions >= 1
-    assert "capturepass_runtime_program_region_" not in direct
-    assert bound._whole.__self__.code.count("capturepass_runtime_program_region_") == regions
-    # Nor through its layout check, once the first call found every output as compiled for.
-    checked = [spec.fn for spec in executor.program.regions if hasattr(spec.fn, "settled")]
-    assert checked and all(fn.settled is not None for fn in checked)
-    assert "layouts" not in direct
+    assert len(checked) == 3
+    assert "capturepass_runtime_program_region_" not in direct and "layouts" not in direct
+    assert bound._whole.__self__.code.count("capturepass_runtime_program_region_") == 3
+    torch.testing.assert_close(bound.direct(x, w), (_f(x, w),))
+
+
+def _bound(args: list) -> object:
+    executor = last_compiled()[-1].executor
+    return executor, executor._eager_owners[executor._instance(args)].program
+
+
+@pytest.mark.parametrize("case", ["two_outputs", "two_inputs"])
+def test_a_lone_region_whose_results_are_the_outputs_is_the_direct_call(case):
+    def two_outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x + 1, x * 2
+
+    def two_inputs(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (w @ x).relu()
+
+    fn, args = (two_outputs, [torch.randn(4, 4)]) if case == "two_outputs" else (two_inputs, [torch.randn(4, 4), torch.randn(4, 4)])
+    compiled = torch.compile(fn, backend="capturepass")
+    compiled(*args)
+    torch.testing.assert_close(compiled(*args), fn(*args))
+    executor, bound = _bound(args)
+    (spec,) = executor.program.regions
+    assert bound.direct is spec.fn.settled
+    torch.testing.assert_close(tuple(bound.direct(*args)), tuple(bound._whole(*args)))
+
+
+def test_a_lone_region_is_not_the_direct_call_when_an_input_is_an_output():
+    # A training graph's forward returns what backward saves, here the input itself: the
+    # whole call returns more than the region does.
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    compiled = torch.compile(linear, backend="capturepass")
+    compiled(x)
+    torch.testing.assert_close(compiled(x), linear(x))
+    executor, bound = _bound([linear.weight, linear.bias, x])
+    (spec,) = executor.program.regions
+    assert bound.direct is not spec.fn.settled
+    assert "return (getitem, primals_3)" in bound.direct.__self__.code
+    compiled(x).sum().backward()
+    assert linear.weight.grad is not None
 
 
 def test_instrumentation_takes_the_general_path(general_calls):
