@@ -21,6 +21,8 @@ and recording) slows the candidates it times, unevenly, so that processes chose 
 - ``reduce-overhead``: ``torch.compile(model, mode="reduce-overhead")``;
 - ``capturepass``: ``torch.compile(model, backend="capturepass")`` (default options);
 - ``capturepass-off``: the same with ``policy="off"`` (one lane);
+- ``capturepass-uncaptured``: the same with ``cudagraphs="none"`` (with ``inductor``, the table
+  reads it against Inductor's default compile: the uncaptured bar, at most 1.10);
 - named only: ``capturepass-lanes`` / ``capturepass-segments`` (``regions="lanes"`` /
   ``"segments"``: one compile per lane region, or per capture segment with its lanes inline),
   ``capturepass-segments-off`` (segments, one lane); ``reduce-overhead+pass``: reduce-overhead
@@ -637,9 +639,13 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     head = ["model", "shape"] + [f"{v} ms" for v in variants] + ["cp / min(ro, off)", "ro / cp"]
-    against_inductor = "inductor" in variants  # the uncaptured bar: capturepass within 1.10x of Inductor
+    against_inductor = "inductor" in variants
     if against_inductor:
         head.append("cp / inductor")
+    # The uncaptured bar: capturepass without CUDA graphs within 1.10x of Inductor's default compile.
+    uncaptured = against_inductor and "capturepass-uncaptured" in variants
+    if uncaptured:
+        head.append("uncaptured / inductor")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in models:
         for s in shapes:
@@ -655,6 +661,9 @@ def report(rows: list[dict], models: list[str], variants: list[str]) -> str:
             if against_inductor:
                 ind = ms.get("inductor")
                 cells.append(f"{cp / ind:.3f}" if cp and ind else "")
+            if uncaptured:
+                unc = ms.get("capturepass-uncaptured")
+                cells.append(f"{unc / ind:.3f}" if unc and ind else "")
             lines.append("| " + " | ".join(cells) + " |")
     def per_variant(what: str, cell: Callable[[str, str, str], str]) -> None:
         lines.extend(["", "| model | shape | " + " | ".join(f"{v} {what}" for v in variants) + " |",

@@ -86,6 +86,17 @@ def test_zoo_bench_report_ratios():
                     "| 1.111 |")
 
 
+def test_zoo_bench_report_reads_the_uncaptured_bar_against_inductor():
+    bench = _load("zoo")
+    times = {"inductor": 2.0, "capturepass-uncaptured": 2.1, "capturepass": 0.5}
+    rows = [dict(model="llama", variant=v, shape="decode[8,1]", ms=t, compile_s=2.0, peak_mib=10.0, rel_err=0.0)
+            for v, t in times.items()]
+    table = bench.report(rows, ["llama"], list(times)).splitlines()
+    assert table[0].endswith("| cp / inductor | uncaptured / inductor |")
+    line = next(x for x in table if x.startswith("| llama |"))
+    assert line == "| llama | decode[8,1] | 2.0000 | 2.1000 | 0.5000 |  |  | 0.250 | 1.050 |"
+
+
 def test_zoo_bench_report_lists_each_capture_replayed_alone_once():
     bench = _load("zoo")
     replays = [{"owner": "g0.m0.c0.one_lane", "replay_ms": 0.25,
