@@ -32,12 +32,11 @@ class _State(threading.local):
     owner: "GraphOwner | None" = None
 
 
-_state = _State()
-
-#: This thread's state (``instrumentation``, ``owner``), for the one caller that cannot afford a
-#: function call to read and set them: an uncaptured call of a small graph (``Executor.__call__``),
-#: where each Python call costs about a tenth of a microsecond. Anything else uses the functions.
-state = _state
+#: This thread's state (``instrumentation``, ``owner``). Public for the one caller that cannot
+#: afford a function call to read and set them: an uncaptured call of a small graph
+#: (``Executor.__call__``), where each Python call costs about a tenth of a microsecond. Anything
+#: else uses the functions below.
+state = _State()
 
 
 class Instrumentation:
@@ -62,7 +61,7 @@ class Instrumentation:
 
 def instrumentation() -> Instrumentation | None:
     """The instrumentation of this thread, if any."""
-    return _state.instrumentation
+    return state.instrumentation
 
 
 class _set:
@@ -78,11 +77,11 @@ class _set:
         self.name, self.value = name, value
 
     def __enter__(self) -> None:
-        self.prev = getattr(_state, self.name)
-        setattr(_state, self.name, self.value)
+        self.prev = getattr(state, self.name)
+        setattr(state, self.name, self.value)
 
     def __exit__(self, *exc: object) -> None:
-        setattr(_state, self.name, self.prev)
+        setattr(state, self.name, self.prev)
 
 
 def instrumented(inst: Instrumentation) -> contextlib.AbstractContextManager:
@@ -92,7 +91,7 @@ def instrumented(inst: Instrumentation) -> contextlib.AbstractContextManager:
 
 def current_owner() -> "GraphOwner | None":
     """The owner whose graph this thread is running, if any."""
-    return _state.owner
+    return state.owner
 
 
 def current_segment() -> int | None:
