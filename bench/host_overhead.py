@@ -1,23 +1,31 @@
-"""Where an uncaptured call's host time goes: capturepass's layers against Inductor's, on the CPU.
+"""Where an uncaptured call's time goes: capturepass's layers against Inductor's.
 
-One process, one thread, one model of the zoo (its tiny float32 config, where the host's share
-of a call shows), compiled twice: ``torch.compile(model)`` (Inductor) and
-``torch.compile(model, backend="capturepass")``. Each layer of capturepass's call is timed on
-its own, with the arguments the layer receives in a real call:
+One process, one thread, one model of the zoo (by default its tiny float32 config on the CPU,
+where the host's share of a call shows), compiled three times: ``torch.compile(model)``
+(Inductor), ``torch.compile(model, backend="capturepass")`` uncaptured (``cudagraphs="none"``
+on a GPU), and the same with ``policy="off"`` (one lane). Each layer of capturepass's call is
+timed on its own, with the arguments the layer receives in a real call:
 
 - ``region``: the compiled region alone (Inductor's code behind its runtime wrapper);
 - ``program``: the outer program bound to the model's uncaptured owner (the regions, the
   lanes' syncs and the values between them);
 - ``executor``: what AOT autograd calls (the owner lookup, then the program);
 - ``capturepass``: the whole call (Dynamo's guards, AOT's runtime wrapper, the executor);
+- ``one lane``: the whole call of the ``policy="off"`` compile (what the lanes cost an
+  uncaptured call: on a GPU, their streams' switches and events);
 - ``inductor``: Inductor's whole call.
 
 The layers are timed in rotation, each figure the fastest of ``--rounds`` rounds of the mean of
 ``--iters`` calls (microseconds): the least disturbed round, so that differences of a few
 microseconds between layers can be read. ``capturepass / inductor`` is the uncaptured bar's
-ratio (at most 1.10).
+ratio (at most 1.10). On a GPU (``--device cuda``) each round ends when the GPU has run its
+calls, so a figure is the slower of the host and the GPU, as a caller's steady stream of calls
+sees it. All variants share one process: ``bench/zoo.py`` runs each in its own, and a host-paced
+call's time moved from process to process on the GPU machine by more than the bar's 10%
+(BENCHMARKS.md).
 
-Run: ``python bench/host_overhead.py --model qwen2_moe`` (``--decode B``, ``--prefill B,S``).
+Run: ``python bench/host_overhead.py --model qwen2_moe`` (``--decode B``, ``--prefill B,S``;
+``--device cuda --sizes real``: on a GPU at ``bench/zoo.py``'s realistic sizes, bf16).
 
 ``--small``: instead, whole calls of small plain modules, where a fixed cost per call weighs
 most (``x + 1`` on four floats, ``nn.Linear(8, 8)``, a KV-cache write with attention, a
@@ -47,6 +55,9 @@ def decoders() -> list[str]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2_moe", choices=decoders())
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--sizes", default="zoo", choices=("zoo", "real"),
+                   help="the zoo's tiny float32 config, or bench/zoo.py's realistic sizes in bf16")
     p.add_argument("--decode", type=int, default=8, help="decode batch: B sequences of one token")
     p.add_argument("--prefill", default=None, help="B,S: a prefill shape instead of the decode one")
     p.add_argument("--iters", type=int, default=100)
@@ -55,32 +66,63 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def fastest(fns: dict, iters: int, rounds: int) -> dict[str, float]:
-    """The fastest round of each callable (mean microseconds per call), timed in rotation."""
+def fastest(fns: dict, iters: int, rounds: int, wait=None) -> dict[str, float]:
+    """The fastest round of each callable (mean microseconds per call), timed in rotation; a
+    round ends after ``wait()`` (the GPU's synchronisation: its queued work counted) where given."""
     best = {k: float("inf") for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            if wait is not None:
+                wait()
             start = time.perf_counter()
             for _ in range(iters):
                 fn()
+            if wait is not None:
+                wait()
             best[name] = min(best[name], (time.perf_counter() - start) / iters * 1e6)
     return best
 
 
-def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int) -> dict[str, float]:
+def model_and_ids(model_name: str, batch: int, seq: int, device: str, sizes: str):
+    """The zoo model (in eval mode) and token ids of ``[batch, seq]`` on ``device``: the zoo's tiny
+    float32 config, or ``bench/zoo.py``'s realistic one in bf16 (``sizes="real"``)."""
+    import importlib.util
+
+    import torch
+
+    from capturepass.testing import zoo
+
+    if sizes == "zoo":
+        model, vocab = zoo.build(model_name, device=None if device == "cpu" else device)[0], zoo.VOCAB
+    else:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo.py")
+        sys.path.insert(0, os.path.dirname(path))  # its own imports (branch_models, timing)
+        spec = importlib.util.spec_from_file_location("zoo_bench", path)
+        zoo_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(zoo_bench)
+        model, vocab = zoo_bench.build(model_name, device)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    return model.eval(), ids
+
+
+def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int, device: str = "cpu",
+           sizes: str = "zoo") -> dict[str, float]:
     """Microseconds per call of each layer (see the module docstring)."""
     import torch
 
     import capturepass  # noqa: F401 - registers the backend where no entry point is installed
     from capturepass.backends.compile import last_compiled
-    from capturepass.testing import zoo
 
     torch.set_num_threads(1)
-    model, _ = zoo.build(model_name)
-    model.eval()
-    ids = torch.randint(0, zoo.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    model, ids = model_and_ids(model_name, batch, seq, device, sizes)
+    uncaptured = {"cudagraphs": "none"} if device == "cuda" else {}
     inductor = torch.compile(model)
-    ours = torch.compile(model, backend="capturepass")
+    one_lane = torch.compile(model, backend="capturepass", options={**uncaptured, "policy": "off"})
+    with torch.no_grad():
+        for _ in range(3):
+            one_lane(input_ids=ids, use_cache=False)
+    # Compiled last: its compile is the one the layers below read (``last_compiled``).
+    ours = torch.compile(model, backend="capturepass", options=uncaptured)
     with torch.no_grad():
         for fn in (inductor, ours):
             for _ in range(3):
@@ -112,8 +154,9 @@ def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int) -> di
             "program": lambda: bound(*args),
             "executor": lambda: executor(args),
             "capturepass": lambda: ours(input_ids=ids, use_cache=False),
+            "one lane": lambda: one_lane(input_ids=ids, use_cache=False),
             "inductor": lambda: inductor(input_ids=ids, use_cache=False),
-        }, iters, rounds)
+        }, iters, rounds, wait=torch.cuda.synchronize if device == "cuda" else None)
 
 
 def small_modules() -> dict[str, tuple]:
@@ -198,11 +241,13 @@ def main() -> None:
             print(f"  {name:28s} inductor {ind:7.2f} us, capturepass {ours:7.2f} us, capturepass / inductor {ratio:.3f}")
         return
     batch, seq = (int(v) for v in args.prefill.split(",")) if args.prefill else (args.decode, 1)
-    times = layers(args.model, batch, seq, args.iters, args.rounds)
-    print(f"{args.model} [{batch}, {seq}], one thread, fastest of {args.rounds} rounds of {args.iters} calls:")
+    times = layers(args.model, batch, seq, args.iters, args.rounds, args.device, args.sizes)
+    print(f"{args.model} ({args.sizes} sizes) [{batch}, {seq}] on {args.device}, one thread, fastest of "
+          f"{args.rounds} rounds of {args.iters} calls:")
     for name, us in times.items():
         print(f"  {name:12s} {us:9.1f} us")
-    print(f"  capturepass / inductor {times['capturepass'] / times['inductor']:.3f}; outer program "
+    print(f"  capturepass / inductor {times['capturepass'] / times['inductor']:.3f}, one lane / inductor "
+          f"{times['one lane'] / times['inductor']:.3f}; outer program "
           f"{times['program'] - times['region']:.1f} us, executor {times['executor'] - times['program']:.1f} us")
 
 

@@ -127,9 +127,22 @@ def test_host_overhead_bench_times_every_layer():
     pytest.importorskip("transformers")
     bench = _load("host_overhead")
     times = bench.layers("gpt2", 2, 1, iters=2, rounds=1)
-    assert list(times) == ["region", "program", "executor", "capturepass", "inductor"]
+    assert list(times) == ["region", "program", "executor", "capturepass", "one lane", "inductor"]
     assert all(t > 0 for t in times.values())
     assert {"llama", "qwen2_moe", "mamba"} <= set(bench.decoders()) and "bert" not in bench.decoders()
+
+
+def test_host_overhead_bench_builds_the_zoo_benchs_realistic_sizes():
+    pytest.importorskip("transformers")
+    import torch
+
+    bench = _load("host_overhead")
+    model, ids = bench.model_and_ids("gpt2", 2, 3, "cpu", "real")
+    assert model.config.n_embd == 1024 and model.config.n_layer == 4 and not model.training
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert ids.shape == (2, 3) and int(ids.max()) < model.config.vocab_size == 32000
+    tiny, tiny_ids = bench.model_and_ids("gpt2", 2, 3, "cpu", "zoo")
+    assert tiny.config.n_embd < 1024 and next(tiny.parameters()).dtype == torch.float32 and tiny_ids.shape == (2, 3)
 
 
 def test_host_overhead_bench_pairs_rounds_of_small_modules(monkeypatch):
