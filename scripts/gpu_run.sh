@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine without registry access: install capturepass (and carried wheels)
 # into /tmp/site, then run the GPU tests and, optionally, the benchmarks.
-#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|pickcheck|memory|resident|resources|sanitize|heap|crash|trace|sweep|all [OUTDIR]
+#   bash scripts/gpu_run.sh tests|zoo|bench|zoobench|uncaptured|pickcheck|memory|resident|resources|sanitize|heap|crash|trace|sweep|all [OUTDIR]
 # tests: every GPU test (the model zoo's in parallel processes when pytest-xdist is there).
 # zoo: scripts/zoo_table.py, the zoo under capturepass, Inductor and reduce-overhead (zoo.md, zoo.json).
 # zoobench: bench/zoo.py on the zoo's decoders at realistic sizes (Inductor, reduce-overhead, capturepass,
 # capturepass policy="off"; PROCS processes per cell, 3 by default), with the peak's allocation sites in
 # each worker's log (OUTDIR/zoo-bench/logs). Not part of all.
+# uncaptured: bench/host_overhead.py at bench/zoo.py's sizes (MODELS: gpt2,llama,qwen2_moe by default),
+# Inductor, capturepass uncaptured and capturepass uncaptured on one lane in one process per model
+# (the uncaptured bar, at most 1.10; OUTDIR/uncaptured.txt). Not part of all.
 # pickcheck: bench/pick_check.py, the measured choice's figures against each schedule's graph
 # replayed alone (one process per model and shape). Not part of all.
 # memory: bench/memory.py, the MoE block at MEMORY_SIZES (8,32,67 by default) batch sizes: memory held and
@@ -198,6 +201,13 @@ if [ "$what" = zoobench ]; then
     --out "$out/zoo-bench" > "$out/zoo-bench.log" 2>&1
   rc=$?
   echo "bench/zoo.py: exit $rc"; cat "$out/zoo-bench/zoo-bench.md" 2>/dev/null
+fi
+if [ "$what" = uncaptured ]; then
+  for model in $(echo "${MODELS:-gpt2,llama,qwen2_moe}" | tr ',' ' '); do
+    python3 bench/host_overhead.py --device cuda --sizes real --model "$model" --rounds "${ROUNDS:-10}" 2>&1 \
+      | grep -v DEBUG | tail -9 | tee -a "$out/uncaptured.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+  done
 fi
 if [ "$what" = pickcheck ]; then
   python3 bench/pick_check.py --models "${ZOO_MODELS:-llama,qwen2_moe}" --out "$out" 2> "$out/pick-check.log"
