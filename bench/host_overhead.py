@@ -43,6 +43,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/zoo.py, for --sizes real
 
 
 def decoders() -> list[str]:
@@ -86,8 +87,6 @@ def fastest(fns: dict, iters: int, rounds: int, wait=None) -> dict[str, float]:
 def model_and_ids(model_name: str, batch: int, seq: int, device: str, sizes: str):
     """The zoo model (in eval mode) and token ids of ``[batch, seq]`` on ``device``: the zoo's tiny
     float32 config, or ``bench/zoo.py``'s realistic one in bf16 (``sizes="real"``)."""
-    import importlib.util
-
     import torch
 
     from capturepass.testing import zoo
@@ -95,11 +94,8 @@ def model_and_ids(model_name: str, batch: int, seq: int, device: str, sizes: str
     if sizes == "zoo":
         model, vocab = zoo.build(model_name, device=None if device == "cpu" else device)[0], zoo.VOCAB
     else:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zoo.py")
-        sys.path.insert(0, os.path.dirname(path))  # its own imports (branch_models, timing)
-        spec = importlib.util.spec_from_file_location("zoo_bench", path)
-        zoo_bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(zoo_bench)
+        import zoo as zoo_bench  # bench/zoo.py
+
         model, vocab = zoo_bench.build(model_name, device)
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     return model.eval(), ids
@@ -118,13 +114,10 @@ def layers(model_name: str, batch: int, seq: int, iters: int, rounds: int, devic
     uncaptured = {"cudagraphs": "none"} if device == "cuda" else {}
     inductor = torch.compile(model)
     one_lane = torch.compile(model, backend="capturepass", options={**uncaptured, "policy": "off"})
-    with torch.no_grad():
-        for _ in range(3):
-            one_lane(input_ids=ids, use_cache=False)
-    # Compiled last: its compile is the one the layers below read (``last_compiled``).
     ours = torch.compile(model, backend="capturepass", options=uncaptured)
     with torch.no_grad():
-        for fn in (inductor, ours):
+        # ``ours`` compiles last (at its first call): its compile is the one ``last_compiled`` reads below.
+        for fn in (inductor, one_lane, ours):
             for _ in range(3):
                 fn(input_ids=ids, use_cache=False)
         record = [r for r in last_compiled() if r.executor is not None][-1]
