@@ -269,7 +269,7 @@ def _aten_compiler(
         # run on the same parameters, their captures share one pool.
         scope = ("dynamo-frame", frame, kind) if frame is not None else None
         executor = Executor(compiled.program, graph_opts, rebuild=rebuild, record_dir=dump_dir, picker=picker,
-                            memory_scope=scope)
+                            memory_scope=scope, on_choice=_recorder(compiled, dump_dir))
         compiled.attach(executor)
 
         def run(args: list[Any]) -> Any:
@@ -281,6 +281,17 @@ def _aten_compiler(
         return run
 
     return compile_aten
+
+
+def _recorder(compiled: CompiledGraph, dump_dir: str | None) -> Callable[[PickRecord], None]:
+    """Where a measured choice goes, captured or uncaptured: the graph's decisions (of the graph the
+    compile holds now, rebuilt or not) and its dump folder."""
+
+    def on_pick(record: PickRecord) -> None:
+        meta.add_decision(compiled.graph, record.text())
+        append_record(dump_dir, record)
+
+    return on_pick
 
 
 def _picker(
@@ -343,13 +354,9 @@ def _picker(
     log.info("capturepass: %s graph: %d schedule candidates to measure at capture: %s", kind, len(cands),
              ", ".join(f"{c.name} ({c.lanes} lane(s), estimate {c.estimate_us:.1f} us)" for c in cands))
 
-    def on_pick(record: PickRecord) -> None:
-        meta.add_decision(compiled.graph, record.text())
-        append_record(dump_dir, record)
-
     cache = ScheduleCache(_cache_dir(opts))
     key = candidates.graph_key(pristine, opts, cands, breaks=sorted(breaks or ()))
-    return Picker(kind, cands, key, opts.pick_budget_ms, cache, on_pick,
+    return Picker(kind, cands, key, opts.pick_budget_ms, cache, _recorder(compiled, dump_dir),
                   calibration=CalibrationStore(cache.directory), rooflines=calibration.rooflines(compiled.graph.graph),
                   hint_key=None if rebuilt else hint_key)
 

@@ -123,9 +123,13 @@ class Options:
             lane, fewer lanes, short lanes merged back) are each captured and replayed,
             and the fastest is kept, or one lane within 2% of it (the choice is
             cached per device, graph and shape).
+            Uncaptured calls on CUDA (``cudagraphs="none"``, shapes past ``max_captures``)
+            choose per shape between the cost model's lanes and one stream by timing their own
+            first calls (``runtime.uncaptured``: without a graph every lane switch and event is
+            a host call, which a host-paced call pays in full).
             ``"model"``: the cost model's schedule, unmeasured (reproducible schedules).
-            Uncaptured graphs, graphs captured breakable and graphs that post collectives
-            (each rank would measure on its own clock) run the cost model's schedule.
+            Graphs captured breakable and graphs that post collectives (each rank would measure
+            on its own clock) run the cost model's schedule, captured or not.
         pick_budget_ms: the replay time measuring the candidates of one shape may take
             (milliseconds of timed replays; at least one round is timed).
         pick_predict: with ``pick="measure"``, a graph whose lanes the device's lane factor

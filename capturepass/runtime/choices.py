@@ -101,6 +101,9 @@ class PickRecord:
         unsteady: the candidates whose median was far above their fastest sample
             (``pick.UNSTEADY``): other work shared the GPU with the timed replays, and the
             choice was neither cached nor used to calibrate the cost model.
+        uncaptured: the choice of uncaptured calls (``runtime.uncaptured``): each candidate
+            timed over ``rounds`` synchronised calls of the model itself (``replays`` calls in
+            all, the untimed first ones included), never cached.
     """
 
     graph: str
@@ -114,14 +117,24 @@ class PickRecord:
     candidates: list[dict[str, Any]]
     scale: float | None = None
     unsteady: list[str] = dataclasses.field(default_factory=list)
+    uncaptured: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the entry of :data:`PICKS_FILE` and the cache)."""
-        return dataclasses.asdict(self)
+        """A JSON-ready dict (the entry of :data:`PICKS_FILE` and the cache; ``uncaptured`` only
+        where set, so that a captured choice's entry reads as before it existed)."""
+        out = dataclasses.asdict(self)
+        if not self.uncaptured:
+            del out["uncaptured"]
+        return out
 
     def text(self) -> str:
         """The one-line decision the graph record and ``show`` print."""
         chosen = next(c for c in self.candidates if c["name"] == self.choice)
+        if self.uncaptured:
+            return (f"uncaptured calls of {self.shape} on {self.device}: {self.choice} ({chosen['lanes']} lane(s)), "
+                    f"measured fastest ({self.rounds} synchronised call(s) each, {self.replays} calls); "
+                    + "; ".join(f"{c['name']} {c['lanes']} lane(s): measured {c['measured_us']} us"
+                                for c in self.candidates))
         head = f"schedule for {self.shape} on {self.device}: {self.choice} ({chosen['lanes']} lane(s))"
         if self.cached:
             head += f", cached choice (measured {chosen['measured_us']} us in an earlier process)"

@@ -88,13 +88,16 @@ from capturepass.errors import CapturePassError
 from capturepass.ir.options import Options
 from capturepass.runtime import context, lifetime, naming, outputs, pools, profiling, sizes
 from capturepass.runtime.capture_failures import CaptureFailures
+from capturepass.runtime.choices import PickRecord, shape_text
 from capturepass.runtime.in_place import STEADY_CALLS, InPlacePlans, capture_key
+from capturepass.runtime.owner import ONE_STREAM as ONE_STREAM_SCOPE
 from capturepass.runtime.owner import CaptureMemory, GraphOwner, capture_memory
 from capturepass.runtime.program import Program
 from capturepass.runtime.releases import Releases
 from capturepass.runtime.replay import Capture, CaptureFailure, InPlaceMoved
 from capturepass.runtime.snapshot import Snapshot
 from capturepass.runtime.scalars import ScalarMisses
+from capturepass.runtime.uncaptured import MODEL, ONE_STREAM, UncapturedChoice
 from capturepass.runtime.workspaces import locked_for_capture
 
 log = logging.getLogger("capturepass")
@@ -159,11 +162,14 @@ class _Model:
 
 @dataclasses.dataclass
 class _EagerOwner:
-    """The owner of one model instance's uncaptured runs, and its bound programs."""
+    """The owner of one model instance's uncaptured runs, and its bound programs: ``program``
+    on the owner's lanes; ``choice``, where uncaptured calls choose per shape between those lanes
+    and one stream by timing them (``runtime.uncaptured``); ``outer``, for outer captures."""
 
     owner: GraphOwner
     program: Any
     outer: Any = None
+    choice: UncapturedChoice | None = None
 
 
 class Executor(CaptureFailures, Releases):
@@ -189,6 +195,10 @@ class Executor(CaptureFailures, Releases):
             kind of graph): the captures of graphs with the same scope that run the same
             parameters share one pool and its streams, as one graph's shapes do (``None``:
             this graph's models keep their own).
+        on_choice: called with each shape's choice of uncaptured calls on CUDA between the
+            cost model's lanes and one stream, with ``options.pick == "measure"``
+            (:mod:`capturepass.runtime.uncaptured`; the backend adds it to the graph's record and
+            dump folder).
 
     Attributes:
         graph_owner: the graph owner's name, as the dump prints it (``"g3"``); every owner
@@ -205,6 +215,7 @@ class Executor(CaptureFailures, Releases):
         record_dir: str | None = None,
         picker: Any = None,
         memory_scope: Hashable | None = None,
+        on_choice: Callable[[PickRecord], None] | None = None,
     ) -> None:
         options = options if options is not None else Options()
         self._memory_scope = memory_scope
@@ -222,6 +233,7 @@ class Executor(CaptureFailures, Releases):
         self._uncaptured_depth = 0
         self._rebuild = rebuild
         self._picker = picker
+        self._on_choice = on_choice
         self._rebuilds = 0
         self.not_capturable: dict[str, str] = {}
         self.uncaptured_reason: str | None = None
@@ -350,11 +362,30 @@ class Executor(CaptureFailures, Releases):
             owner = self._new_owner(naming.eager_owner(model.name), model, "eager", args, self._device(args),
                                     captured=info.captured)
             rec = self._eager_owners[instance] = _EagerOwner(owner, self.program.bind(owner, owner.lanes("eager")))
+            rec.choice = self._uncaptured_choice(owner, rec.program)
             self._watch(instance, args)
         return rec
 
+    def _uncaptured_choice(self, owner: GraphOwner, program: Any) -> UncapturedChoice | None:
+        """The measured choice between lanes and one stream for ``owner``'s uncaptured calls, or
+        ``None``: on the host, without side streams, with ``pick="model"``, or posting collectives."""
+        if owner.device is None or not owner.side_streams or self.options.pick != "measure":
+            return None
+        if any(spec.groups for spec in self.program.regions):
+            log.info("capturepass: %s: posts collectives; its uncaptured calls run the cost model's lanes, not "
+                     "measured (ranks measuring on their own clocks could run different schedules)", self._what)
+            return None
+        one = self.program.bind(owner, owner.lanes(ONE_STREAM_SCOPE))
+        return UncapturedChoice(self._what, {MODEL: program, ONE_STREAM: one}, self.program.lanes, owner.device,
+                                on_choice=self._on_choice,
+                                shape_of=lambda args: shape_text(args, self._static_positions))
+
     def _eager_program(self, args: Sequence[Any]) -> Any:
-        return self._eager_owner_for(args).program
+        """The bound program an uncaptured call with ``args`` runs: the one chosen for its shape
+        (``runtime.uncaptured``), else the owner's lanes."""
+        rec = self._eager_owner_for(args)
+        chosen = rec.choice.chosen.get(_shape_key(args, self._dynamic_positions)) if rec.choice is not None else None
+        return rec.program if chosen is None else chosen
 
     @property
     def owners(self) -> list[GraphOwner]:
@@ -373,13 +404,15 @@ class Executor(CaptureFailures, Releases):
             # in place for that reason).
             if not (self.captured or self._uncaptured_depth or self.closed or lifetime.PENDING or lifetime.DEFERRED):
                 rec = self._eager_owners.get(self._instance(args))
-                if (rec is not None and rec.program.direct is not None and len(args) == rec.program.arity
+                program = None if rec is None else rec.program if rec.choice is None else \
+                    rec.choice.chosen.get(_shape_key(args, self._dynamic_positions))
+                if (program is not None and program.direct is not None and len(args) == program.arity
                         and not (self._host_captured and profiling.active() is not None)
                         and not (self._on_cuda and torch.cuda.is_current_stream_capturing())):
                     prev = state.owner
                     state.owner = rec.owner
                     try:
-                        return rec.program.direct(*args)
+                        return program.direct(*args)
                     finally:
                         state.owner = prev
             return self._call(args)
@@ -675,9 +708,16 @@ class Executor(CaptureFailures, Releases):
         if prof is not None and self.program.info.captured and not self.program.info.on_cuda:
             return self._run_profiled_on_host(args, prof)
         rec = self._eager_owner_for(args)
-        with context.running(rec.owner):
-            out = rec.program(*args)
-        rec.program.settle()
+        if rec.choice is not None and not self._uncaptured_depth and context.instrumentation() is None:
+            return rec.choice.call(_shape_key(args, self._dynamic_positions), args,
+                                   lambda program: self._run_bound(rec.owner, program, args))
+        return self._run_bound(rec.owner, rec.program, args)
+
+    @staticmethod
+    def _run_bound(owner: GraphOwner, program: Any, args: Sequence[Any]) -> Any:
+        with context.running(owner):
+            out = program(*args)
+        program.settle()
         return out
 
     def _run_profiled_on_host(self, args: Sequence[Any], prof: "profiling.ProfilingCapture") -> Any:
@@ -713,9 +753,12 @@ class Executor(CaptureFailures, Releases):
 
     @property
     def schedule_choices(self) -> list[Any]:
-        """The measured (or cached) schedule choices of this callable's shapes, oldest first
+        """The measured (or cached) schedule choices of this callable's captured shapes, oldest
+        first, then those of its uncaptured calls per model instance
         (:class:`~capturepass.runtime.choices.PickRecord`); empty without a measured choice."""
-        return list(self._picker.records) if self._picker is not None else []
+        captured = list(self._picker.records) if self._picker is not None else []
+        return captured + [r for rec in self._eager_owners.values() if rec.choice is not None
+                           for r in rec.choice.records]
 
     @property
     def static_positions(self) -> tuple[int, ...]:

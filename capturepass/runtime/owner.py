@@ -53,6 +53,8 @@ _HAS_RETAIN_OBJECT = hasattr(torch.cuda.CUDAGraph, "retain_object")
 
 # The lane scope of a capture's warm-up: every lane on one stream (``GraphOwner.lanes``).
 WARM_UP = "warm-up"
+# The lane scope of uncaptured calls measured or chosen to run on one stream (``runtime.uncaptured``).
+ONE_STREAM = "one-stream"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -331,13 +333,14 @@ class GraphOwner:
     # -- lanes and events ---------------------------------------------------------------------
     def lanes(self, scope: str = "eager") -> Lanes:
         """The lane runtime of ``scope`` (``"eager"``, ``"capture:<n>"``, ``"outer"``,
-        :data:`WARM_UP`), made on first use."""
+        :data:`WARM_UP`, :data:`ONE_STREAM`), made on first use."""
         lanes = self._scopes.get(scope)
         if lanes is None:
             if self.device is None:
                 lanes = HostLanes(self.num_lanes)
-            elif scope == WARM_UP:
-                # Every lane on the stream the warm-up runs on: its matrix products use that
+            elif scope in (WARM_UP, ONE_STREAM):
+                # Every lane on the caller's stream (an uncaptured call on one stream: no switch,
+                # no cross-stream wait). For a warm-up: its matrix products use that
                 # stream's cuBLAS workspace alone and Triton tunes its kernels (a flush buffer
                 # the size of L2 per benchmark) beside that one, not beside a workspace per side
                 # stream. The capture then allocates the side streams' workspaces in the pool,

@@ -159,7 +159,8 @@ def pick_decisions(folder: str | None) -> list[dict[str, Any]]:
             raise DumpError(path, f"picks[{k}].unsteady", f"expected a list of candidate names, got {unsteady!r}")
         record = PickRecord(e["graph"], e["shape"], e["device"], e["choice"], e["cached"],
                             e.get("budget_ms") if _number(e.get("budget_ms")) else 0.0, e["rounds"], e["replays"],
-                            e["candidates"], scale if _number(scale) else None, unsteady)
+                            e["candidates"], scale if _number(scale) else None, unsteady,
+                            uncaptured=e.get("uncaptured") is True)
         out.append(dict(record.to_json(), kind="pick", text=f"pick: {record.text()}"))
     return out
 

@@ -350,8 +350,9 @@ def test_h2_deferred_release_prevents_reuse(cudagraphs):
         u = torch.full_like(x, 5.0) * x  # main allocates again right away
         return seen * 2.0, u
 
+    # pick="model": every uncaptured call on the lanes (a measured choice runs some on one stream).
     compiled = torch.compile(f, backend="capturepass", options={"cudagraphs": cudagraphs, "inner": "eager",
-                                                                  "policy": "hints", "verify": True})
+                                                                  "policy": "hints", "verify": True, "pick": "model"})
     for _ in range(4):
         x = torch.randn(1 << 20, device="cuda")
         got = compiled(x)
