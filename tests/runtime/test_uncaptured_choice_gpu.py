@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import capturepass
 from capturepass.backends.compile import last_compiled
 from capturepass.runtime.uncaptured import MODEL, ONE_STREAM, SAMPLES
 from capturepass.show import summary as show_summary
@@ -66,20 +65,17 @@ def test_each_shape_chooses_and_a_new_shape_still_equals_eager():
 
 
 class _Counting(torch.nn.Module):
-    """Two branches (a side lane) and a buffer written in place at every call: a call run twice
-    would count twice."""
+    """An MoE block (its shared expert on a side lane) and a buffer written in place at every
+    call: a call run twice would count twice."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(256, 256, device="cuda")
-        self.b = torch.nn.Linear(256, 256, device="cuda")
+        self.moe = MoEBlock(256, 512, 4, 128, 2, device="cuda")
         self.register_buffer("calls", torch.zeros((), device="cuda"))
 
     def forward(self, x):
         self.calls.add_(1)
-        with capturepass.lane("aux"):
-            side = self.b(x).sigmoid()
-        return self.a(x).relu() + side
+        return self.moe(x)
 
 
 @torch.no_grad()
@@ -87,9 +83,9 @@ def test_measuring_runs_each_call_once_on_a_graph_that_writes_its_inputs():
     torch.manual_seed(0)
     model = _Counting()
     compiled = torch.compile(model, backend="capturepass", options={"cudagraphs": "none"})
-    x = torch.randn(32, 256, device="cuda")
     for n in range(1, MEASURING + 3):
-        torch.testing.assert_close(compiled(x), model.a(x).relu() + model.b(x).sigmoid(), atol=1e-4, rtol=1e-4)
+        x = torch.randn(16, 256, device="cuda")
+        torch.testing.assert_close(compiled(x), model.moe(x), atol=1e-4, rtol=1e-4)
         assert model.calls.item() == n
     (rec,) = _executor()._eager_owners.values()
     assert rec.owner.side_streams and len(rec.choice.records) == 1
