@@ -229,7 +229,8 @@ def _section(gi: int, name: str, summary: dict[str, Any], model: dict[str, Any])
                        [_e(d["text"][len("decision: "):]) for d in decisions if d["kind"] == "pass"]))
     picks = [_e(d["text"][len("pick: "):]) for d in decisions if d["kind"] == "pick"]
     if picks:
-        parts.append(_list("Schedules measured at capture (estimate against measured)", "picks", picks))
+        parts.append(_list("Schedules measured (at capture: estimate against measured; uncaptured calls: the "
+                           "lanes against one stream)", "picks", picks))
     owners = [f"<code>{_e(o['name'])}</code> — model {_e(o['model'])}, {_e(o['role'])}, inputs "
               f"{_e(o['inputs'] or 'none')}" for o in g["runtime_owners"]]
     if g["runtime_owners_not_shown"]:
