@@ -24,7 +24,9 @@ calls wait for the device, before and after (a pipeline bubble each, paid only b
 calls of a shape). The choice is this process's: a measurement costs a few calls, and cached
 choices of other processes would not know this process's host speed. Shapes seen once run one
 stream (never slower than Inductor's own code on one stream). Choices and shapes being measured
-are each kept for :data:`MAX_SHAPES` shapes, the oldest dropped.
+are each kept for :data:`MAX_SHAPES` shapes, the oldest dropped; after :data:`MAX_MEASURED`
+choices (a server's shapes, dropped and coming back) an owner measures no more, and shapes
+without a choice run the schedule most of its choices were (logged once).
 
 Option ``pick="model"`` keeps the cost model's lanes on every uncaptured call, as do calls that
 ask for the lanes (``Executor.uncaptured``, instrumented calls: traces and measurements of the
@@ -53,6 +55,9 @@ SAMPLES = 3
 # Shapes whose choice is kept, and shapes being measured, each (the oldest dropped first): a
 # server's prefill lengths are many; a shape dropped is measured again if it comes back.
 MAX_SHAPES = 64
+# Choices an owner makes at most: past them, measuring's synchronisations would be a cost per
+# shape for as long as the process serves new shapes.
+MAX_MEASURED = 256
 
 MODEL = "model"
 ONE_STREAM = "one_stream"
@@ -109,6 +114,7 @@ class UncapturedChoice:
         self.chosen: dict[Hashable, Any] = {}
         self._trials: dict[Hashable, _Trial] = {}
         self.records: list[PickRecord] = []
+        self._said_settled = False
 
     def call(self, key: Hashable, args: Any, run: Callable[[Any], Any]) -> Any:
         """Runs a call of the shape ``key`` (``run(program)`` runs a bound program on the call's
@@ -118,6 +124,8 @@ class UncapturedChoice:
             return run(program)
         trial = self._trials.get(key)
         if trial is None:
+            if len(self.records) >= MAX_MEASURED:
+                return run(self.programs[self._settled()])
             if len(self._trials) >= MAX_SHAPES:
                 del self._trials[next(iter(self._trials))]
             trial = self._trials[key] = _Trial()
@@ -133,6 +141,18 @@ class UncapturedChoice:
             if self._trials.pop(key, None) is trial:  # another thread's call may have decided it
                 self._decide(key, args, trial)
         return out
+
+    def _settled(self) -> str:
+        """The schedule of shapes without a choice once the owner measures no more: the one most of
+        its choices were (one stream on a tie)."""
+        lanes = sum(r.choice == MODEL for r in self.records)
+        settled = MODEL if 2 * lanes > len(self.records) else ONE_STREAM
+        if not self._said_settled:
+            self._said_settled = True
+            log.info("capturepass: %s: %d shapes of its uncaptured calls measured; new shapes run %s from now on "
+                     "(what %d of them chose), unmeasured", self.what, len(self.records), settled,
+                     lanes if settled == MODEL else len(self.records) - lanes)
+        return settled
 
     def _decide(self, key: Hashable, args: Any, trial: _Trial) -> None:
         medians = {n: statistics.median(t) * 1e6 for n, t in trial.times.items()}

@@ -135,3 +135,21 @@ def test_a_captured_choice_reads_as_before():
                                 [{"name": "model", "lanes": 2, "estimate_us": 1.0, "measured_us": 1.0}])
     assert "uncaptured" not in record.to_json()
     assert record.text().startswith("schedule for () on gpu: model (2 lane(s))")
+
+
+def test_past_its_choices_an_owner_runs_new_shapes_as_most_chose(monkeypatch, caplog):
+    monkeypatch.setattr(uncaptured, "MAX_MEASURED", 3)
+    h = _Harness(model_us=800.0, one_us=1000.0)
+    for key in ("a", "b", "c"):
+        for _ in range(2 + 2 * SAMPLES):
+            h.call(key)
+    syncs, ran = h.syncs, len(h.ran)
+    with caplog.at_level(logging.INFO, logger="capturepass"):
+        for _ in range(2 + 2 * SAMPLES):
+            h.call("d")
+        h.call("e")
+    assert h.ran[ran:] == [MODEL] * (3 + 2 * SAMPLES) and h.syncs == syncs and len(h.records) == 3
+    assert "d" not in h.choice.chosen
+    assert [m for m in caplog.messages if "measured" in m] == [
+        "capturepass: inference graph g1: 3 shapes of its uncaptured calls measured; new shapes run model from "
+        "now on (what 3 of them chose), unmeasured"]
