@@ -12,9 +12,8 @@ the two a shape is, only a measurement tells, and the calls themselves are the m
 - the next calls alternate between the two, each timed from a synchronised device to its
   results on the device (:data:`SAMPLES` calls each): the slower of the host and the GPU, as
   a steady stream of calls sees it;
-- then the shape runs the faster from then on: the lanes only if their median is more than
-  ``pick.TIE`` below one stream's (the tie goes to one stream: no events, no side streams,
-  less memory, as the captured choice decides). The choice is logged and recorded
+- then the shape runs the faster from then on, by the captured choice's rule (``pick.choose``:
+  one stream within ``pick.TIE`` of the lanes wins, no events, no side streams, less memory). The choice is logged and recorded
   (:class:`~capturepass.runtime.choices.PickRecord` with ``uncaptured`` set; the graph's
   decisions and its dump folder's ``schedules.json``, which ``capturepass show`` reads).
 
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 
 from capturepass.runtime.choices import PickRecord, device_name, round_us
-from capturepass.runtime.pick import TIE
+from capturepass.runtime.pick import choose
 
 log = logging.getLogger("capturepass")
 
@@ -114,7 +113,7 @@ class UncapturedChoice:
         self.chosen: dict[Hashable, Any] = {}
         self._trials: dict[Hashable, _Trial] = {}
         self.records: list[PickRecord] = []
-        self._said_settled = False
+        self._settled: str | None = None
 
     def call(self, key: Hashable, args: Any, run: Callable[[Any], Any]) -> Any:
         """Runs a call of the shape ``key`` (``run(program)`` runs a bound program on the call's
@@ -125,7 +124,9 @@ class UncapturedChoice:
         trial = self._trials.get(key)
         if trial is None:
             if len(self.records) >= MAX_MEASURED:
-                return run(self.programs[self._settled()])
+                program = self.programs[self._settled or self._settle()]
+                self._keep(key, program)
+                return run(program)
             if len(self._trials) >= MAX_SHAPES:
                 del self._trials[next(iter(self._trials))]
             trial = self._trials[key] = _Trial()
@@ -142,32 +143,36 @@ class UncapturedChoice:
                 self._decide(key, args, trial)
         return out
 
-    def _settled(self) -> str:
-        """The schedule of shapes without a choice once the owner measures no more: the one most of
-        its choices were (one stream on a tie)."""
+    def _settle(self) -> str:
+        """Fixes the schedule of shapes without a choice once the owner measures no more: the one
+        most of its choices were (one stream on a tie); logged."""
         lanes = sum(r.choice == MODEL for r in self.records)
-        settled = MODEL if 2 * lanes > len(self.records) else ONE_STREAM
-        if not self._said_settled:
-            self._said_settled = True
-            log.info("capturepass: %s: %d shapes of its uncaptured calls measured; new shapes run %s from now on "
-                     "(what %d of them chose), unmeasured", self.what, len(self.records), settled,
-                     lanes if settled == MODEL else len(self.records) - lanes)
+        settled = self._settled = MODEL if 2 * lanes > len(self.records) else ONE_STREAM
+        log.info("capturepass: %s: %d shapes of its uncaptured calls measured; new shapes run %s from now on "
+                 "(what %d of them chose), unmeasured", self.what, len(self.records), settled,
+                 lanes if settled == MODEL else len(self.records) - lanes)
         return settled
+
+    def _keep(self, key: Hashable, program: Any) -> None:
+        """Runs ``program`` for the shape ``key`` from now on (the oldest shape kept dropped past
+        :data:`MAX_SHAPES`): its calls take the executor's short path."""
+        if len(self.chosen) >= MAX_SHAPES:
+            del self.chosen[next(iter(self.chosen))]
+        self.chosen[key] = program
 
     def _decide(self, key: Hashable, args: Any, trial: _Trial) -> None:
         medians = {n: statistics.median(t) * 1e6 for n, t in trial.times.items()}
         fastest = {n: min(t) * 1e6 for n, t in trial.times.items()}
-        choice = MODEL if medians[MODEL] < medians[ONE_STREAM] * (1.0 - TIE) else ONE_STREAM
-        if len(self.chosen) >= MAX_SHAPES:
-            del self.chosen[next(iter(self.chosen))]
-        self.chosen[key] = self.programs[choice]
+        names = (MODEL, ONE_STREAM)
+        choice = names[choose([medians[n] for n in names], [self.lanes, 1])]
+        self._keep(key, self.programs[choice])
         record = PickRecord(
             graph=self.what, shape=self.shape_of(args), device=device_name(self.device), choice=choice,
             cached=False, budget_ms=0.0, rounds=SAMPLES, replays=trial.calls,
             candidates=[
                 {"name": n, "lanes": self.lanes if n == MODEL else 1, "estimate_us": None,
                  "measured_us": round_us(medians[n]), "fastest_us": round_us(fastest[n]), "workspace_mib": None}
-                for n in (MODEL, ONE_STREAM)
+                for n in names
             ],
             uncaptured=True,
         )

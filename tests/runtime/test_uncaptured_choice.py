@@ -149,7 +149,8 @@ def test_past_its_choices_an_owner_runs_new_shapes_as_most_chose(monkeypatch, ca
             h.call("d")
         h.call("e")
     assert h.ran[ran:] == [MODEL] * (3 + 2 * SAMPLES) and h.syncs == syncs and len(h.records) == 3
-    assert "d" not in h.choice.chosen
+    # Kept as chosen, unmeasured: their next calls take the executor's short path.
+    assert h.choice.chosen["d"] == h.choice.chosen["e"] == MODEL
     assert [m for m in caplog.messages if "measured" in m] == [
         "capturepass: inference graph g1: 3 shapes of its uncaptured calls measured; new shapes run model from "
         "now on (what 3 of them chose), unmeasured"]
