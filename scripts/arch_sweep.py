@@ -13,6 +13,7 @@ eager for no merit).
 
     python3 scripts/arch_sweep.py                     # every architecture below, on the CPU
     python3 scripts/arch_sweep.py --models opt,swin --device cuda
+    python3 scripts/arch_sweep.py --device cuda --procs 8   # eight processes at once, a shard each
     python3 scripts/arch_sweep.py --host-captures     # captures and replays run on the host
     python3 scripts/arch_sweep.py --attn flex_attention   # another attention implementation
     python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
@@ -24,9 +25,9 @@ Prints one line per model (``OK`` with the largest absolute difference, and any 
 stopped compiling at its recompile limit, which then runs eagerly under any backend; ``FAIL`` with the
 error's last frames, or ``SLOW`` for a model equal to eager whose regions Inductor failed to
 compile, which then ran as lane regions or eagerly, or whose lanes after fusion the order check
-faulted, which then ran on one lane, with the first such warning) and exits 1 if
-any failed or was slow. An output beyond the tolerance is compared with ``backend="inductor"``'s on
-the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
+faulted, which then ran on one lane, with the first such warning; with ``--procs``, ``CRASH`` for
+the model a process died on, a failure too) and exits 1 if any failed or was slow. An output
+beyond the tolerance is compared with ``backend="inductor"``'s on the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
 capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
 printed. An error is ``TORCH`` too where ``backend="inductor"`` fails on the same call (both errors
 are printed). On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests. With
@@ -660,6 +661,68 @@ def _cuda_float32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
+# A model's result line, as :func:`main` prints it (a FAIL's traceback follows on lines indented by five).
+RESULT = re.compile(r"^(OK  |FAIL|SLOW|TORCH|SKIP|CRASH) (\S+?):")
+SUMMARY = re.compile(r"^\d+ of \d+ equal to eager")
+
+
+def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]]) -> dict[str, str]:
+    """Runs every shard of models in a process of its own, all at once (``--procs``), and prints
+    each model's result as its process reports it, whole (a failure with its traceback). A process
+    that ends before reporting all its models died on the first one it did not report (a native
+    crash: a segmentation fault, an abort): that model is reported ``CRASH`` with the exit status,
+    and a new process goes on with the rest of the shard. ``argv(models)`` is the command line of
+    a process for those models; returns each model's kind of result (``OK``, ``FAIL`` and so on)."""
+    import subprocess
+    import threading
+
+    kinds: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def emit(block: list[str]) -> None:
+        with lock:
+            head = RESULT.match(block[0])
+            if head:
+                kinds[head.group(2)] = head.group(1).strip()
+            print("".join(block), end="", flush=True)
+
+    def shard(models: list[str]) -> None:
+        while models:
+            proc = subprocess.Popen(argv(models), stdout=subprocess.PIPE, text=True)
+            block: list[str] = []
+            for line in proc.stdout:
+                if SUMMARY.match(line):
+                    continue
+                if RESULT.match(line) and block:
+                    emit(block)
+                    block = []
+                block.append(line)
+            if block:
+                emit(block)
+            status = proc.wait()
+            with lock:
+                models = [m for m in models if m not in kinds]
+            if models:
+                emit([f"CRASH {models[0]}: its process ended with status {status} while on it\n"])
+                models = models[1:]
+
+    threads = [threading.Thread(target=shard, args=(list(s),)) for s in shards if s]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return kinds
+
+
+def summary(total: int, failed: int, slow: int, torch_own: int, skipped: int) -> int:
+    """Prints the sweep's last line; returns its exit status (1 if any model failed or was slow)."""
+    print(f"{total - failed - torch_own - skipped} of {total - skipped} equal to eager"
+          + (f" ({skipped} skipped)" if skipped else "")
+          + (f", {slow} with failed compiles" if slow else "")
+          + (f", {torch_own} where backend=\"inductor\" fails or differs from eager too" if torch_own else ""))
+    return 1 if failed or slow else 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(ARCHITECTURES))
@@ -679,13 +742,29 @@ def main() -> None:
     p.add_argument("--backend", default="capturepass", choices=("capturepass", "inductor", "reduce-overhead"),
                    help="compile with this instead of capturepass: whether a failure is capturepass's or "
                         "also happens under torch's own backends (reduce-overhead: Inductor's cudagraph trees)")
+    p.add_argument("--procs", type=int, default=1,
+                   help="run the models in this many processes at once (shards of the list, in turn); a "
+                        "process that crashes is reported on the model it was on, and the rest go on")
     args = p.parse_args()
     if args.backend != "capturepass" and (args.host_captures or args.regions):
         p.error("--host-captures and --regions are capturepass's options")
+    if args.procs < 1:
+        p.error("--procs must be at least 1")
     names = args.models.split(",")
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         p.error(f"unknown architecture: {', '.join(unknown)} (known: {', '.join(ARCHITECTURES)})")
+    if args.host_captures and args.device != "cpu":
+        p.error("--host-captures is for the CPU (a GPU captures for real)")
+    if args.procs > 1:
+        flags = ["--device", args.device, "--backend", args.backend,
+                 *(["--attn", args.attn] if args.attn else []), *(["--regions", args.regions] if args.regions else []),
+                 *[f"--{flag.replace('_', '-')}" for flag in ("generate", "host_captures", "traceback")
+                   if getattr(args, flag)]]
+        kinds = run_shards([names[i::args.procs] for i in range(args.procs)],
+                           lambda models: [sys.executable, os.path.abspath(__file__), *flags, "--models", ",".join(models)])
+        counts = [list(kinds.values()).count(k) for k in ("FAIL", "CRASH", "SLOW", "TORCH", "SKIP")]
+        sys.exit(summary(len(names), counts[0] + counts[1], *counts[2:]))
     import transformers
 
     transformers.logging.set_verbosity_error()  # random-init and unused-key notices
@@ -693,8 +772,6 @@ def main() -> None:
         _cuda_float32()
     log: list[tuple[str, int]] = []
     if args.host_captures:
-        if args.device != "cpu":
-            p.error("--host-captures is for the CPU (a GPU captures for real)")
         log = host_captures()
     if args.host_captures or args.regions:
         # The shapes captured again, the frees of lanes after fusion: counted from the log.
@@ -745,11 +822,7 @@ def main() -> None:
             fused = (f"; lanes after fusion in {compiles} compile(s): {moved} frees moved to a later wait, {held} "
                      f"held to the join") if compiles else ""
             print(f"OK   {name}: {what}{in_place}{fused}{eager}", flush=True)
-    print(f"{len(names) - failed - torch_own - skipped} of {len(names) - skipped} equal to eager"
-          + (f" ({skipped} skipped)" if skipped else "")
-          + (f", {slow} with failed compiles" if slow else "")
-          + (f", {torch_own} where backend=\"inductor\" fails or differs from eager too" if torch_own else ""))
-    sys.exit(1 if failed or slow else 0)
+    sys.exit(summary(len(names), failed, slow, torch_own, skipped))
 
 
 if __name__ == "__main__":

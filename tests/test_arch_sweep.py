@@ -1,6 +1,6 @@
 """scripts/arch_sweep.py on the CPU: a decoder, an encoder under a padding mask, an encoder-decoder and a vision
-model outside the zoo equal to eager, generation through host captures, every model's code through the
-lanes' rewrite, and a bad name refused."""
+model outside the zoo equal to eager (in two processes at once), generation through host captures, every model's
+code through the lanes' rewrite, a crashed process reported on its model, and a bad name refused."""
 
 from __future__ import annotations
 
@@ -13,9 +13,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "arch_sweep.py")
 
 
+def _load_sweep():
+    """scripts/arch_sweep.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
 def test_architectures_outside_the_zoo_compile_equal_to_eager():
-    run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,distilbert,bart,resnet"], capture_output=True,
-                         text=True, timeout=900)
+    """In two processes at once (``--procs 2``), as on a GPU machine: each model's line comes
+    from the process of its shard, and the last line counts them all."""
+    run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,distilbert,bart,resnet", "--procs", "2"],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     for name in ("opt", "distilbert", "bart", "resnet"):
         assert f"OK   {name}: largest difference" in run.stdout
@@ -50,6 +62,50 @@ def test_every_models_code_through_the_lanes_rewrite_stays_equal_to_eager():
     assert "2 of 2 equal to eager" in run.stdout
 
 
+# A stand-in for the sweep's process: prints each model's line as the sweep does, a failure with
+# its traceback, and aborts (a native crash) on a model named "boom".
+FAKE_SHARD = r"""
+import os, sys, time
+for name in sys.argv[1].split(","):
+    if name == "boom":
+        sys.stdout.flush()
+        os.abort()
+    if name.startswith("bad"):
+        print(f"FAIL {name}: RuntimeError: wrong\n     Traceback (most recent call last):\n     RuntimeError: wrong",
+              flush=True)
+    else:
+        print(f"OK   {name}: largest difference 1.00e-07", flush=True)
+    time.sleep(0.05)
+print("9 of 9 equal to eager", flush=True)
+"""
+
+
+def test_shards_run_at_once_and_a_crash_is_reported_on_its_model(capsys):
+    """``--procs``: every shard in a process of its own. A process that dies is reported on the
+    model it was on (``CRASH`` with the status), and a new process goes on with the rest of its
+    shard; a failure's traceback stays with its line; the processes' own last lines are left out."""
+    sweep = _load_sweep()
+    shards = [["a1", "boom", "a2", "bad1"], ["b1", "bad2", "b2"], []]
+    started = []
+
+    def argv(models):
+        started.append(list(models))
+        return [sys.executable, "-c", FAKE_SHARD, ",".join(models)]
+
+    kinds = sweep.run_shards(shards, argv)
+    assert kinds == {"a1": "OK", "boom": "CRASH", "a2": "OK", "bad1": "FAIL", "b1": "OK", "bad2": "FAIL", "b2": "OK"}
+    assert sorted(started) == [["a1", "boom", "a2", "bad1"], ["a2", "bad1"], ["b1", "bad2", "b2"]]
+    out = capsys.readouterr().out.splitlines()
+    assert not any("equal to eager" in line for line in out)
+    crash = next(line for line in out if line.startswith("CRASH"))
+    assert crash == "CRASH boom: its process ended with status -6 while on it"
+    for bad in ("bad1", "bad2"):
+        i = out.index(f"FAIL {bad}: RuntimeError: wrong")
+        assert out[i + 1:i + 3] == ["     Traceback (most recent call last):", "     RuntimeError: wrong"]
+    assert sweep.summary(7, 3, 0, 0, 0) == 1
+    assert capsys.readouterr().out == "4 of 7 equal to eager\n"
+
+
 def test_an_unknown_architecture_is_named():
     run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,nope"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown architecture: nope" in run.stderr
@@ -58,13 +114,9 @@ def test_an_unknown_architecture_is_named():
 def test_another_backend_runs_the_same_calls_and_takes_none_of_capturepasss_options(monkeypatch):
     """``--backend``: the same calls under torch's own backends, to tell a failure of
     capturepass's from one of torch's; capturepass's own options are refused with it."""
-    import importlib.util
-
     import torch
 
-    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
     for backend in ("capturepass", "inductor", "reduce-overhead"):
@@ -81,7 +133,6 @@ def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
     regions instead of one compile) is reported slow: only capturepass's warnings tell it from a
     clean one. The warnings here are capturepass's own, from the two fallbacks; another warning
     (a logged break) is no failed compile."""
-    import importlib.util
     import logging
 
     import torch
@@ -91,9 +142,7 @@ def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
     from capturepass.testing.models import MoEBlock
     from tests.passes.cases import CASES
 
-    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     log = logging.getLogger("capturepass")
     real = inner.compile_region
 
@@ -139,12 +188,9 @@ def test_a_model_whose_compiles_failed_is_told_apart(monkeypatch):
 def test_frames_dynamo_stopped_compiling_are_named():
     """Dynamo's recompile-limit warning (a frame that runs eagerly from then on, under any
     backend) is collected by frame name, once per frame; other Dynamo warnings are not."""
-    import importlib.util
     import logging
 
-    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     log = logging.getLogger("torch._dynamo.convert_frame")
     text = ("torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s\n"
             'To log all recompilation reasons, use TORCH_LOGS="recompiles".\nTo diagnose recompilation issues, see %s')
@@ -163,13 +209,10 @@ def test_a_mismatch_is_compared_with_inductors_own_difference():
     """An output beyond the tolerance is torch's only where ``backend="inductor"`` is beyond it on
     the same input too and capturepass's difference is of the same order; otherwise it is
     capturepass's failure. Both differences are in the message."""
-    import importlib.util
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
 
     class Head(torch.nn.Module):
         def __init__(self) -> None:
@@ -204,11 +247,7 @@ def test_a_mismatch_is_compared_with_inductors_own_difference():
 
 
 def test_an_error_is_torchs_only_where_inductor_fails_the_same_calls_too():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("arch_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = _load_sweep()
     ours = RuntimeError("lowering failed\nmore lines")
     assert sweep._failure(ours, lambda: None) is ours
 
