@@ -14,6 +14,7 @@ eager for no merit).
     python3 scripts/arch_sweep.py                     # every architecture below, on the CPU
     python3 scripts/arch_sweep.py --models opt,swin --device cuda
     python3 scripts/arch_sweep.py --device cuda --procs 8   # eight processes at once, a shard each
+    python3 scripts/arch_sweep.py --device cuda --procs 8 --deadline 500   # and the models not reached by then
     python3 scripts/arch_sweep.py --host-captures     # captures and replays run on the host
     python3 scripts/arch_sweep.py --attn flex_attention   # another attention implementation
     python3 scripts/arch_sweep.py --generate --host-captures   # decoders generating through captures
@@ -26,9 +27,11 @@ stopped compiling at its recompile limit, which then runs eagerly under any back
 error's last frames, or ``SLOW`` for a model equal to eager whose regions Inductor failed to
 compile, which then ran as lane regions or eagerly, or whose lanes after fusion the order check
 faulted, which then ran on one lane, with the first such warning; with ``--procs``, ``CRASH`` for
-the model a process died on, a failure too) and exits 1 if any failed or was slow. An output
-beyond the tolerance is compared with ``backend="inductor"``'s on the same input: ``TORCH`` (not a failure of capturepass's) when Inductor's is beyond it too and
-capturepass's difference is at most twice Inductor's, ``FAIL`` otherwise; both differences are
+the model a process died on, a failure too) and exits 1 if any failed, was slow or was not
+reached within ``--deadline``. An output
+beyond the tolerance is compared with ``backend="inductor"``'s on the same input: ``TORCH`` (not
+a failure of capturepass's) when Inductor's is beyond it too and capturepass's difference is at
+most twice Inductor's, ``FAIL`` otherwise; both differences are
 printed. An error is ``TORCH`` too where ``backend="inductor"`` fails on the same call (both errors
 are printed). On CUDA, TF32 is off for matmuls and convolutions, as in the zoo's GPU tests. With
 ``--attn`` the models are built with that ``attn_implementation``; one that ``transformers`` has
@@ -666,18 +669,23 @@ RESULT = re.compile(r"^(OK  |FAIL|SLOW|TORCH|SKIP|CRASH) (\S+?):")
 SUMMARY = re.compile(r"^\d+ of \d+ equal to eager")
 
 
-def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]]) -> dict[str, str]:
+def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]],
+               seconds: float | None = None) -> dict[str, str]:
     """Runs every shard of models in a process of its own, all at once (``--procs``), and prints
     each model's result as its process reports it, whole (a failure with its traceback). A process
     that ends before reporting all its models died on the first one it did not report (a native
     crash: a segmentation fault, an abort): that model is reported ``CRASH`` with the exit status,
-    and a new process goes on with the rest of the shard. ``argv(models)`` is the command line of
-    a process for those models; returns each model's kind of result (``OK``, ``FAIL`` and so on)."""
+    and a new process goes on with the rest of the shard. After ``seconds`` (``--deadline``) every
+    process still running is killed, and the models not reported are left out of the result.
+    ``argv(models)`` is the command line of a process for those models; returns each reported
+    model's kind of result (``OK``, ``FAIL`` and so on)."""
     import subprocess
     import threading
 
     kinds: dict[str, str] = {}
     lock = threading.Lock()
+    live: set[subprocess.Popen] = set()
+    expired = threading.Event()
 
     def emit(block: list[str]) -> None:
         with lock:
@@ -686,9 +694,19 @@ def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]]) 
                 kinds[head.group(2)] = head.group(1).strip()
             print("".join(block), end="", flush=True)
 
+    def expire() -> None:
+        with lock:
+            expired.set()
+            for proc in live:
+                proc.kill()
+
     def shard(models: list[str]) -> None:
         while models:
-            proc = subprocess.Popen(argv(models), stdout=subprocess.PIPE, text=True)
+            with lock:
+                if expired.is_set():
+                    return
+                proc = subprocess.Popen(argv(models), stdout=subprocess.PIPE, text=True)
+                live.add(proc)
             block: list[str] = []
             for line in proc.stdout:
                 if SUMMARY.match(line):
@@ -697,30 +715,40 @@ def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]]) 
                     emit(block)
                     block = []
                 block.append(line)
-            if block:
-                emit(block)
             status = proc.wait()
             with lock:
+                live.discard(proc)
+            if block and not (expired.is_set() and not RESULT.match(block[0])):
+                emit(block)
+            with lock:
                 models = [m for m in models if m not in kinds]
-            if models:
+            if models and not expired.is_set():
                 emit([f"CRASH {models[0]}: its process ended with status {status} while on it\n"])
                 models = models[1:]
 
+    timer = threading.Timer(seconds, expire) if seconds is not None else None
+    if timer is not None:
+        timer.start()
     threads = [threading.Thread(target=shard, args=(list(s),)) for s in shards if s]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if timer is not None:
+        timer.cancel()
     return kinds
 
 
-def summary(total: int, failed: int, slow: int, torch_own: int, skipped: int) -> int:
-    """Prints the sweep's last line; returns its exit status (1 if any model failed or was slow)."""
+def summary(total: int, failed: int, slow: int, torch_own: int, skipped: int, not_reached: list[str] = ()) -> int:
+    """Prints the sweep's last line; returns its exit status (1 if any model failed, was slow, or
+    was not reached within ``--deadline``)."""
+    total -= len(not_reached)
     print(f"{total - failed - torch_own - skipped} of {total - skipped} equal to eager"
           + (f" ({skipped} skipped)" if skipped else "")
           + (f", {slow} with failed compiles" if slow else "")
-          + (f", {torch_own} where backend=\"inductor\" fails or differs from eager too" if torch_own else ""))
-    return 1 if failed or slow else 0
+          + (f", {torch_own} where backend=\"inductor\" fails or differs from eager too" if torch_own else "")
+          + (f"; {len(not_reached)} not reached within the deadline: {','.join(not_reached)}" if not_reached else ""))
+    return 1 if failed or slow or not_reached else 0
 
 
 def main() -> None:
@@ -745,11 +773,16 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=1,
                    help="run the models in this many processes at once (shards of the list, in turn); a "
                         "process that crashes is reported on the model it was on, and the rest go on")
+    p.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                   help="with --procs: stop every process after this many seconds and name the models not "
+                        "reached (for a machine lent by the call)")
     args = p.parse_args()
     if args.backend != "capturepass" and (args.host_captures or args.regions):
         p.error("--host-captures and --regions are capturepass's options")
     if args.procs < 1:
         p.error("--procs must be at least 1")
+    if args.deadline is not None and args.procs == 1:
+        p.error("--deadline is for --procs")
     names = args.models.split(",")
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
@@ -761,10 +794,11 @@ def main() -> None:
                  *(["--attn", args.attn] if args.attn else []), *(["--regions", args.regions] if args.regions else []),
                  *[f"--{flag.replace('_', '-')}" for flag in ("generate", "host_captures", "traceback")
                    if getattr(args, flag)]]
+        script = os.path.abspath(__file__)
         kinds = run_shards([names[i::args.procs] for i in range(args.procs)],
-                           lambda models: [sys.executable, os.path.abspath(__file__), *flags, "--models", ",".join(models)])
+                           lambda models: [sys.executable, script, *flags, "--models", ",".join(models)], args.deadline)
         counts = [list(kinds.values()).count(k) for k in ("FAIL", "CRASH", "SLOW", "TORCH", "SKIP")]
-        sys.exit(summary(len(names), counts[0] + counts[1], *counts[2:]))
+        sys.exit(summary(len(names), counts[0] + counts[1], *counts[2:], [n for n in names if n not in kinds]))
     import transformers
 
     transformers.logging.set_verbosity_error()  # random-init and unused-key notices

@@ -63,13 +63,15 @@ def test_every_models_code_through_the_lanes_rewrite_stays_equal_to_eager():
 
 
 # A stand-in for the sweep's process: prints each model's line as the sweep does, a failure with
-# its traceback, and aborts (a native crash) on a model named "boom".
+# its traceback, aborts (a native crash) on a model named "boom" and hangs on one named "hang".
 FAKE_SHARD = r"""
 import os, sys, time
 for name in sys.argv[1].split(","):
     if name == "boom":
         sys.stdout.flush()
         os.abort()
+    if name == "hang":
+        time.sleep(60)
     if name.startswith("bad"):
         print(f"FAIL {name}: RuntimeError: wrong\n     Traceback (most recent call last):\n     RuntimeError: wrong",
               flush=True)
@@ -106,9 +108,31 @@ def test_shards_run_at_once_and_a_crash_is_reported_on_its_model(capsys):
     assert capsys.readouterr().out == "4 of 7 equal to eager\n"
 
 
+def test_at_the_deadline_every_process_stops_and_the_models_not_reached_are_named(capsys):
+    """``--deadline``: a process still running then is killed, not reported as a crash, and the
+    models it and the other shards had not reported are named in the last line, which fails."""
+    import time
+
+    sweep = _load_sweep()
+    began = time.monotonic()
+    kinds = sweep.run_shards([["a1", "hang", "a2"], ["b1", "b2"]],
+                             lambda models: [sys.executable, "-c", FAKE_SHARD, ",".join(models)], seconds=3.0)
+    assert time.monotonic() - began < 30
+    assert kinds == {"a1": "OK", "b1": "OK", "b2": "OK"}
+    assert "CRASH" not in capsys.readouterr().out
+    assert sweep.summary(5, 0, 0, 0, 0, ["hang", "a2"]) == 1
+    assert capsys.readouterr().out == "3 of 3 equal to eager; 2 not reached within the deadline: hang,a2\n"
+
+
 def test_an_unknown_architecture_is_named():
     run = subprocess.run([sys.executable, SCRIPT, "--models", "opt,nope"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown architecture: nope" in run.stderr
+
+
+def test_a_deadline_without_processes_to_stop_is_refused():
+    run = subprocess.run([sys.executable, SCRIPT, "--models", "opt", "--deadline", "60"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "--deadline is for --procs" in run.stderr
 
 
 def test_another_backend_runs_the_same_calls_and_takes_none_of_capturepasss_options(monkeypatch):
