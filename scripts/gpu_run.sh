@@ -18,8 +18,10 @@
 # trace: a measured trace of the MoE demo (capturepass.trace: its CUDA graph replays, then its
 # uncaptured program), with per-lane kernel counts, busy time and overlap; the GPU trace tests;
 # and `capturepass show --trace` reading the measured run back from the dump. Not part of all.
-# sweep: scripts/arch_sweep.py on the GPU: every decoder generating through real captures
-# (--generate), then every model with FlexAttention (--attn flex_attention; MODELS limits both). Not part of all.
+# sweep: scripts/arch_sweep.py on the GPU in SWEEP_PROCS processes at once (8 by default; SWEEP_DEADLINE:
+# seconds each run may take, then the models not reached are named): the runs in SWEEP_RUNS, by default
+# every decoder generating through real captures (generate), then every model with FlexAttention (flex);
+# plain: every model's three calls against eager. MODELS limits them. Not part of all.
 # heap: the held-output expiry test (torch without UntypedStorage._swap_data_ptr_) and then the
 # static-cache generation tests in one process (HEAP_TESTS: other tests), HEAP_REPS times (3 by
 # default; 0: none) under glibc's malloc checking where the machine has it (glibc's message on
@@ -220,13 +222,19 @@ if [ "$what" = memory ]; then
 fi
 if [ "$what" = sweep ]; then
   models=${MODELS:+--models $MODELS}
-  python3 scripts/arch_sweep.py --device cuda --generate $models > "$out/sweep-generate.log" 2>&1
-  rc=$?
-  echo "arch_sweep --generate: exit $rc"; grep -E '^(FAIL|TORCH|SLOW)|equal to eager' "$out/sweep-generate.log"
-  python3 scripts/arch_sweep.py --device cuda --attn flex_attention $models > "$out/sweep-flex.log" 2>&1
-  flex=$?
-  [ $flex = 0 ] || rc=1
-  echo "arch_sweep --attn flex_attention: exit $flex"; grep -E '^(FAIL|TORCH|SLOW)|equal to eager' "$out/sweep-flex.log"
+  shards=(--procs "${SWEEP_PROCS:-8}" ${SWEEP_DEADLINE:+--deadline $SWEEP_DEADLINE})
+  for run in ${SWEEP_RUNS:-generate flex}; do
+    case $run in
+      plain) flags=() ;;
+      generate) flags=(--generate) ;;
+      flex) flags=(--attn flex_attention) ;;
+      *) echo "SWEEP_RUNS: unknown run $run (plain, generate, flex)"; rc=1; continue ;;
+    esac
+    python3 scripts/arch_sweep.py --device cuda "${flags[@]}" "${shards[@]}" $models > "$out/sweep-$run.log" 2>&1
+    status=$?
+    [ $status = 0 ] || rc=1
+    echo "arch_sweep ($run): exit $status"; grep -E '^(FAIL|TORCH|SLOW|CRASH)|equal to eager' "$out/sweep-$run.log"
+  done
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/overlap.py --procs "${PROCS:-3}" --budget-s "${BUDGET_S:-0}" --out "$out" ${WORKLOADS:+--workloads $WORKLOADS}
