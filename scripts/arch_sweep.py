@@ -55,6 +55,9 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sweep_shards, beside this script
+
+from sweep_shards import run_shards  # noqa: E402 - found through the line above
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=512, max_position_embeddings=128)
@@ -664,79 +667,10 @@ def _cuda_float32() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
 
-# A model's result line, as :func:`main` prints it (a FAIL's traceback follows on lines indented by five).
+# A model's result line, as :func:`main` prints it (a FAIL's traceback follows on lines indented by five),
+# and its last line: what ``--procs`` reads of each process (``sweep_shards``).
 RESULT = re.compile(r"^(OK  |FAIL|SLOW|TORCH|SKIP|CRASH) (\S+?):")
 SUMMARY = re.compile(r"^\d+ of \d+ equal to eager")
-
-
-def run_shards(shards: list[list[str]], argv: Callable[[list[str]], list[str]],
-               seconds: float | None = None) -> dict[str, str]:
-    """Runs every shard of models in a process of its own, all at once (``--procs``), and prints
-    each model's result as its process reports it, whole (a failure with its traceback). A process
-    that ends before reporting all its models died on the first one it did not report (a native
-    crash: a segmentation fault, an abort): that model is reported ``CRASH`` with the exit status,
-    and a new process goes on with the rest of the shard. After ``seconds`` (``--deadline``) every
-    process still running is killed, and the models not reported are left out of the result.
-    ``argv(models)`` is the command line of a process for those models; returns each reported
-    model's kind of result (``OK``, ``FAIL`` and so on)."""
-    import subprocess
-    import threading
-
-    kinds: dict[str, str] = {}
-    lock = threading.Lock()
-    live: set[subprocess.Popen] = set()
-    expired = threading.Event()
-
-    def emit(block: list[str]) -> None:
-        with lock:
-            head = RESULT.match(block[0])
-            if head:
-                kinds[head.group(2)] = head.group(1).strip()
-            print("".join(block), end="", flush=True)
-
-    def expire() -> None:
-        with lock:
-            expired.set()
-            for proc in live:
-                proc.kill()
-
-    def shard(models: list[str]) -> None:
-        while models:
-            with lock:
-                if expired.is_set():
-                    return
-                proc = subprocess.Popen(argv(models), stdout=subprocess.PIPE, text=True)
-                live.add(proc)
-            block: list[str] = []
-            for line in proc.stdout:
-                if SUMMARY.match(line):
-                    continue
-                if RESULT.match(line) and block:
-                    emit(block)
-                    block = []
-                block.append(line)
-            status = proc.wait()
-            with lock:
-                live.discard(proc)
-            if block and not (expired.is_set() and not RESULT.match(block[0])):
-                emit(block)
-            with lock:
-                models = [m for m in models if m not in kinds]
-            if models and not expired.is_set():
-                emit([f"CRASH {models[0]}: its process ended with status {status} while on it\n"])
-                models = models[1:]
-
-    timer = threading.Timer(seconds, expire) if seconds is not None else None
-    if timer is not None:
-        timer.start()
-    threads = [threading.Thread(target=shard, args=(list(s),)) for s in shards if s]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if timer is not None:
-        timer.cancel()
-    return kinds
 
 
 def summary(total: int, failed: int, slow: int, torch_own: int, skipped: int, not_reached: list[str] = ()) -> int:
@@ -796,7 +730,8 @@ def main() -> None:
                    if getattr(args, flag)]]
         script = os.path.abspath(__file__)
         kinds = run_shards([names[i::args.procs] for i in range(args.procs)],
-                           lambda models: [sys.executable, script, *flags, "--models", ",".join(models)], args.deadline)
+                           lambda models: [sys.executable, script, *flags, "--models", ",".join(models)],
+                           RESULT, drop=SUMMARY, seconds=args.deadline)
         counts = [list(kinds.values()).count(k) for k in ("FAIL", "CRASH", "SLOW", "TORCH", "SKIP")]
         sys.exit(summary(len(names), counts[0] + counts[1], *counts[2:], [n for n in names if n not in kinds]))
     import transformers

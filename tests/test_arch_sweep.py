@@ -71,6 +71,9 @@ for name in sys.argv[1].split(","):
         sys.stdout.flush()
         os.abort()
     if name == "hang":
+        import subprocess
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a compile worker
+        open(os.environ["FAKE_WORKER_PID"], "w").write(str(worker.pid))
         time.sleep(60)
     if name.startswith("bad"):
         print(f"FAIL {name}: RuntimeError: wrong\n     Traceback (most recent call last):\n     RuntimeError: wrong",
@@ -94,7 +97,7 @@ def test_shards_run_at_once_and_a_crash_is_reported_on_its_model(capsys):
         started.append(list(models))
         return [sys.executable, "-c", FAKE_SHARD, ",".join(models)]
 
-    kinds = sweep.run_shards(shards, argv)
+    kinds = sweep.run_shards(shards, argv, sweep.RESULT, drop=sweep.SUMMARY)
     assert kinds == {"a1": "OK", "boom": "CRASH", "a2": "OK", "bad1": "FAIL", "b1": "OK", "bad2": "FAIL", "b2": "OK"}
     assert sorted(started) == [["a1", "boom", "a2", "bad1"], ["a2", "bad1"], ["b1", "bad2", "b2"]]
     out = capsys.readouterr().out.splitlines()
@@ -108,18 +111,29 @@ def test_shards_run_at_once_and_a_crash_is_reported_on_its_model(capsys):
     assert capsys.readouterr().out == "4 of 7 equal to eager\n"
 
 
-def test_at_the_deadline_every_process_stops_and_the_models_not_reached_are_named(capsys):
-    """``--deadline``: a process still running then is killed, not reported as a crash, and the
-    models it and the other shards had not reported are named in the last line, which fails."""
+def test_at_the_deadline_every_process_stops_and_the_models_not_reached_are_named(capsys, tmp_path, monkeypatch):
+    """``--deadline``: a process still running then is killed with the processes it started (Inductor's
+    compile workers), not reported as a crash, and the models it and the other shards had not
+    reported are named in the last line, which fails."""
     import time
 
+    pid_file = tmp_path / "worker.pid"
+    monkeypatch.setenv("FAKE_WORKER_PID", str(pid_file))
     sweep = _load_sweep()
     began = time.monotonic()
     kinds = sweep.run_shards([["a1", "hang", "a2"], ["b1", "b2"]],
-                             lambda models: [sys.executable, "-c", FAKE_SHARD, ",".join(models)], seconds=3.0)
+                             lambda models: [sys.executable, "-c", FAKE_SHARD, ",".join(models)], sweep.RESULT,
+                             drop=sweep.SUMMARY, seconds=3.0)
     assert time.monotonic() - began < 30
     assert kinds == {"a1": "OK", "b1": "OK", "b2": "OK"}
     assert "CRASH" not in capsys.readouterr().out
+    status = f"/proc/{pid_file.read_text()}/status"
+    for _ in range(100):  # killed at once; gone (or a zombie) once the kernel has delivered it
+        if not os.path.exists(status) or "\tZ" in open(status).read():
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the hung process's own child outlived the deadline")
     assert sweep.summary(5, 0, 0, 0, 0, ["hang", "a2"]) == 1
     assert capsys.readouterr().out == "3 of 3 equal to eager; 2 not reached within the deadline: hang,a2\n"
 
